@@ -1,0 +1,1 @@
+"""Benchmarks: the prompt suites and the speedup / tau measurements of BRIEF §7."""
