@@ -1,0 +1,181 @@
+"""The Python generation API: text or chat messages in, completions out.
+
+    from eagle2 import Eagle2, SamplingParams
+    llm = Eagle2.load()                       # embedded SmolLM2 + its shipped head
+    out = llm.generate(["Hello!"], SamplingParams(max_tokens=64))[0]
+    print(out.text, out.tau, out.tokens_per_s)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.drafter import Drafter
+from eagle2.engine import Engine, Event, Request
+from eagle2.head import DraftHead, load_head, new_head
+from eagle2.target import EMBEDDED_NAME, TargetModel
+
+log = logging.getLogger(__name__)
+
+HEADS_DIR = Path(__file__).parent / "heads"
+_ids = itertools.count()
+
+
+def shipped_head_dir(target_name: str) -> Path | None:
+    path = HEADS_DIR / target_name
+    return path if (path / "config.json").exists() else None
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string), "length"
+    prompt_tokens: int
+    num_steps: int  # target forwards (prefill + verification steps)
+    tau: float  # new tokens / num_steps
+    wall_s: float  # from admission to the last token (prefill included)
+    tokens_per_s: float
+    accepted_at_depth: dict[int, int] = field(default_factory=dict)
+
+
+class Eagle2:
+    """A target, a draft head and an engine, with the tokenizer around them."""
+
+    def __init__(self, target: TargetModel, head: DraftHead | None,
+                 tree: TreeConfig = TreeConfig(), max_batch: int = 8,
+                 max_context: int | None = None):
+        self.target, self.head, self.tree = target, head, tree
+        self.tokenizer = target.tokenizer
+        self.max_context = min(max_context or 2048, target.max_position)
+        drafter = None
+        if head is not None:
+            drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
+                              max_len=self.max_context)
+        self.engine = Engine(target, drafter, max_batch=max_batch, max_context=self.max_context)
+
+    @classmethod
+    def load(cls, target: str | None = None, draft: str | None = None,
+             tree: TreeConfig = TreeConfig(), dtype: str | None = None, device: str | None = None,
+             max_batch: int = 8, max_context: int | None = None) -> Eagle2:
+        """target: None = embedded SmolLM2. draft: a head directory, "untrained", or None for
+        the head shipped for this target (an untrained one if there is none)."""
+        tgt = TargetModel.load(target, dtype=dtype, device=device)
+        return cls(tgt, resolve_head(tgt, draft), tree, max_batch, max_context)
+
+    # ----- prompts ----------------------------------------------------------------------------
+    def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
+        """Token ids of a prompt: the chat template (with the generation prompt) for chat
+        models unless chat=False; a list of {"role", "content"} messages is always chat."""
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("empty prompt: give some text")
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("this target has no tokenizer; pass token ids (generate_ids)")
+        if isinstance(prompt, list) or (chat and tok.chat_template):
+            messages = prompt if isinstance(prompt, list) else [{"role": "user",
+                                                                 "content": prompt}]
+            if not messages:
+                raise ValueError("empty prompt: give at least one message")
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return tok(prompt, add_special_tokens=True)["input_ids"]
+
+    def eos_ids(self) -> frozenset[int]:
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer is not None else set()
+        eos = self.target.config.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos])
+        return frozenset(i for i in ids if i is not None)
+
+    def request(self, prompt_ids: list[int], params: SamplingParams,
+                tree: TreeConfig | None = None, seq_id: str | None = None) -> Request:
+        return Request(seq_id or f"req-{next(_ids)}", tuple(prompt_ids), params,
+                       tree or self.tree, self.eos_ids())
+
+    # ----- generation -------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[dict]] | str, params: SamplingParams | None = None,
+                 mode: str | None = None, chat: bool = True) -> list[Completion]:
+        """Generate for all prompts together (continuous batching up to max_batch)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        tree = replace(self.tree, mode=mode) if mode else self.tree
+        reqs = [self.request(self.encode(p, chat), params, tree) for p in prompts]
+        return self.generate_ids(reqs)
+
+    def generate_ids(self, reqs: list[Request]) -> list[Completion]:
+        for r in reqs:
+            self.engine.add(r)
+        state = {r.seq_id: _Progress(r, time.perf_counter()) for r in reqs}
+        done: dict[str, Completion] = {}
+        while len(done) < len(reqs):
+            for ev in self.engine.step():
+                prog = state[ev.seq_id]
+                if self._absorb(prog, ev):
+                    done[ev.seq_id] = prog.completion(self.tokenizer)
+        return [done[r.seq_id] for r in reqs]
+
+    def _absorb(self, prog: _Progress, ev: Event) -> bool:
+        """Add an event's tokens; apply stop strings. True when the request is finished."""
+        prog.token_ids.extend(ev.token_ids)
+        prog.num_steps, prog.accepted = ev.num_steps, ev.accepted_at_depth
+        prog.reason = ev.finish_reason
+        stops = prog.req.params.stop
+        if stops and not ev.finished:
+            text = self.tokenizer.decode(prog.token_ids, skip_special_tokens=True)
+            if any(s in text for s in stops):
+                self.engine.cancel(ev.seq_id)
+                prog.reason = "stop"
+                return True
+        return ev.finished
+
+
+@dataclass
+class _Progress:
+    req: Request
+    start: float
+    token_ids: list[int] = field(default_factory=list)
+    num_steps: int = 0
+    accepted: dict[int, int] = field(default_factory=dict)
+    reason: str | None = None
+
+    def completion(self, tokenizer) -> Completion:
+        wall = time.perf_counter() - self.start
+        text = tokenizer.decode(self.token_ids, skip_special_tokens=True) if tokenizer else ""
+        for s in self.req.params.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        n = len(self.token_ids)
+        return Completion(text, list(self.token_ids), self.reason or "length",
+                          len(self.req.prompt_ids), self.num_steps,
+                          n / max(self.num_steps, 1), wall, n / wall if wall > 0 else 0.0,
+                          self.accepted)
+
+
+def resolve_head(target: TargetModel, draft: str | None) -> DraftHead:
+    """The head for a target: an explicit directory, "untrained", or the shipped one."""
+    if draft == "untrained":
+        return new_head(target.config, dtype=target.dtype).to(target.device)
+    path = Path(draft) if draft else shipped_head_dir(
+        EMBEDDED_NAME if target.name == EMBEDDED_NAME else Path(target.name).name)
+    if path is None:
+        log.warning("no trained draft head for %s: using an untrained one (lossless, slow)",
+                    target.name)
+        return new_head(target.config, dtype=target.dtype).to(target.device)
+    head = load_head(path, dtype=target.dtype, device=target.device)
+    if head.config.hidden_size != target.config.hidden_size:
+        raise ValueError(f"draft head hidden size {head.config.hidden_size} does not match the "
+                         f"target's {target.config.hidden_size}")
+    return head
+
+
+__all__ = ["Eagle2", "Completion", "resolve_head"]

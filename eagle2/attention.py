@@ -1,0 +1,147 @@
+"""Llama decoder layers over a preallocated, slotted KV cache with tree attention (BRIEF §4-§5).
+
+The target and the draft head both run through `decoder_layer`: it calls the Hugging Face
+layer's own sub-modules (projections, norms, MLP), so a model sharded by DeepSpeed AutoTP
+works unchanged (its o_proj/down_proj all-reduce inside), but the attention and the cache are
+ours. We do not go through the HF model's 4D-mask path: a tree step needs per-request cache
+lengths, writes at arbitrary positions and a commit by gather, which are simpler and faster to
+own than to fit into HF's Cache classes.
+
+Attention of query i of request b sees key position j iff
+    window_start[b] <= j < length[b]                    (committed prefix), or
+    j = length[b] + m with tree_mask[b, i, m]            (itself and its ancestors in the tree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+@dataclass
+class KVCache:
+    """Preallocated K/V for `num_slots` sequences; slot b holds one request.
+
+    Positions [0, lengths[b]) are committed; positions after it are scratch written by the
+    current tree step and either committed by `commit` or overwritten by the next step.
+    """
+
+    k: torch.Tensor  # [L, slots, KVH, S, Dh]
+    v: torch.Tensor  # [L, slots, KVH, S, Dh]
+    lengths: torch.Tensor  # [slots] committed length, long
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(num_slots, dtype=torch.long, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def commit(self, slots: torch.Tensor, node_idx: torch.Tensor, num_kept: torch.Tensor) -> None:
+        """Move the accepted nodes' K/V to the end of each prefix and advance the lengths.
+
+        slots: [B] cache slots; node_idx: [B, A] tree-node indices to keep in order (root
+        first), padded arbitrarily past num_kept[b]; num_kept: [B].
+        E.g. length 7, node_idx [0, 2, 5] -> entries at 7, 9, 12 move to 7, 8, 9; length 10.
+        """
+        base = self.lengths[slots]  # [B]
+        src = base[:, None] + node_idx  # [B, A]
+        dst = base[:, None] + torch.arange(node_idx.shape[1], device=node_idx.device)
+        assert int(src.max()) < self.max_len, "tree ran past the cache; allocate a longer one"
+        for kv in (self.k, self.v):
+            moved = kv[:, slots[:, None], :, src]  # [B, A, L, KVH, Dh] (advanced dims first)
+            kv[:, slots[:, None], :, dst] = moved
+        self.lengths[slots] += num_kept
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+        self.lengths[dst] = self.lengths[src]
+
+
+@dataclass
+class StepInputs:
+    """Everything the layers of one forward share (computed once per forward)."""
+
+    slots: torch.Tensor  # [B]
+    write_pos: torch.Tensor  # [B, N] cache positions the new K/V go to
+    mask: torch.Tensor  # [B, 1, N, S_used] bool, True = may attend
+    cos: torch.Tensor  # [B, N, Dh]
+    sin: torch.Tensor  # [B, N, Dh]
+    contiguous: bool  # slots == arange(B): read the cache through a view, not a copy
+
+
+def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
+                positions: torch.Tensor, rotary: torch.nn.Module, like: torch.Tensor,
+                window: int | None = None) -> StepInputs:
+    """Build the shared per-forward inputs for N new tokens per request.
+
+    The new tokens are the last N entries of a scratch region of T >= N entries that starts at
+    each slot's committed length (the target uses T = N; the drafter appends one tree level
+    per call, so its earlier levels are the first T - N entries).
+    tree_mask: [B, N, T] bool, which scratch entries each new token sees (itself included).
+    positions: [B, N] RoPE positions. window: also hide prefix entries older than this.
+    """
+    num_b, num_n = positions.shape
+    num_t = tree_mask.shape[2]
+    base = cache.lengths[slots]  # [B]
+    scratch = base[:, None] + torch.arange(num_t, device=positions.device)  # [B, T]
+    write_pos = scratch[:, num_t - num_n:]  # [B, N]
+    s_used = int(scratch[:, -1].max()) + 1
+    assert s_used <= cache.max_len, f"sequence needs {s_used} cache entries > {cache.max_len}"
+    cols = torch.arange(s_used, device=positions.device)  # [S]
+    prefix = cols[None, :] < base[:, None]  # [B, S]
+    if window is not None:
+        prefix &= cols[None, :] >= (base[:, None] - window)
+    mask = prefix[:, None, :].expand(num_b, num_n, s_used).clone()  # [B, N, S]
+    mask.scatter_(2, scratch[:, None, :].expand(num_b, num_n, num_t), tree_mask)
+    cos, sin = rotary(like, positions)
+    contiguous = bool(
+        num_b > 0 and torch.equal(slots, torch.arange(num_b, device=slots.device))
+    )
+    return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous)
+
+
+def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache: KVCache,
+                  inp: StepInputs, head_dim: int, skip_input_norm: bool = False) -> torch.Tensor:
+    """One Llama decoder layer on x [B, N, H] that writes its K/V into the cache."""
+    attn = layer.self_attn
+    h = x if skip_input_norm else layer.input_layernorm(x)
+    num_b, num_n, _ = h.shape
+    q = attn.q_proj(h).view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, Hq, N, Dh]
+    k = attn.k_proj(h).view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, KVH, N, Dh]
+    v = attn.v_proj(h).view(num_b, num_n, -1, head_dim).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, inp.cos, inp.sin)
+    slot_idx = inp.slots[:, None]  # [B, 1]
+    cache.k[layer_idx][slot_idx, :, inp.write_pos] = k.transpose(1, 2).to(cache.k.dtype)
+    cache.v[layer_idx][slot_idx, :, inp.write_pos] = v.transpose(1, 2).to(cache.v.dtype)
+    s_used = inp.mask.shape[-1]
+    if inp.contiguous:
+        keys = cache.k[layer_idx, :num_b, :, :s_used]  # [B, KVH, S, Dh] (a view)
+        values = cache.v[layer_idx, :num_b, :, :s_used]
+    else:
+        keys = cache.k[layer_idx][inp.slots, :, :s_used]  # a copy
+        values = cache.v[layer_idx][inp.slots, :, :s_used]
+    out = F.scaled_dot_product_attention(
+        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=inp.mask,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )  # [B, Hq, N, Dh]
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(num_b, num_n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def causal_mask(lengths: torch.Tensor, num_n: int) -> torch.Tensor:
+    """[B, N, N] lower-triangular mask; rows and columns past lengths[b] see only themselves."""
+    idx = torch.arange(num_n, device=lengths.device)
+    tri = idx[None, :] <= idx[:, None]  # [N, N]
+    valid = idx[None, :] < lengths[:, None]  # [B, N]
+    eye = torch.eye(num_n, dtype=torch.bool, device=lengths.device)
+    return torch.where(valid[:, :, None] & valid[:, None, :], tri, eye)

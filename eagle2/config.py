@@ -1,0 +1,89 @@
+"""Configuration of the speculative decoder: the draft-tree budget and the sampling parameters.
+
+Dimension letters used across the package:
+    B batch (requests), N tree nodes (root included), D tree depth, K top-k,
+    V vocabulary, H hidden size, S cache length, A accepted length, P retrieve paths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MODES = ("eagle2", "static", "chain", "vanilla")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Draft-tree budget (BRIEF §3).
+
+    mode: "eagle2" (dynamic tree: expand by path value, rerank globally), "static" (the
+    EAGLE-1 default tree, cut to total_tokens), "chain" (top_k = 1) or "vanilla" (no drafting).
+    total_tokens: tree size N verified by the target in one forward, root included.
+    depth: number of expansion steps after the root step (draft levels = depth + 1).
+    top_k: children proposed per expanded node and nodes expanded per level.
+    draft_window: the head attends to at most this many past positions (sliding window), so
+    that prompts longer than the head's training context keep drafting instead of failing.
+    """
+
+    mode: str = "eagle2"
+    total_tokens: int = 24
+    depth: int = 5
+    top_k: int = 6
+    draft_window: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown speculation mode {self.mode!r}; use one of {MODES}")
+        if self.total_tokens < 2:
+            raise ValueError(
+                f"total_tokens must be >= 2 (root + at least one draft), got {self.total_tokens}"
+            )
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if self.draft_window < 16:
+            raise ValueError(f"draft_window must be >= 16, got {self.draft_window}")
+
+    @property
+    def num_nodes(self) -> int:
+        """Tree size N actually verified (root included)."""
+        if self.mode == "vanilla":
+            return 1
+        if self.mode == "chain":
+            return min(self.total_tokens, self.depth + 2)
+        return self.total_tokens
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the target's distribution.
+
+    temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. The seed makes
+    sampling reproducible per request (None: drawn from the OS).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,192 @@
+"""Drafting with the EAGLE head (BRIEF §3 steps 1-2): head update, root step, expansion.
+
+One call per decoding step and batch: the head first runs over the newly accepted positions,
+fed the target's *true* features (pair t = (feature[t], token[t+1]) at position t), which
+refreshes its KV cache; the last output is the root step. Then `depth` expansions, each one
+batched head call over the current level whose mask lets a node see the prefix and its own
+ancestors only. The head's cache never keeps tree entries: they are scratch past the
+committed length, overwritten by the next call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eagle2.attention import causal_mask, step_inputs
+from eagle2.config import TreeConfig
+from eagle2.head import DraftHead
+from eagle2.tree import DraftTree, build_tree, root_only, static_shape
+
+
+@dataclass
+class _Level:
+    """The nodes fed to the head at one expansion step (M of them per request)."""
+
+    tokens: torch.Tensor  # [B, M]
+    scores: torch.Tensor  # [B, M] path value (sum of log-probs)
+    cand_idx: torch.Tensor  # [B, M] index into the candidate list
+    features: torch.Tensor  # [B, M, H] the parent's predicted feature
+    anc: torch.Tensor  # [B, M, T] which earlier scratch entries are ancestors
+
+
+class Drafter:
+    """The head, its per-sequence KV cache and the tree builder. Sequences are keyed by id."""
+
+    def __init__(self, head: DraftHead, embed: nn.Embedding, lm_head: nn.Module,
+                 max_slots: int, max_len: int, tree_margin: int = 256):
+        self.head = head
+        self.embed = embed
+        param = head.fc.weight
+        self.device, self.dtype = param.device, param.dtype
+        weight = lm_head.weight.detach()
+        if head.d2t.numel():  # reduced draft vocabulary: only these rows of lm_head
+            weight = weight[head.d2t.to(weight.device)]
+        self.draft_lm_head = weight.to(device=self.device, dtype=self.dtype)  # [Vd, H]
+        self.d2t = head.d2t.to(self.device) if head.d2t.numel() else None
+        self.cache = head.allocate_cache(max_slots, max_len + tree_margin)
+        self.max_len = max_len
+        self.tree_margin = tree_margin
+        self.slot_of: dict[str, int] = {}
+        self.free = list(range(max_slots))[::-1]
+
+    # ----- sequence bookkeeping -------------------------------------------------------------
+    def _slots(self, seq_ids: list[str]) -> torch.Tensor:
+        for sid in seq_ids:
+            if sid not in self.slot_of:
+                if not self.free:
+                    raise ValueError(f"draft cache is full ({len(self.slot_of)} sequences)")
+                slot = self.free.pop()
+                self.slot_of[sid] = slot
+                self.cache.lengths[slot] = 0
+        return torch.tensor([self.slot_of[s] for s in seq_ids], device=self.device)
+
+    def release(self, seq_id: str) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def length(self, seq_id: str) -> int:
+        return int(self.cache.lengths[self.slot_of[seq_id]])
+
+    # ----- drafting -------------------------------------------------------------------------
+    def _log_probs(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k draft (log-prob, token) for [..., H] features."""
+        logits = (features.to(self.dtype) @ self.draft_lm_head.T).float()
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        tokens = top.indices if self.d2t is None else self.d2t[top.indices]
+        return top.values, tokens
+
+    def _run(self, slots: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
+             positions: torch.Tensor, tree_mask: torch.Tensor, window: int) -> torch.Tensor:
+        x = self.head.fuse(self.embed(tokens).to(self.dtype), features)
+        inp = step_inputs(self.cache, slots, tree_mask, positions, self.head.rotary, x, window)
+        return self.head.forward_layer(x, self.cache, inp)
+
+    @torch.inference_mode()
+    def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
+              counts: torch.Tensor, config: TreeConfig) -> DraftTree:
+        """Append the new pairs and draft one tree per sequence.
+
+        features: [B, A, H] target features of the newly committed positions; tokens: [B, A]
+        the token after each of them (the last one is the root); counts: [B] valid entries.
+        """
+        num_b, num_a = tokens.shape
+        assert features.shape[:2] == (num_b, num_a), "features and tokens disagree"
+        features, tokens, counts = (t.to(self.device) for t in (features, tokens, counts))
+        slots = self._slots(seq_ids)
+        base = self.cache.lengths[slots]
+        if int((base + counts).max()) > self.max_len:
+            raise ValueError(f"sequence longer than the draft context ({self.max_len})")
+        rows = torch.arange(num_b, device=self.device)
+        positions = base[:, None] + torch.arange(num_a, device=self.device)
+        out = self._run(slots, tokens, features, positions, causal_mask(counts, num_a),
+                        config.draft_window)
+        self.cache.lengths[slots] += counts
+        root = tokens[rows, counts - 1]
+        if config.mode == "vanilla":
+            return root_only(root)
+        last = out[rows, counts - 1]  # [B, H] predicted feature at the root's position
+        if config.mode == "static":
+            return self._expand_static(slots, root, last, config)
+        return self._expand_dynamic(slots, root, last, config)
+
+    def _first_level(self, last: torch.Tensor, k: int) -> _Level:
+        scores, tokens = self._log_probs(last, k)  # [B, K]
+        num_b = last.shape[0]
+        cand = torch.arange(k, device=self.device).expand(num_b, k)
+        feats = last[:, None, :].expand(num_b, k, last.shape[-1])
+        return _Level(tokens, scores, cand, feats, last.new_zeros(num_b, k, 0, dtype=torch.bool))
+
+    def _feed(self, slots: torch.Tensor, level: _Level, depth: int, window: int):
+        """Run the head over one level (depth `depth`): -> its outputs [B, M, H], mask rows."""
+        num_b, num_m = level.tokens.shape
+        eye = torch.eye(num_m, dtype=torch.bool, device=self.device).expand(num_b, num_m, num_m)
+        tree_mask = torch.cat([level.anc, eye], dim=2)  # [B, M, T + M]
+        positions = (self.cache.lengths[slots] + depth - 1)[:, None].expand(num_b, num_m)
+        return self._run(slots, level.tokens, level.features, positions, tree_mask, window), \
+            tree_mask
+
+    def _expand_dynamic(self, slots, root, last, config: TreeConfig) -> DraftTree:
+        k = config.top_k
+        level = self._first_level(last, k)
+        cands = [(level.tokens, level.scores, torch.full_like(level.tokens, -1), 1)]
+        num_cands = k
+        for depth in range(1, config.depth + 1):
+            out, mask = self._feed(slots, level, depth, config.draft_window)
+            logp, toks = self._log_probs(out, k)  # [B, M, K]
+            num_b, num_m = level.tokens.shape
+            scores = (level.scores[:, :, None] + logp).reshape(num_b, num_m * k)
+            toks = toks.reshape(num_b, num_m * k)
+            parents = level.cand_idx[:, :, None].expand(num_b, num_m, k).reshape(num_b, -1)
+            cands.append((toks, scores, parents, depth + 1))
+            if depth == config.depth:
+                break
+            best = scores.topk(min(k, num_m * k), dim=1).indices  # next frontier [B, K]
+            par = best // k
+            level = _Level(
+                tokens=toks.gather(1, best), scores=scores.gather(1, best),
+                cand_idx=num_cands + best,
+                features=out.gather(1, par[:, :, None].expand(-1, -1, out.shape[-1])),
+                anc=mask.gather(1, par[:, :, None].expand(-1, -1, mask.shape[2])),
+            )
+            num_cands += num_m * k
+        return self._build(root, cands, config.num_nodes)
+
+    def _expand_static(self, slots, root, last, config: TreeConfig) -> DraftTree:
+        shape = static_shape(config.total_tokens)
+        widest = max(rank for lvl in shape for _, rank in lvl) + 1
+        scores, toks = self._log_probs(last, widest)  # [B, W]
+        ranks = torch.tensor([r for _, r in shape[0]], device=self.device)
+        num_b = root.shape[0]
+        level = _Level(toks[:, ranks], scores[:, ranks],
+                       torch.arange(len(ranks), device=self.device).expand(num_b, -1),
+                       last[:, None, :].expand(num_b, len(ranks), last.shape[-1]),
+                       last.new_zeros(num_b, len(ranks), 0, dtype=torch.bool))
+        cands = [(level.tokens, level.scores, torch.full_like(level.tokens, -1), 1)]
+        num_cands = len(ranks)
+        for depth, spec in enumerate(shape[1:], start=1):
+            out, mask = self._feed(slots, level, depth, config.draft_window)
+            logp, ctoks = self._log_probs(out, widest)  # [B, M, W]
+            par = torch.tensor([p for p, _ in spec], device=self.device)
+            rank = torch.tensor([r for _, r in spec], device=self.device)
+            parent_cand = level.cand_idx[:, par]
+            level = _Level(
+                tokens=ctoks[:, par, rank], scores=level.scores[:, par] + logp[:, par, rank],
+                cand_idx=num_cands + torch.arange(len(spec), device=self.device).expand(num_b, -1),
+                features=out[:, par], anc=mask[:, par],
+            )
+            cands.append((level.tokens, level.scores, parent_cand, depth + 1))
+            num_cands += len(spec)
+        return self._build(root, cands, num_cands + 1)
+
+    @staticmethod
+    def _build(root, cands, num_nodes: int) -> DraftTree:
+        tokens = torch.cat([c[0] for c in cands], 1)
+        scores = torch.cat([c[1] for c in cands], 1)
+        parents = torch.cat([c[2] for c in cands], 1)
+        depths = torch.cat([torch.full_like(c[0], c[3]) for c in cands], 1)
+        return build_tree(root, tokens, parents, scores, depths, num_nodes)
+

@@ -1,0 +1,166 @@
+"""The EAGLE-1/2 draft head (BRIEF §2) and its published checkpoint layout.
+
+Input at position t: concat(embed(token[t+1]), feature[t]) (embedding first) -> fc (2H -> H)
+-> one Llama decoder layer without input_layernorm and without a final norm -> a predicted
+feature for position t+1. The target's embedding and lm_head turn tokens into inputs and
+predicted features into draft logits; the head owns neither (an `embed_tokens.weight` in a
+checkpoint is accepted and ignored in favour of the target's).
+
+Optionally the draft logits cover a reduced vocabulary (the `draft_vocab` most frequent target
+tokens, EAGLE-3 style): `d2t[i]` is the target token id of draft index i. Verification is
+unaffected; only which tokens can be proposed changes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from eagle2.attention import KVCache, StepInputs, causal_mask, decoder_layer, step_inputs
+
+IGNORED_KEYS = ("embed_tokens.weight",)
+
+
+class DraftHead(nn.Module):
+    """fc + one decoder layer. `forward_layer` does not own a cache; the drafter passes one."""
+
+    def __init__(self, config: LlamaConfig, bias: bool = True):
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        self.fc = nn.Linear(2 * hidden, hidden, bias=bias)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, layer_idx=0)])
+        self.layers[0].input_layernorm = nn.Identity()  # skipped in EAGLE heads; not in the file
+        self.rotary = LlamaRotaryEmbedding(config=config)
+        self.register_buffer("d2t", torch.empty(0, dtype=torch.long), persistent=False)
+
+    @property
+    def bias(self) -> bool:
+        return self.fc.bias is not None
+
+    def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
+        w = self.fc.weight
+        return KVCache.allocate(1, num_slots, self.config.num_key_value_heads, max_len,
+                                self.head_dim, w.dtype, w.device)
+
+    def fuse(self, token_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[B, N, H] x 2 -> [B, N, H]: fc(concat(embed, feature))."""
+        return self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
+
+    def forward_layer(self, x: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+        """The decoder layer (input_layernorm skipped) over the head's cache: -> [B, N, H]."""
+        return decoder_layer(self.layers[0], 0, x, cache, inp, self.head_dim,
+                             skip_input_norm=True)
+
+    def forward_train(self, token_embeds: torch.Tensor, features: torch.Tensor,
+                      lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal pass over whole sequences for training (same layer code as inference).
+
+        token_embeds, features: [B, T, H] (right-padded; lengths [B]) -> predicted [B, T, H].
+        """
+        x = self.fuse(token_embeds, features)
+        num_b, num_t, _ = x.shape
+        if lengths is None:
+            lengths = torch.full((num_b,), num_t, device=x.device)
+        cache = self.allocate_cache(num_b, num_t)
+        slots = torch.arange(num_b, device=x.device)
+        positions = torch.arange(num_t, device=x.device).expand(num_b, num_t)
+        inp = step_inputs(cache, slots, causal_mask(lengths, num_t), positions, self.rotary, x)
+        return self.forward_layer(x, cache, inp)
+
+
+def head_config_for(target_config, **overrides) -> LlamaConfig:
+    """A one-layer Llama config matching the target's hidden sizes (a new head's config)."""
+    fields = dict(
+        hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=getattr(target_config, "head_dim", None),
+        vocab_size=target_config.vocab_size,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        hidden_act=target_config.hidden_act,
+        num_hidden_layers=1,
+        bias=False,
+    )
+    rope = getattr(target_config, "rope_parameters", None)
+    if rope is not None:
+        fields["rope_parameters"] = dict(rope)
+    else:
+        fields["rope_theta"] = getattr(target_config, "rope_theta", 10000.0)
+    fields.update(overrides)
+    if fields["head_dim"] is None:
+        fields.pop("head_dim")
+    return LlamaConfig(**fields)
+
+
+def new_head(target_config, seed: int = 0, bias: bool = False, draft_vocab: torch.Tensor | None = None,
+             dtype: torch.dtype = torch.float32) -> DraftHead:
+    """An untrained head (seeded init). Its drafts are poor, but output stays lossless."""
+    torch.manual_seed(seed)
+    head = DraftHead(head_config_for(target_config, bias=bias), bias=bias)
+    if draft_vocab is not None:
+        head.d2t = draft_vocab.long()
+    return head.to(dtype).eval()
+
+
+def load_head(path: str | Path, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> DraftHead:
+    """Load the published layout: config.json + model.safetensors or pytorch_model.bin."""
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ValueError(f"draft head {str(path)!r} has no config.json")
+    raw = json.loads(cfg_path.read_text())
+    if raw.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"draft head config has num_hidden_layers={raw['num_hidden_layers']}; "
+                         "an EAGLE-1/2 head has exactly one decoder layer")
+    raw["num_hidden_layers"] = 1
+    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures",)})
+    state = _read_state(path)
+    for key in IGNORED_KEYS:
+        state.pop(key, None)
+    d2t = state.pop("d2t", None)
+    bias = raw.get("bias", "fc.bias" in state)
+    if bias and "fc.bias" not in state:
+        raise ValueError("draft head config says bias=true but fc.bias is missing")
+    head = DraftHead(config, bias=bool(bias))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"draft head checkpoint does not match the EAGLE layout: "
+                         f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    if d2t is not None:
+        head.d2t = d2t.long()
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").exists():
+        return load_file(path / "model.safetensors")
+    if (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ValueError(f"draft head {str(path)!r} has neither model.safetensors nor pytorch_model.bin")
+
+
+def save_head(head: DraftHead, path: str | Path, extra_config: dict | None = None) -> None:
+    """Write the published layout (config.json + model.safetensors, published key names)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = head.config.to_dict()
+    config.update({"num_hidden_layers": 1, "bias": head.bias,
+                   "architectures": ["LlamaForCausalLM"]})
+    config.update(extra_config or {})
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()
+             if not k.startswith("rotary")}
+    if head.d2t.numel():
+        state["d2t"] = head.d2t.cpu()
+    save_file(state, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config, indent=2, default=str))

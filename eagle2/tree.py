@@ -1,0 +1,191 @@
+"""Draft trees as pure tensor functions (BRIEF §3, steps 3-4): rerank and flatten.
+
+A tree is built from a flat list of C candidates in depth order (all depth-1 candidates, then
+all depth-2 ones, ...), each with a token, a parent (an index into the same list, -1 for the
+root) and a value (sum of draft log-probs along its path). `build_tree` keeps the
+`num_nodes - 1` best candidates (ties: the shallower, i.e. earlier, one) and flattens them with
+the root first. A child's value never exceeds its parent's (log-probs are <= 0) and a parent
+always comes earlier in the list, so a stable descending sort ranks every parent before its
+children and the kept set is connected; `build_tree` asserts this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """B flattened trees of N nodes; node 0 is the root (the last token the target produced)."""
+
+    tokens: torch.Tensor  # [B, N] token ids
+    parents: torch.Tensor  # [B, N] parent node index; -1 for the root and padding
+    depths: torch.Tensor  # [B, N] root 0; position offset of the node
+    tree_mask: torch.Tensor  # [B, N, N] bool: node i sees node j (itself and its ancestors)
+    retrieve_indices: torch.Tensor  # [B, P, D + 1] root-to-leaf node indices, -1 padded
+    num_nodes: torch.Tensor  # [B] valid nodes per tree (the rest is padding)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def select(self, rows: torch.Tensor) -> DraftTree:
+        return DraftTree(*(t[rows] for t in self._fields()))
+
+    def _fields(self) -> tuple[torch.Tensor, ...]:
+        return (self.tokens, self.parents, self.depths, self.tree_mask, self.retrieve_indices,
+                self.num_nodes)
+
+    @staticmethod
+    def concat(trees: list[DraftTree]) -> DraftTree:
+        """Stack trees of different sizes into one batch, padding nodes and paths."""
+        n = max(t.size for t in trees)
+        p = max(t.retrieve_indices.shape[1] for t in trees)
+        d = max(t.retrieve_indices.shape[2] for t in trees)
+        padded = [_pad_tree(t, n, p, d) for t in trees]
+        return DraftTree(*(torch.cat(parts) for parts in zip(*(t._fields() for t in padded))))
+
+
+def _pad_tree(t: DraftTree, n: int, p: int, d: int) -> DraftTree:
+    b, extra = t.batch_size, n - t.size
+    eye = torch.eye(n, dtype=torch.bool, device=t.tokens.device).expand(b, n, n).clone()
+    eye[:, : t.size, : t.size] = t.tree_mask
+    r = t.retrieve_indices
+    r = torch.nn.functional.pad(r, (0, d - r.shape[2], 0, p - r.shape[1]), value=-1)
+    return DraftTree(
+        torch.nn.functional.pad(t.tokens, (0, extra), value=0),
+        torch.nn.functional.pad(t.parents, (0, extra), value=-1),
+        torch.nn.functional.pad(t.depths, (0, extra), value=0),
+        eye, r, t.num_nodes,
+    )
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, N] parents -> [B, N, N] bool: each node sees itself and its ancestors.
+
+    anc(i) = {i} | anc(parent(i)); each round adds one level, so max_depth rounds suffice.
+    """
+    num_b, num_n = parents.shape
+    eye = torch.eye(num_n, dtype=torch.bool, device=parents.device).expand(num_b, num_n, num_n)
+    has_parent = (parents >= 0)[:, :, None]  # [B, N, 1]
+    up = parents.clamp(min=0)[:, :, None].expand(num_b, num_n, num_n)
+    mask = eye.clone()
+    for _ in range(max_depth):
+        mask = eye | (torch.gather(mask, 1, up) & has_parent)
+    return mask
+
+
+def retrieve_paths(tree_mask: torch.Tensor, parents: torch.Tensor,
+                   num_nodes: torch.Tensor) -> torch.Tensor:
+    """Root-to-leaf node indices [B, P, D + 1] (-1 padded) from the ancestor mask.
+
+    A leaf is a valid node that is nobody's parent. Because nodes are in depth order, a
+    leaf's ancestors sorted by index are its path from the root.
+    """
+    num_b, num_n = parents.shape
+    idx = torch.arange(num_n, device=parents.device)
+    valid = idx[None, :] < num_nodes[:, None]  # [B, N]
+    is_parent = torch.zeros_like(valid)
+    is_parent.scatter_(1, parents.clamp(min=0), parents >= 0)
+    leaf = valid & ~is_parent  # [B, N]
+    num_paths = int(leaf.sum(1).max())
+    depth = int(tree_mask.sum(-1).max())  # nodes on the longest path
+    # leaves first (stable, in node order), then non-leaves
+    order = torch.sort((~leaf).to(torch.uint8), dim=1, stable=True).indices[:, :num_paths]
+    rows = torch.gather(tree_mask, 1, order[:, :, None].expand(-1, -1, num_n))  # [B, P, N]
+    keyed = torch.where(rows, idx, num_n)  # ancestors keep their index, others sort last
+    path = torch.sort(keyed, dim=-1).values[:, :, :depth]
+    path = torch.where(path < num_n, path, -1)
+    real = torch.gather(leaf, 1, order)  # [B, P] a padded row is not a leaf
+    return torch.where(real[:, :, None], path, -1)
+
+
+def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
+               cand_scores: torch.Tensor, cand_depths: torch.Tensor,
+               num_nodes: int) -> DraftTree:
+    """Rerank candidates globally and flatten (BRIEF §3 steps 3-4).
+
+    root: [B]; cand_*: [B, C] in depth order, parents index the candidate list (-1 = root),
+    depths start at 1. Keeps min(C, num_nodes - 1) candidates.
+    E.g. scores [-.1, -.5, -.2, -.9] (first two depth 1), keep 2 -> candidates 0 and 2.
+    """
+    num_b, num_c = cand_tokens.shape
+    keep = min(num_c, num_nodes - 1)
+    order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :keep]
+    chosen = torch.sort(order, dim=1).values  # [B, keep] back in depth order
+    # map candidate index -> node index (root is node 0, chosen[b, j] is node j + 1)
+    node_of = torch.full((num_b, num_c), -1, dtype=torch.long, device=root.device)
+    node_of.scatter_(1, chosen, torch.arange(1, keep + 1, device=root.device).expand(num_b, -1))
+    cand_parent = torch.gather(cand_parents, 1, chosen)  # [B, keep]
+    parent_node = torch.where(
+        cand_parent >= 0, torch.gather(node_of, 1, cand_parent.clamp(min=0)), 0)
+    assert bool(((cand_parent < 0) | (parent_node > 0)).all()), "reranked tree is disconnected"
+    zero = torch.zeros(num_b, 1, dtype=torch.long, device=root.device)
+    tokens = torch.cat([root[:, None], torch.gather(cand_tokens, 1, chosen)], 1)
+    parents = torch.cat([zero - 1, parent_node], 1)
+    depths = torch.cat([zero, torch.gather(cand_depths, 1, chosen)], 1)
+    return finish_tree(tokens, parents, depths)
+
+
+def finish_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                num_nodes: torch.Tensor | None = None) -> DraftTree:
+    """Derive the mask and retrieve paths from tokens/parents/depths [B, N] (depth order)."""
+    num_b, num_n = tokens.shape
+    if num_nodes is None:
+        num_nodes = torch.full((num_b,), num_n, dtype=torch.long, device=tokens.device)
+    max_depth = int(depths.max()) if num_n else 0
+    mask = ancestor_mask(parents, max(max_depth, 1))
+    return DraftTree(tokens, parents, depths, mask, retrieve_paths(mask, parents, num_nodes),
+                     num_nodes)
+
+
+def root_only(root: torch.Tensor) -> DraftTree:
+    """The one-node tree of plain decoding: [B] -> N = 1."""
+    parents = torch.full_like(root[:, None], -1)
+    return finish_tree(root[:, None], parents, torch.zeros_like(parents))
+
+
+def chain_tree(tokens: torch.Tensor) -> DraftTree:
+    """A chain root -> t1 -> t2 ... over [B, N] tokens."""
+    num_b, num_n = tokens.shape
+    idx = torch.arange(num_n, device=tokens.device)
+    return finish_tree(tokens, (idx - 1).expand(num_b, num_n).clone(),
+                       idx.expand(num_b, num_n).clone())
+
+
+# The EAGLE-1 default tree (mc_sim_7b_63): each path lists child ranks from the root.
+EAGLE1_TREE: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)
+
+
+def static_shape(total_tokens: int, paths=EAGLE1_TREE) -> list[list[tuple[int, int]]]:
+    """The static tree cut to total_tokens - 1 nodes, per level as (parent slot, rank).
+
+    parent slot indexes the previous level's node list (level 1: the root, slot 0). Paths are
+    taken in their listed order, skipping any whose prefix was cut.
+    """
+    kept: list[tuple[int, ...]] = []
+    for path in paths:
+        if len(kept) == total_tokens - 1:
+            break
+        if len(path) == 1 or path[:-1] in kept:
+            kept.append(path)
+    levels: list[list[tuple[int, ...]]] = []
+    for path in sorted(kept, key=lambda p: (len(p), p)):
+        while len(levels) < len(path):
+            levels.append([])
+        levels[len(path) - 1].append(path)
+    shape = []
+    for d, level in enumerate(levels):
+        prev = levels[d - 1] if d else [()]
+        shape.append([(prev.index(p[:-1]), p[-1]) for p in level])
+    return shape

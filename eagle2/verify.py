@@ -1,0 +1,110 @@
+"""Lossless verification of a draft tree (BRIEF §4).
+
+Terms: p is the target's processed distribution at a node (temperature, then top-k, then
+top-p, the order of HF `generate`); the draft tokens are deterministic top-k picks, i.e.
+one-hot proposals q tried without replacement. A draft token is *accepted* when it becomes
+output; the *bonus* token is the target's own pick after the last accepted node; when every
+child of a node is rejected the next token is drawn from the *residual* (p with the rejected
+children removed, renormalised).
+
+Greedy: accept a node while its token equals the target's argmax at its parent; take the
+longest root-to-leaf path; the bonus is the argmax after it.
+
+Sampling (multi-draft recursive rejection sampling with one-hot proposals): at an accepted
+node, try its children in draft order; accept child x with probability p(x) / sum(p); on
+rejection set p(x) = 0; if all are rejected draw from the residual; if the path ends in an
+accepted leaf, draw the bonus from the processed p there. The result is an exact sample of
+the target's processed distribution (SpecInfer / EAGLE-2 Appendix; vLLM "recovered tokens").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle2.config import SamplingParams
+from eagle2.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Verified:
+    """Per request: nodes to commit (root first) and the tokens that become output."""
+
+    nodes: list[list[int]]  # [B][a + 1] tree-node indices to keep, root first
+    tokens: list[list[int]]  # [B][a + 1] accepted draft tokens + the bonus/residual token
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> the processed distribution p (fp64), temperature > 0."""
+    x = logits.double() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return x.softmax(-1)
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verified:
+    """Longest path whose tokens equal the target's argmax at their parents. logits [B, N, V]."""
+    pred = logits.argmax(-1)  # [B, N]
+    paths = tree.retrieve_indices  # [B, P, D + 1]
+    safe = paths.clamp(min=0)
+    tok = torch.gather(tree.tokens[:, None, :].expand(-1, paths.shape[1], -1), 2, safe)
+    parent_pred = torch.gather(pred[:, None, :].expand(-1, paths.shape[1], -1), 2, safe[:, :, :-1])
+    ok = (tok[:, :, 1:] == parent_pred) & (paths[:, :, 1:] >= 0)  # [B, P, D]
+    num_acc = ok.long().cumprod(-1).sum(-1)  # [B, P]
+    best = num_acc.argmax(-1)  # [B] first longest path
+    rows = torch.arange(paths.shape[0], device=paths.device)
+    lengths = num_acc[rows, best].tolist()
+    best_paths = paths[rows, best].tolist()
+    pred_list = pred.tolist()
+    tok_list = tree.tokens.tolist()
+    nodes, tokens = [], []
+    for b, a in enumerate(lengths):
+        path = best_paths[b][: a + 1]
+        nodes.append(path)
+        tokens.append([tok_list[b][n] for n in path[1:]] + [pred_list[b][path[-1]]])
+    return Verified(nodes, tokens)
+
+
+def verify_sampling(tree_tokens: list[int], children: list[list[int]], logits: torch.Tensor,
+                    params: SamplingParams, generator: torch.Generator,
+                    bonus_from_raw: bool = False) -> tuple[list[int], list[int]]:
+    """One request: walk the tree from the root. logits [N, V] (any device).
+
+    Returns (nodes kept, output tokens). `bonus_from_raw` reproduces the reference's old bug
+    (bonus drawn from the unprocessed softmax); it exists only so a test can prove the
+    distribution test catches it.
+    """
+    node, nodes, out = 0, [0], []
+    while True:
+        p = processed_probs(logits[node].cpu(), params)
+        kids = children[node]
+        for child in kids:
+            x = tree_tokens[child]
+            u = torch.rand((), generator=generator, dtype=torch.float64)
+            if u < p[x] / p.sum():
+                nodes.append(child)
+                out.append(x)
+                node = child
+                break
+            p[x] = 0.0
+        else:
+            if bonus_from_raw and not kids:  # the bug: bonus from the raw softmax
+                p = torch.softmax(logits[node].cpu().double(), -1)
+            out.append(int(torch.multinomial(p / p.sum(), 1, generator=generator)))
+            return nodes, out
+
+
+def children_lists(parents: list[int], num_nodes: int) -> list[list[int]]:
+    """Children of every node in node order (= draft order within a parent)."""
+    kids: list[list[int]] = [[] for _ in range(num_nodes)]
+    for i in range(1, num_nodes):
+        kids[parents[i]].append(i)
+    return kids
