@@ -5,7 +5,7 @@ Names are imported lazily so that light submodules (prompts, planner) load witho
 """
 
 __version__ = "0.1.0"
-__all__ = ["Eagle2", "Completion", "SamplingParams", "TreeConfig"]
+__all__ = ["Completion", "Eagle2", "SamplingParams", "TreeConfig"]
 
 
 def __getattr__(name: str):

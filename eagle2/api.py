@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.drafter import Drafter
 from eagle2.engine import Engine, Event, Request
 from eagle2.head import DraftHead, load_head, new_head
+from eagle2.runner import LocalRunner
 from eagle2.target import EMBEDDED_NAME, TargetModel
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class Eagle2:
         if head is not None:
             drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
                               max_len=self.max_context)
-        self.engine = Engine(target, drafter, max_batch=max_batch, max_context=self.max_context)
+        runner = LocalRunner(target, max_batch, self.max_context + Engine.tree_margin)
+        self.engine = Engine(runner, drafter, max_batch=max_batch, max_context=self.max_context)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None,
@@ -178,4 +179,4 @@ def resolve_head(target: TargetModel, draft: str | None) -> DraftHead:
     return head
 
 
-__all__ = ["Eagle2", "Completion", "resolve_head"]
+__all__ = ["Completion", "Eagle2", "resolve_head"]

@@ -21,7 +21,7 @@ import torch
 
 from eagle2.attention import causal_mask
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.target import TargetModel
+from eagle2.runner import TargetRunner
 from eagle2.tree import DraftTree, root_only
 from eagle2.verify import Verified, children_lists, verify_greedy, verify_sampling
 
@@ -80,14 +80,16 @@ class _Seq:
 class Engine:
     """Runs many requests through one target (and one drafter) in lockstep batches."""
 
-    def __init__(self, target: TargetModel, drafter: DrafterLike | None, max_batch: int = 8,
-                 max_context: int = 2048, tree_margin: int = 130):
+    tree_margin = 130  # cache entries past max_context for the tree being verified
+
+    def __init__(self, runner: TargetRunner, drafter: DrafterLike | None, max_batch: int = 8,
+                 max_context: int = 2048, tree_margin: int | None = None):
+        """runner: a target with max_batch cache slots of max_context + tree_margin entries."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.target, self.drafter = target, drafter
+        self.runner, self.drafter = runner, drafter
         self.max_batch, self.max_context = max_batch, max_context
-        self.tree_margin = tree_margin
-        self.cache = target.allocate_cache(max_batch, max_context + tree_margin)
+        self.tree_margin = tree_margin or Engine.tree_margin
         self.seqs: list[_Seq] = []  # index = cache slot
         self.waiting: list[Request] = []
         self.stats = EngineStats()
@@ -99,8 +101,8 @@ class Engine:
         if len(req.prompt_ids) >= self.max_context:
             raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context is "
                              f"{self.max_context} (prompt + at least one new token)")
-        if any(not 0 <= t < self.target.vocab_size for t in req.prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        if any(not 0 <= t < self.runner.vocab_size for t in req.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
         if req.tree.num_nodes > self.tree_margin - 1:
             raise ValueError(f"tree of {req.tree.num_nodes} nodes exceeds this engine's "
                              f"margin ({self.tree_margin - 1})")
@@ -168,13 +170,12 @@ class Engine:
         return tree.select(inverse)
 
     def _verify(self, tree: DraftTree) -> tuple[Verified, torch.Tensor]:
-        dev = self.target.device
+        dev = self.runner.device
         num_b = tree.batch_size
         slots = torch.arange(num_b, device=dev)
-        positions = self.cache.lengths[:num_b, None] + tree.depths.to(dev)
-        out = self.target.forward(tree.tokens.to(dev), positions, tree.tree_mask.to(dev),
-                                  self.cache, slots)
-        logits = self.target.logits(out.features)  # [B, N, V]
+        positions = self.runner.lengths[:num_b, None] + tree.depths.to(dev)
+        features, logits = self.runner.forward(tree.tokens.to(dev), positions,
+                                               tree.tree_mask.to(dev), slots)  # [B, N, V]
         self.stats.batch_sizes.append(num_b)
         greedy = verify_greedy(tree, logits) if any(
             s.req.params.greedy for s in self.seqs) else None
@@ -192,16 +193,16 @@ class Engine:
                                              s.generator)
                 nodes.append(kept)
                 tokens.append(toks)
-        return Verified(nodes, tokens), out.features
+        return Verified(nodes, tokens), features
 
     def _advance(self, verified_and_feats, tree: DraftTree) -> list[Event]:
         verified, features = verified_and_feats
-        dev = self.target.device
+        dev = self.runner.device
         width = max(len(n) for n in verified.nodes)
         node_idx = torch.tensor([n + [0] * (width - len(n)) for n in verified.nodes], device=dev)
         kept = torch.tensor([len(n) for n in verified.nodes], device=dev)
         slots = torch.arange(len(self.seqs), device=dev)
-        self.cache.commit(slots, node_idx, kept)
+        self.runner.commit(slots, node_idx, kept)
         events = []
         for b, s in enumerate(self.seqs):
             n = len(verified.nodes[b])
@@ -241,10 +242,10 @@ class Engine:
         s = self.seqs[i]
         last = len(self.seqs) - 1
         if i != last:
-            self.cache.copy_slot(last, i)
+            self.runner.copy_slot(last, i)
             self.seqs[i] = self.seqs[last]
         self.seqs.pop()
-        self.cache.lengths[last] = 0
+        self.runner.set_lengths(torch.tensor([last]), torch.tensor([0]))
         if self.drafter is not None and s.req.tree.mode != "vanilla":
             self.drafter.release(s.req.seq_id)
 
@@ -253,7 +254,7 @@ class Engine:
         t0 = time.perf_counter()
         room = self.max_batch - len(self.seqs)
         batch, self.waiting = self.waiting[:room], self.waiting[room:]
-        dev = self.target.device
+        dev = self.runner.device
         lengths = torch.tensor([len(r.prompt_ids) for r in batch], device=dev)
         width = int(lengths.max())
         tokens = torch.zeros(len(batch), width, dtype=torch.long, device=dev)
@@ -261,12 +262,11 @@ class Engine:
             tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=dev)
         first = len(self.seqs)
         slots = torch.arange(first, first + len(batch), device=dev)
-        self.cache.lengths[slots] = 0
+        self.runner.set_lengths(slots, torch.zeros_like(slots))
         positions = torch.arange(width, device=dev).expand(len(batch), width)
-        out = self.target.forward(tokens, positions, causal_mask(lengths, width), self.cache, slots)
-        self.cache.lengths[slots] = lengths
-        rows = torch.arange(len(batch), device=dev)
-        last_logits = self.target.logits(out.features[rows, lengths - 1])  # [B, V]
+        features, last_logits = self.runner.forward(tokens, positions, causal_mask(lengths, width),
+                                                    slots, logit_index=lengths - 1)  # [B, V]
+        self.runner.set_lengths(slots, lengths)
         events = []
         for b, r in enumerate(batch):
             gen = torch.Generator()
@@ -274,7 +274,7 @@ class Engine:
                             int(torch.randint(0, 2**62, ())))
             tok = _first_token(last_logits[b], r.params, gen)
             n = len(r.prompt_ids)
-            s = _Seq(r, gen, out.features[b, :n],
+            s = _Seq(r, gen, features[b, :n],
                      torch.tensor(list(r.prompt_ids[1:]) + [tok], device=dev))
             self.seqs.append(s)
             events.append(self._emit(s, [tok]))

@@ -102,7 +102,8 @@ def head_config_for(target_config, **overrides) -> LlamaConfig:
     return LlamaConfig(**fields)
 
 
-def new_head(target_config, seed: int = 0, bias: bool = False, draft_vocab: torch.Tensor | None = None,
+def new_head(target_config, seed: int = 0, bias: bool = False,
+             draft_vocab: torch.Tensor | None = None,
              dtype: torch.dtype = torch.float32) -> DraftHead:
     """An untrained head (seeded init). Its drafts are poor, but output stays lossless."""
     torch.manual_seed(seed)
@@ -147,7 +148,8 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
         return load_file(path / "model.safetensors")
     if (path / "pytorch_model.bin").exists():
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ValueError(f"draft head {str(path)!r} has neither model.safetensors nor pytorch_model.bin")
+    raise ValueError(f"draft head {str(path)!r} has neither model.safetensors "
+                     "nor pytorch_model.bin")
 
 
 def save_head(head: DraftHead, path: str | Path, extra_config: dict | None = None) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,12 +113,12 @@ def eagle_head_for(target: ModelSpec, fc_bias: bool = False) -> DraftSpec:
     return DraftSpec(head, fc_bias)
 
 
-def _read_config(path_text: str) -> dict[str, Any]:
+def _read_config(path_text: str, presets: Any) -> dict[str, Any]:
     path = Path(path_text)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"{path_text!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+        raise ValueError(f"{path_text!r} is neither a preset ({', '.join(presets)}) nor a "
                          "config.json or a directory holding one")
     try:
         return json.loads(path.read_text())
@@ -130,32 +131,24 @@ def spec_from_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     if cfg.get("model_type", "llama") != "llama":
         raise ValueError(f"{name}: model_type {cfg['model_type']!r} is not 'llama'; the planner "
                          "knows DeepSpeed AutoTP's layout for Llama-family models only")
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "vocab_size") if k not in cfg]
-    if missing:
-        raise ValueError(f"{name}: config.json lacks {missing}")
-    rope = cfg.get("rope_parameters") or {}
-    return ModelSpec(
-        name=name, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        head_dim=cfg.get("head_dim") or 0,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-    )
+    fields = {f.name: cfg[f.name] for f in dataclasses.fields(ModelSpec)
+              if cfg.get(f.name) is not None and f.name != "name"}
+    if "num_attention_heads" in fields:
+        fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
+    fields.setdefault("max_position_embeddings", 2048)
+    if "rope_theta" not in fields and "rope_theta" in (cfg.get("rope_parameters") or {}):
+        fields["rope_theta"] = cfg["rope_parameters"]["rope_theta"]  # transformers >= 5 layout
+    try:
+        return ModelSpec(name=name, **fields)
+    except TypeError as err:  # a required field is missing
+        raise ValueError(f"{name}: config.json is not a complete Llama config ({err})") from None
 
 
 def load_model_spec(name_or_path: str) -> ModelSpec:
     """A preset name (see PRESETS) or a path to a config.json / a directory holding one."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
-    return spec_from_config(_read_config(name_or_path), name_or_path)
+    return spec_from_config(_read_config(name_or_path, PRESETS), name_or_path)
 
 
 def load_draft_spec(value: str, target: ModelSpec) -> DraftSpec | None:
@@ -167,7 +160,7 @@ def load_draft_spec(value: str, target: ModelSpec) -> DraftSpec | None:
     if value in DRAFT_PRESETS:
         base, fc_bias = DRAFT_PRESETS[value]
         return eagle_head_for(PRESETS[base], fc_bias)
-    cfg = _read_config(value)
+    cfg = _read_config(value, ("auto", "none", *DRAFT_PRESETS))
     # EAGLE's Model(config, bias=True) reads "bias" from the head's config.json.
     return DraftSpec(spec_from_config(cfg, value), bool(cfg.get("bias", True)))
 
@@ -192,7 +185,8 @@ def autotp_shard_size(total: int, tp: int, rank: int, num_kv_heads: int, by_head
     return size + (remainder if rank == tp - 1 else 0)
 
 
-# parameter-name suffix -> (split dim, split by KV-head groups); anything else is replicated
+# parameter-name suffix -> (split dim, split by KV-head groups); anything else is replicated.
+# nn.Linear weights are [out, in]: column-parallel splits dim 0, row-parallel dim 1.
 _SPLIT_RULES = (
     (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
       "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), 0, True),
@@ -276,16 +270,9 @@ def _layer_shapes(spec: ModelSpec, input_norm: bool = True) -> dict[str, tuple[i
     return shapes
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def num_params(spec: ModelSpec) -> int:
     """Parameters in the checkpoint (a tied lm_head counted once)."""
-    layer = sum(_numel(s) for s in _layer_shapes(spec).values())
+    layer = sum(math.prod(s) for s in _layer_shapes(spec).values())
     embed = spec.vocab_size * spec.hidden_size
     lm_head = 0 if spec.tie_word_embeddings else embed
     return spec.num_hidden_layers * layer + embed + lm_head + spec.hidden_size
@@ -294,16 +281,17 @@ def num_params(spec: ModelSpec) -> int:
 def rank_params(spec: ModelSpec, tp: int, rank: int) -> int:
     """Parameters AutoTP leaves on rank `rank`: layer shards + embed + lm_head shard + norm."""
     check_tp_rank(spec, tp, rank)
-    layer = sum(_numel(shard_shape(n, s, spec, tp, rank)) for n, s in _layer_shapes(spec).items())
+    shapes = _layer_shapes(spec).items()
+    layer = sum(math.prod(shard_shape(n, s, spec, tp, rank)) for n, s in shapes)
     embed = (spec.vocab_size, spec.hidden_size)
     lm_head = shard_shape("lm_head.weight", embed, spec, tp, rank)
-    return spec.num_hidden_layers * layer + _numel(embed) + _numel(lm_head) + spec.hidden_size
+    return spec.num_hidden_layers * layer + math.prod(embed) + math.prod(lm_head) + spec.hidden_size
 
 
 def draft_params(draft: DraftSpec) -> int:
     """The head's own parameters: fc + layers without input_layernorm (BRIEF §2)."""
     h = draft.model.hidden_size
-    layer = sum(_numel(s) for s in _layer_shapes(draft.model, input_norm=False).values())
+    layer = sum(math.prod(s) for s in _layer_shapes(draft.model, input_norm=False).values())
     return 2 * h * h + (h if draft.fc_bias else 0) + draft.model.num_hidden_layers * layer
 
 
@@ -442,6 +430,19 @@ def _draft_plan(req: PlanRequest, usable: int, context: int) -> DraftPlan:
     return DraftPlan(draft.name, head, shared, weights, kv_token, usable - weights, max_seq)
 
 
+def _check_weights_fit(req: PlanRequest, tp: int, weights: int, usable: int) -> None:
+    if weights <= usable:
+        return
+    spec, hint = req.model, ""
+    if req.draft and valid_tp_sizes(spec, req.num_gpus)[-1] > tp:
+        hint = ", or --draft none to give the draft GPU to the target"
+    raise ValueError(
+        f"{spec.name} in {req.dtype} needs {weights / GIB:.2f} GiB of weights per GPU at "
+        f"tp={tp}, but only {usable / GIB:.2f} GiB of {req.gpu_mem_gib:g} GiB is usable "
+        f"(reserve {req.reserve_fraction:.0%}); use more or larger GPUs{hint} "
+        f"(valid tp: {valid_tp_sizes(spec, spec.num_key_value_heads)})")
+
+
 def plan(req: PlanRequest) -> ServingPlan:
     """Place the target (AutoTP) and the draft worker; raise ValueError if it cannot work."""
     spec, nbytes = req.model, DTYPE_BYTES[req.dtype]
@@ -455,12 +456,7 @@ def plan(req: PlanRequest) -> ServingPlan:
     usable = int(gpu_mem * (1.0 - req.reserve_fraction))
     per_rank = [rank_params(spec, tp, r) * nbytes for r in range(tp)]
     weights = max(per_rank)
-    if weights > usable:
-        raise ValueError(
-            f"{spec.name} in {req.dtype} needs {weights / GIB:.2f} GiB of weights per GPU at "
-            f"tp={tp}, but only {usable / GIB:.2f} GiB of {req.gpu_mem_gib:g} GiB is usable "
-            f"(reserve {req.reserve_fraction:.0%}); use more or larger GPUs "
-            f"(valid tp: {valid_tp_sizes(spec, spec.num_key_value_heads)})")
+    _check_weights_fit(req, tp, weights, usable)
     kv_gpu = max(kv_bytes_per_token(spec, nbytes, tp, r) for r in range(tp))
     kv_tokens = (usable - weights) // kv_gpu
     target_seqs = kv_tokens // context

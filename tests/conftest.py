@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random Llama targets (fp32) and the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.drafter import Drafter
+from eagle2.engine import Engine, Request
+from eagle2.head import new_head
+from eagle2.runner import LocalRunner
+from eagle2.target import TargetModel
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def tiny_target(vocab: int = 64, hidden: int = 64, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, seed: int = 0, logit_scale: float = 20.0) -> TargetModel:
+    """A random Llama whose logits are spread out (lm_head scaled) so argmax ties are rare."""
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                      tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+                      pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return TargetModel(model, tokenizer=None, name=f"tiny-{seed}")
+
+
+def make_engine(target: TargetModel, head_seed: int | None = 0, max_batch: int = 8,
+                max_context: int = 512, draft_vocab: torch.Tensor | None = None) -> Engine:
+    drafter = None
+    if head_seed is not None:
+        head = new_head(target.config, seed=head_seed, draft_vocab=draft_vocab)
+        drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
+                          max_len=max_context)
+    runner = LocalRunner(target, max_batch, max_context + Engine.tree_margin)
+    return Engine(runner, drafter, max_batch=max_batch, max_context=max_context)
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+        tree: TreeConfig, seeds: list[int] | None = None) -> list[list[int]]:
+    """Generate for all prompts together; returns the new token ids per prompt."""
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        ps = params if seeds is None else SamplingParams(**{**params.__dict__, "seed": seeds[i]})
+        engine.add(Request(f"s{i}", tuple(p), ps, tree))
+        out[f"s{i}"] = []
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+    return [out[f"s{i}"] for i in range(len(prompts))]
+
+
+def random_prompts(n: int, vocab: int, seed: int = 0, lo: int = 3, hi: int = 20) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g)
+    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded SmolLM2-135M-Instruct with its default head (shipped, else untrained)."""
+    from eagle2.api import Eagle2
+
+    return Eagle2.load(max_batch=4, max_context=1024, dtype="float32", device="cpu")

@@ -1,0 +1,114 @@
+"""Greedy speculative output equals plain greedy decoding, token for token (BRIEF §4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_engine, random_prompts, run, tiny_target
+
+from eagle2.config import SamplingParams, TreeConfig
+
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+TREES = {
+    "eagle2": TreeConfig("eagle2", total_tokens=16, depth=4, top_k=4),
+    "static": TreeConfig("static", total_tokens=26),
+    "chain": TreeConfig("chain", depth=5),
+}
+
+
+def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = target.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("head_seed", [0, 1, 2])
+def test_tiny_llama_all_modes_equal_vanilla_and_hf(head_seed):
+    target = tiny_target(vocab=48, seed=10 + head_seed)
+    prompts = random_prompts(8, 48, seed=head_seed)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    if head_seed == 0:
+        assert [hf_greedy(target, p, 40) for p in prompts] == vanilla
+    for name, tree in TREES.items():
+        engine = make_engine(target, head_seed)
+        assert run(engine, prompts, GREEDY, tree) == vanilla, name
+        assert engine.stats.steps < 8 * 40  # batched: fewer steps than tokens
+
+
+def test_batch_of_four_different_lengths_equals_each_alone():
+    target = tiny_target(vocab=48, seed=5)
+    prompts = [[1, 2, 3], list(range(5, 22)), [7] * 9, [4, 44, 4, 44, 4]]
+    tree = TREES["eagle2"]
+    together = run(make_engine(target, 0, max_batch=4), prompts, GREEDY, tree)
+    alone = [run(make_engine(target, 0, max_batch=1), [p], GREEDY, tree)[0] for p in prompts]
+    assert together == alone
+
+
+def test_continuous_batching_mixed_modes_and_lengths():
+    """More requests than slots, different max_tokens and modes: each equals its solo run."""
+    target = tiny_target(vocab=48, seed=6)
+    engine = make_engine(target, 0, max_batch=3)
+    prompts = random_prompts(7, 48, seed=9)
+    from eagle2.engine import Request
+
+    trees = list(TREES.values()) + [TreeConfig("vanilla")]
+    out = {}
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=10 + 5 * i, ignore_eos=True)
+        engine.add(Request(f"r{i}", tuple(p), params, trees[i % 4]))
+        out[f"r{i}"] = []
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+    assert max(engine.stats.batch_sizes) == 3
+    vanilla = make_engine(target, None)
+    for i, p in enumerate(prompts):
+        solo = run(vanilla, [p], SamplingParams(max_tokens=10 + 5 * i, ignore_eos=True),
+                   TreeConfig("vanilla"))[0]
+        assert out[f"r{i}"] == solo, i
+
+
+def test_reduced_draft_vocabulary_is_still_lossless():
+    target = tiny_target(vocab=48, seed=7)
+    prompts = random_prompts(8, 48, seed=3)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    engine = make_engine(target, 0, draft_vocab=torch.arange(0, 48, 3))
+    assert run(engine, prompts, GREEDY, TREES["eagle2"]) == vanilla
+
+
+def test_bad_requests_raise_value_error():
+    from eagle2.engine import Request
+
+    target = tiny_target(vocab=48, seed=0)
+    engine = make_engine(target, 0, max_context=64)
+    tree = TREES["eagle2"]
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add(Request("a", (), GREEDY, tree))
+    with pytest.raises(ValueError, match="context"):
+        engine.add(Request("b", tuple(range(40)) * 2, GREEDY, tree))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add(Request("c", (1, 2, 999), GREEDY, tree))
+    no_head = make_engine(target, None)
+    with pytest.raises(ValueError, match="draft head"):
+        no_head.add(Request("d", (1, 2), GREEDY, tree))
+
+
+def test_generation_runs_past_the_draft_window():
+    """A window shorter than the prompt keeps drafting (and stays lossless)."""
+    target = tiny_target(vocab=48, seed=8)
+    prompts = random_prompts(2, 48, seed=4, lo=60, hi=80)
+    tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3, draft_window=16)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    assert run(make_engine(target, 0), prompts, GREEDY, tree) == vanilla
+
+
+def test_embedded_smollm2_modes_equal_hf_greedy(smol):
+    prompts = ["Write a haiku about the sea.", "What is the capital of France? Explain.",
+               "Write a Python function that reverses a string."]
+    params = SamplingParams(max_tokens=64)  # both stop at EOS (kept in the output)
+    ids = [smol.encode(p) for p in prompts]
+    ref = [hf_greedy(smol.target, x, 64) for x in ids]
+    for mode in ("eagle2", "static", "chain"):
+        outs = smol.generate(prompts, params, mode=mode)
+        assert [o.token_ids for o in outs] == ref, mode

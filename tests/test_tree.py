@@ -1,0 +1,147 @@
+"""Tree construction: exact small cases, and the fast builder against a slow reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.tree import DraftTree, build_tree, chain_tree, finish_tree, static_shape
+
+
+def test_chain_mask_depths_paths():
+    t = chain_tree(torch.tensor([[7, 8, 9, 10]]))
+    assert t.tree_mask[0].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert t.depths.tolist() == [[0, 1, 2, 3]]
+    assert t.retrieve_indices.tolist() == [[[0, 1, 2, 3]]]
+
+
+def test_two_by_two_tree():
+    # root -> a, b; a -> a0, a1; b -> b0, b1 (node order = depth order)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 2]])
+    depths = torch.tensor([[0, 1, 1, 2, 2, 2, 2]])
+    t = finish_tree(torch.arange(7)[None], parents, depths)
+    assert t.tree_mask[0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 0, 1],
+    ]
+    assert t.retrieve_indices.tolist() == [[[0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 2, 6]]]
+
+
+def slow_build(root, tokens, parents, scores, depths, num_nodes):
+    """The obvious version: python lists, explicit tie rule (higher value, then shallower)."""
+    c = len(tokens)
+    order = sorted(range(c), key=lambda i: (-scores[i], depths[i], i))[: num_nodes - 1]
+    chosen = sorted(order)
+    node_of = {cand: j + 1 for j, cand in enumerate(chosen)}
+    out_tokens = [root] + [tokens[i] for i in chosen]
+    out_parents = [-1] + [0 if parents[i] < 0 else node_of[parents[i]] for i in chosen]
+    out_depths = [0] + [depths[i] for i in chosen]
+    n = len(out_tokens)
+    mask = [[False] * n for _ in range(n)]
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i][j] = True
+            j = out_parents[j]
+    leaves = [i for i in range(n) if i not in out_parents]
+    paths = []
+    for leaf in leaves:
+        path, j = [], leaf
+        while j >= 0:
+            path.append(j)
+            j = out_parents[j]
+        paths.append(path[::-1])
+    return out_tokens, out_parents, out_depths, mask, paths
+
+
+def random_candidates(g, k: int, depth: int, quantize: bool):
+    """Candidates as the drafter makes them: k at depth 1, then k*k children of the k best."""
+    tokens, parents, scores, depths = [], [], [], []
+    level = []
+    for i in range(k):
+        s = -float(torch.rand((), generator=g))
+        tokens.append(int(torch.randint(0, 100, (), generator=g)))
+        parents.append(-1), scores.append(s), depths.append(1)
+        level.append(i)
+    for d in range(2, depth + 2):
+        frontier = sorted(level, key=lambda i: -scores[i])[:k]
+        level = []
+        for par in frontier:
+            for _ in range(k):
+                lp = -float(torch.rand((), generator=g))
+                if quantize:  # many exact ties, zero log-probs included
+                    lp = -round(float(torch.rand((), generator=g)) * 2) / 4
+                level.append(len(tokens))
+                tokens.append(int(torch.randint(0, 100, (), generator=g)))
+                parents.append(par), scores.append(scores[par] + lp), depths.append(d)
+    return tokens, parents, scores, depths
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_fast_builder_matches_slow_reference(quantize):
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        k = int(torch.randint(1, 5, (), generator=g))
+        depth = int(torch.randint(1, 5, (), generator=g))
+        num_nodes = int(torch.randint(2, 30, (), generator=g))
+        batch = [random_candidates(g, k, depth, quantize) for _ in range(3)]
+        t = build_tree(torch.tensor([5, 6, 7]), *(torch.tensor([b[i] for b in batch])
+                                                   for i in (0, 1)),
+                       torch.tensor([b[2] for b in batch], dtype=torch.float32),
+                       torch.tensor([b[3] for b in batch]), num_nodes)
+        for row, (tokens, parents, scores, depths) in enumerate(batch):
+            f32 = torch.tensor(scores, dtype=torch.float32).tolist()
+            ref = slow_build([5, 6, 7][row], tokens, parents, f32, depths, num_nodes)
+            assert t.tokens[row].tolist() == ref[0], trial
+            assert t.parents[row].tolist() == ref[1]
+            assert t.depths[row].tolist() == ref[2]
+            assert t.tree_mask[row].tolist() == ref[3]
+            got = [[i for i in p if i >= 0] for p in t.retrieve_indices[row].tolist()]
+            assert [p for p in got if p] == ref[4]
+
+
+def test_concat_pads_and_keeps_rows():
+    a = chain_tree(torch.tensor([[1, 2, 3]]))
+    b = finish_tree(torch.tensor([[4, 5, 6, 7, 8]]), torch.tensor([[-1, 0, 0, 1, 1]]),
+                    torch.tensor([[0, 1, 1, 2, 2]]))
+    t = DraftTree.concat([a, b])
+    assert t.tokens.tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+    assert t.num_nodes.tolist() == [3, 5]
+    assert t.tree_mask[0, 3].tolist() == [False, False, False, True, False]  # pad: only itself
+    assert t.retrieve_indices[0].tolist() == [[0, 1, 2], [-1, -1, -1], [-1, -1, -1]]
+
+
+def test_static_shape_is_the_eagle1_tree():
+    shape = static_shape(26)
+    assert [len(level) for level in shape] == [4, 8, 8, 3, 2]
+    assert shape[0] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert sum(len(level) for level in static_shape(10)) == 9
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(total_tokens=1), "total_tokens"),
+    (dict(top_k=0), "top_k"),
+    (dict(depth=0), "depth"),
+    (dict(mode="beam"), "mode"),
+])
+def test_bad_tree_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TreeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
