@@ -20,6 +20,7 @@ from eagle2.engine import Engine, Event, Request
 from eagle2.head import DraftHead, load_head, new_head
 from eagle2.runner import LocalRunner
 from eagle2.target import EMBEDDED_NAME, TargetModel
+from eagle2.text import TextStream, encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -72,23 +73,8 @@ class Eagle2:
 
     # ----- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
-        """Token ids of a prompt: the chat template (with the generation prompt) for chat
-        models unless chat=False; a list of {"role", "content"} messages is always chat."""
-        if isinstance(prompt, str) and not prompt:
-            raise ValueError("empty prompt: give some text")
-        tok = self.tokenizer
-        if tok is None:
-            raise ValueError("this target has no tokenizer; pass token ids (generate_ids)")
-        if isinstance(prompt, list) or (chat and tok.chat_template):
-            messages = prompt if isinstance(prompt, list) else [{"role": "user",
-                                                                 "content": prompt}]
-            if not messages:
-                raise ValueError("empty prompt: give at least one message")
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return tok(prompt, add_special_tokens=True)["input_ids"]
+        """Token ids of a prompt (see `encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def eos_ids(self) -> frozenset[int]:
         ids = {self.tokenizer.eos_token_id} if self.tokenizer is not None else set()
@@ -115,27 +101,26 @@ class Eagle2:
     def generate_ids(self, reqs: list[Request]) -> list[Completion]:
         for r in reqs:
             self.engine.add(r)
-        state = {r.seq_id: _Progress(r, time.perf_counter()) for r in reqs}
+        state = {r.seq_id: _Progress(r, time.perf_counter(), TextStream(self.tokenizer,
+                                                                        r.params.stop))
+                 for r in reqs}
         done: dict[str, Completion] = {}
         while len(done) < len(reqs):
             for ev in self.engine.step():
                 prog = state[ev.seq_id]
                 if self._absorb(prog, ev):
-                    done[ev.seq_id] = prog.completion(self.tokenizer)
+                    done[ev.seq_id] = prog.completion()
         return [done[r.seq_id] for r in reqs]
 
     def _absorb(self, prog: _Progress, ev: Event) -> bool:
         """Add an event's tokens; apply stop strings. True when the request is finished."""
-        prog.token_ids.extend(ev.token_ids)
+        prog.text.add(ev.token_ids, final=ev.finished)
         prog.num_steps, prog.accepted = ev.num_steps, ev.accepted_at_depth
         prog.reason = ev.finish_reason
-        stops = prog.req.params.stop
-        if stops and not ev.finished:
-            text = self.tokenizer.decode(prog.token_ids, skip_special_tokens=True)
-            if any(s in text for s in stops):
-                self.engine.cancel(ev.seq_id)
-                prog.reason = "stop"
-                return True
+        if prog.text.stopped and not ev.finished:
+            self.engine.cancel(ev.seq_id)
+            prog.reason = "stop"
+            return True
         return ev.finished
 
 
@@ -143,20 +128,16 @@ class Eagle2:
 class _Progress:
     req: Request
     start: float
-    token_ids: list[int] = field(default_factory=list)
+    text: TextStream
     num_steps: int = 0
     accepted: dict[int, int] = field(default_factory=dict)
     reason: str | None = None
 
-    def completion(self, tokenizer) -> Completion:
+    def completion(self) -> Completion:
         wall = time.perf_counter() - self.start
-        text = tokenizer.decode(self.token_ids, skip_special_tokens=True) if tokenizer else ""
-        for s in self.req.params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-        n = len(self.token_ids)
-        return Completion(text, list(self.token_ids), self.reason or "length",
+        ids = self.text.token_ids
+        n = len(ids)
+        return Completion(self.text.text, list(ids), self.reason or "length",
                           len(self.req.prompt_ids), self.num_steps,
                           n / max(self.num_steps, 1), wall, n / wall if wall > 0 else 0.0,
                           self.accepted)

@@ -168,3 +168,31 @@ class TargetModel:
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] in fp32."""
         return self.lm_head(features).float()
+
+
+def load_vocab_modules(spec: str | None, dtype: str | torch.dtype | None = None,
+                       device: str | None = None) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
+    """Only the target's embedding and lm_head (what a draft worker needs), read straight from
+    safetensors so a 70B target's decoder layers are never loaded; other formats load the
+    whole model and keep these two."""
+    from safetensors import safe_open
+
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    path = embedded_model_dir() if spec is None else Path(spec)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for key in ("model.embed_tokens.weight", "lm_head.weight"):
+                if key in h.keys():
+                    found[key] = h.get_tensor(key)
+    if "model.embed_tokens.weight" not in found:
+        target = TargetModel.load(spec, dtype=dt, device=str(dev))
+        return target.embed, target.lm_head
+    embed_w = found["model.embed_tokens.weight"].to(device=dev, dtype=dt)
+    head_w = found.get("lm_head.weight", embed_w).to(device=dev, dtype=dt)  # tied if missing
+    embed = torch.nn.Embedding.from_pretrained(embed_w, freeze=True)
+    lm_head = torch.nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device=dev, dtype=dt)
+    lm_head.weight = torch.nn.Parameter(head_w, requires_grad=False)
+    return embed, lm_head

@@ -1,0 +1,1 @@
+"""Ray Serve and gRPC adapters around the eagle2 core (one module per deployment)."""

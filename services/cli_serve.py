@@ -1,0 +1,81 @@
+"""`eagle2 serve`: start a local Ray, deploy the app with the gRPC proxy, serve until Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+
+from services.protos import SERVICER_FUNCTIONS
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=None,
+                   help="JSON/YAML file with ServiceConfig fields (or a Serve config's args)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--tp-size", type=int, default=None)
+    p.add_argument("--port", type=int, default=None, help="public gRPC port (default 9000)")
+    p.add_argument("--draft-placement", choices=["worker", "inprocess"], default=None)
+    p.add_argument("--mode", default=None, help="default speculation mode")
+
+
+def config_from_args(args) -> dict:
+    conf: dict = {}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            raw = yaml.safe_load(f)
+        apps = raw.get("applications") if isinstance(raw, dict) else None
+        conf = dict(apps[0].get("args", {})) if apps else dict(raw)
+    for key, field in (("target", "target"), ("draft", "draft"), ("tp_size", "tp_size"),
+                       ("port", "grpc_port"), ("draft_placement", "draft_placement")):
+        if getattr(args, key) is not None:
+            conf[field] = getattr(args, key)
+    if args.mode:
+        conf.setdefault("tree", {})["mode"] = args.mode
+    return conf
+
+
+def start(conf: dict, blocking: bool = False):
+    """Start Ray (if needed) and Serve with the gRPC proxy; deploy; return the Serve handle."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from services.app import build_app
+    from services.config import ServiceConfig
+
+    cfg = ServiceConfig(**conf)
+    if not ray.is_initialized():
+        # logical CPUs: rank actors, the draft worker and the replicas share real cores
+        ray.init(num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size, include_dashboard=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    serve.start(grpc_options=gRPCOptions(port=cfg.grpc_port,
+                                         grpc_servicer_functions=SERVICER_FUNCTIONS),
+                http_options={"host": "127.0.0.1", "port": 8000})
+    return serve.run(build_app(conf), name=cfg.app_name, route_prefix=f"/{cfg.app_name}",
+                     blocking=blocking)
+
+
+def run(args) -> int:
+    conf = config_from_args(args)
+    start(conf)
+    port = conf.get("grpc_port", 9000)
+    print(json.dumps({"status": "serving", "grpc": f"localhost:{port}",
+                      "config": conf}), flush=True)
+    print(f"eagle2 serving on localhost:{port}; try: eagle2 client 'Hello!'  (Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    from ray import serve
+
+    serve.shutdown()
+    return 0

@@ -1,0 +1,68 @@
+"""The service's one typed configuration, filled from the Serve config YAML's `args`.
+
+Validated with pydantic at the boundary; the core's frozen dataclasses are built from it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from eagle2.config import TreeConfig
+
+
+class TreeSettings(BaseModel):
+    """Draft-tree budget; `auto: true` measures it on the hardware at start-up."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["eagle2", "static", "chain", "vanilla"] = "eagle2"
+    total_tokens: int = Field(24, ge=2, le=128)
+    depth: int = Field(5, ge=1, le=16)
+    top_k: int = Field(6, ge=1, le=32)
+    draft_window: int = Field(2048, ge=16)
+    auto: bool = False
+
+    def to_core(self, mode: str | None = None) -> TreeConfig:
+        return TreeConfig(mode or self.mode, self.total_tokens, self.depth, self.top_k,
+                          self.draft_window)
+
+
+class ServiceConfig(BaseModel):
+    """Everything a deployment needs. Paths may be local directories or mounted volumes."""
+
+    model_config = ConfigDict(extra="forbid")
+    # Target: a HF model directory or .gguf file; None = the embedded SmolLM2-135M-Instruct.
+    target: str | None = None
+    # Draft head directory, "untrained", or None for the head shipped for the target.
+    draft: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Tensor-parallel ranks for the target (one Ray actor each, in one placement group).
+    tp_size: int = Field(1, ge=1, le=64)
+    # GPUs: each TP rank and the draft worker ask for one when true.
+    use_gpu: bool = False
+    # "worker": the head runs in its own deployment, reached over gRPC; "inprocess": in the
+    # engine replica (single-GPU deployments), otherwise the same code path.
+    draft_placement: Literal["worker", "inprocess"] = "worker"
+    tree: TreeSettings = TreeSettings()
+    max_batch_size: int = Field(8, ge=1, le=256)
+    max_context: int = Field(2048, ge=64)
+    default_max_tokens: int = Field(256, ge=1)
+    max_tokens_limit: int = Field(1024, ge=1)
+    # Requests admitted (running + waiting) before RESOURCE_EXHAUSTED.
+    max_queued_requests: int = Field(64, ge=1)
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    # Port of the draft worker's gRPC server; 0 = any free port (announced through Serve).
+    draft_grpc_port: int = Field(0, ge=0, le=65535)
+    app_name: str = "eagle2"
+
+    @model_validator(mode="after")
+    def _check(self) -> ServiceConfig:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        if self.max_tokens_limit >= self.max_context:
+            raise ValueError("max_tokens_limit must be below max_context")
+        return self
+
+    def device(self) -> str:
+        return "cuda" if self.use_gpu else "cpu"

@@ -1,0 +1,98 @@
+"""The one place where protobuf messages meet the core's dataclasses and tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.tree import DraftTree, finish_tree
+from services.protos import draft_pb2, eagle2_pb2
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+def tensor_to_proto(t: torch.Tensor) -> draft_pb2.Tensor:
+    t = t.detach().contiguous().cpu()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"cannot send dtype {t.dtype}")
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
+    return draft_pb2.Tensor(data=raw.numpy().tobytes(), dtype=name, shape=list(t.shape))
+
+
+def tensor_from_proto(msg: draft_pb2.Tensor) -> torch.Tensor:
+    if msg.dtype not in _DTYPES:
+        raise ValueError(f"unknown tensor dtype {msg.dtype!r}")
+    dtype = _DTYPES[msg.dtype]
+    np_dtype = np.int16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+    arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(tuple(msg.shape))
+    t = torch.from_numpy(arr.copy())
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def tree_to_spec(cfg: TreeConfig) -> draft_pb2.TreeSpec:
+    return draft_pb2.TreeSpec(mode=cfg.mode, total_tokens=cfg.total_tokens, depth=cfg.depth,
+                              top_k=cfg.top_k, draft_window=cfg.draft_window)
+
+
+def tree_from_spec(spec: draft_pb2.TreeSpec) -> TreeConfig:
+    return TreeConfig(spec.mode, spec.total_tokens, spec.depth, spec.top_k, spec.draft_window)
+
+
+def draft_tree_to_proto(tree: DraftTree) -> draft_pb2.DraftResponse:
+    return draft_pb2.DraftResponse(tokens=tensor_to_proto(tree.tokens),
+                                   parents=tensor_to_proto(tree.parents),
+                                   depths=tensor_to_proto(tree.depths),
+                                   num_nodes=tensor_to_proto(tree.num_nodes))
+
+
+def draft_tree_from_proto(msg: draft_pb2.DraftResponse) -> DraftTree:
+    return finish_tree(tensor_from_proto(msg.tokens), tensor_from_proto(msg.parents),
+                       tensor_from_proto(msg.depths), tensor_from_proto(msg.num_nodes))
+
+
+def sampling_from_request(req: eagle2_pb2.GenerateRequest, default_max_tokens: int,
+                          max_tokens_limit: int) -> SamplingParams:
+    """Validate the request's sampling fields (ValueError says which one is wrong)."""
+    max_tokens = req.max_tokens if req.HasField("max_tokens") else default_max_tokens
+    if not 1 <= max_tokens <= max_tokens_limit:
+        raise ValueError(f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}")
+    return SamplingParams(
+        temperature=req.temperature if req.HasField("temperature") else 0.0,
+        top_p=req.top_p if req.HasField("top_p") else 1.0,
+        top_k=req.top_k if req.HasField("top_k") else 0,
+        seed=req.seed if req.HasField("seed") else None,
+        max_tokens=max_tokens,
+        stop=tuple(req.stop),
+    )
+
+
+def prompt_from_request(req: eagle2_pb2.GenerateRequest) -> str | list[dict] | list[int]:
+    """The prompt as text, chat messages or token ids (ValueError if missing/empty)."""
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise ValueError("no input: set one of text, chat or token_ids")
+    if kind == "text":
+        if not req.text:
+            raise ValueError("empty prompt: text is empty")
+        return req.text
+    if kind == "chat":
+        if not req.chat.messages:
+            raise ValueError("empty prompt: chat has no messages")
+        return [{"role": m.role, "content": m.content} for m in req.chat.messages]
+    if not req.token_ids.ids:
+        raise ValueError("empty prompt: token_ids is empty")
+    return list(req.token_ids.ids)
+
+
+FINISH = {"stop": eagle2_pb2.FINISH_REASON_STOP, "length": eagle2_pb2.FINISH_REASON_LENGTH}
+
+
+def stats_to_proto(mode: str, num_steps: int, num_tokens: int,
+                   accepted: dict[int, int]) -> eagle2_pb2.SpeculationStats:
+    depth = max(accepted, default=-1) + 1
+    return eagle2_pb2.SpeculationStats(
+        mode=mode, num_steps=num_steps, tau=num_tokens / max(num_steps, 1),
+        accepted_at_depth=[accepted.get(d, 0) for d in range(depth)])

@@ -1,0 +1,131 @@
+"""The draft worker: a Ray Serve deployment holding the EAGLE head, serving DraftService.
+
+The replica starts a plain grpcio server (the internal API, protos/eagle2/v1/draft.proto);
+the engine asks the deployment for its address through Serve once, then talks gRPC directly
+at every decoding step. In production the replica asks for its own GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import torch
+from ray import serve
+
+from eagle2.drafter import Drafter
+from eagle2.head import load_head, new_head
+from eagle2.target import load_vocab_modules, pick_device, pick_dtype
+from services import convert
+from services.config import ServiceConfig
+from services.protos import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
+    """The head for cfg.target plus the target's embedding and lm_head (nothing else)."""
+    from eagle2.api import shipped_head_dir
+    from eagle2.target import EMBEDDED_NAME
+
+    device = pick_device(cfg.device())
+    dtype = pick_dtype(cfg.dtype, device)
+    embed, lm_head = load_vocab_modules(cfg.target, dtype, str(device))
+    path = None
+    if cfg.draft != "untrained":
+        path = cfg.draft or shipped_head_dir(EMBEDDED_NAME if cfg.target is None else
+                                             os.path.basename(cfg.target.rstrip("/")))
+    if path is None:
+        from transformers import AutoConfig
+
+        from eagle2.target import embedded_model_dir
+
+        if cfg.draft != "untrained":
+            log.warning("no draft head for %s: using an untrained one (lossless, slow)",
+                        cfg.target)
+        tcfg = AutoConfig.from_pretrained(cfg.target or embedded_model_dir())
+        head, desc = new_head(tcfg, dtype=dtype).to(device), "untrained"
+    else:
+        head, desc = load_head(path, dtype=dtype, device=device), str(path)
+    drafter = Drafter(head, embed, lm_head, max_slots=max_slots, max_len=cfg.max_context)
+    return drafter, desc
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    """Thin: decode the tensors, call the drafter, encode the tree."""
+
+    def __init__(self, drafter: Drafter, head_desc: str):
+        self.drafter = drafter
+        self.head_desc = head_desc
+        self.lock = threading.Lock()  # one drafter, one cache: calls are serialized
+        self.draft_requests = 0
+        self.busy_s = 0.0
+
+    def Draft(self, request, context):
+        try:
+            tree_cfg = convert.tree_from_spec(request.tree)
+            feats = convert.tensor_from_proto(request.features)
+            tokens = convert.tensor_from_proto(request.tokens)
+            counts = convert.tensor_from_proto(request.counts)
+            t0 = time.perf_counter()
+            with self.lock:
+                tree = self.drafter.draft(list(request.seq_ids), feats, tokens, counts, tree_cfg)
+                self.draft_requests += 1
+                self.busy_s += time.perf_counter() - t0
+            return convert.draft_tree_to_proto(tree)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def Release(self, request, context):
+        with self.lock:
+            known = [s for s in request.seq_ids if s in self.drafter.slot_of]
+            for s in request.seq_ids:
+                self.drafter.release(s)
+        return draft_pb2.ReleaseResponse(released=len(known))
+
+    def Health(self, request, context):
+        return draft_pb2.HealthResponse(status="SERVING", draft_requests=self.draft_requests,
+                                        active_sequences=len(self.drafter.slot_of),
+                                        pid=os.getpid(), head=self.head_desc)
+
+
+def start_server(servicer: DraftServicer, port: int) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                         options=[("grpc.max_receive_message_length", 256 << 20),
+                                  ("grpc.max_send_message_length", 256 << 20)])
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"0.0.0.0:{port}")
+    server.start()
+    return server, bound
+
+
+@serve.deployment(max_ongoing_requests=16)
+class DraftWorker:
+    """Serve replica wrapper; `address()` tells the engine where the gRPC server listens."""
+
+    def __init__(self, config: dict):
+        cfg = ServiceConfig(**config)
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        drafter, desc = build_drafter(cfg, max_slots=cfg.max_batch_size * 2)
+        self.servicer = DraftServicer(drafter, desc)
+        self.server, port = start_server(self.servicer, cfg.draft_grpc_port)
+        import ray
+
+        self._address = f"{ray.util.get_node_ip_address()}:{port}"
+        log.info("draft worker (pid %d) serving DraftService on %s", os.getpid(), self._address)
+
+    def address(self) -> str:
+        return self._address
+
+    def check_health(self) -> None:
+        with grpc.insecure_channel(self._address) as ch:
+            draft_pb2_grpc.DraftServiceStub(ch).Health(draft_pb2.HealthRequest(), timeout=10)
+
+    def __del__(self):
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop(grace=1)

@@ -1,0 +1,181 @@
+"""The tensor-parallel target on Ray (BRIEF §1, §8): one `TPRank` actor per rank.
+
+`ShardedRunner` is the engine's `TargetRunner` on the driver side:
+  1. reserve a placement group of tp_size bundles on one node (STRICT_PACK), one per rank
+     ({"GPU": 1, "CPU": c} on a GPU cluster, {"CPU": c} on CPUs);
+  2. start one `TPRank` per bundle; rank 0 names the rendezvous (its node IP + a free port);
+  3. every rank loads the whole target, joins the process group, keeps its AutoTP shard
+     (`eagle2.tp`) and allocates its own KV cache (its share of the KV heads);
+  4. every runner call is sent to all ranks with the same inputs and waited for (lockstep:
+     the all-reduces inside the model need every rank); rank 0's result is returned.
+Committed lengths are mirrored on the driver so that the engine reads them without a call.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from eagle2.runner import LocalRunner
+from eagle2.target import TargetModel, embedded_model_dir, pick_device, pick_dtype
+from eagle2.tp import check_tp_size, init_tp, shard_target
+
+
+class TPRank:
+    """One tensor-parallel rank: a target shard and its KV cache (a Ray actor's body)."""
+
+    def __init__(self, rank: int, tp_size: int, target: str | None, dtype: str | None,
+                 num_slots: int, max_len: int):
+        torch.set_num_threads(1)  # ranks share the node's cores; the lead sizes them by bundle
+        self.rank, self.tp_size = rank, tp_size
+        self.target_spec, self.dtype = target, dtype
+        self.num_slots, self.max_len = num_slots, max_len
+        self.runner: LocalRunner | None = None
+        self.device = pick_device()  # cuda:0 when Ray gave this actor a GPU
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port: the rendezvous of the process group (rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def start(self, master_addr: str, master_port: int) -> dict:
+        """Load the target on CPU, join the group, keep this rank's shard on the device."""
+        dtype = pick_dtype(self.dtype, self.device)
+        target = TargetModel.load(self.target_spec, dtype=dtype, device="cpu")
+        check_tp_size(target.config, self.tp_size)  # every rank fails here alike, before joining
+        init_tp(self.rank, self.tp_size, master_addr, master_port)
+        target = shard_target(target, self.tp_size, device=str(self.device))
+        self.runner = LocalRunner(target, self.num_slots, self.max_len)
+        return {"vocab_size": target.vocab_size, "device": str(target.device),
+                "dtype": str(target.dtype), "local_kv_heads": target.local_kv_heads()}
+
+    def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
+        """Rank 0 returns (features, logits) on CPU; the others return None (same values)."""
+        dev = self.runner.device
+        features, logits = self.runner.forward(
+            tokens.to(dev), positions.to(dev), tree_mask.to(dev), slots.to(dev),
+            None if logit_index is None else logit_index.to(dev))
+        return (features.cpu(), logits.cpu()) if self.rank == 0 else None
+
+    def commit(self, slots, node_idx, kept) -> None:
+        dev = self.runner.device
+        self.runner.commit(slots.to(dev), node_idx.to(dev), kept.to(dev))
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.runner.copy_slot(src, dst)
+
+    def set_lengths(self, slots, values) -> None:
+        self.runner.set_lengths(slots.to(self.runner.device), values.to(self.runner.device))
+
+    def lengths(self) -> torch.Tensor:
+        return self.runner.lengths.cpu()
+
+
+class ShardedRunner:
+    """The target split over tp_size `TPRank` actors, driven in lockstep (a TargetRunner)."""
+
+    def __init__(self, tp_size: int, num_slots: int, max_len: int, target: str | None = None,
+                 dtype: str | None = None, use_gpu: bool = False, cpus_per_rank: float = 1.0,
+                 placement: PlacementGroup | None = None, first_bundle: int = 0,
+                 timeout_s: float = 600.0):
+        """target: a model directory, a .gguf file or None (the embedded SmolLM2); dtype: None
+        = fp32 on CPU, bf16 on GPU. num_slots, max_len: each rank's KV cache, as LocalRunner.
+        placement: use these bundles (first_bundle ..) of an existing placement group, e.g. a
+        Serve replica's, instead of reserving one (then it is not removed on shutdown).
+        timeout_s: how long one lockstep call (or the start) may take before TimeoutError.
+        """
+        _check_target(target, tp_size)
+        self.tp_size, self.timeout_s = tp_size, timeout_s
+        self.device = torch.device("cpu")  # where the engine's tensors live (the driver)
+        self._lengths = torch.zeros(num_slots, dtype=torch.long)  # [slots] mirror of the ranks'
+        self._own_placement = placement is None
+        if placement is None:
+            bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if use_gpu else {})}
+            placement = placement_group([dict(bundle) for _ in range(tp_size)],
+                                        strategy="STRICT_PACK")
+        self.placement = placement
+        self.actors: list = []
+        try:
+            self._gather([placement.ready()])
+            actor_cls = ray.remote(TPRank)
+            self.actors = [actor_cls.options(
+                num_cpus=cpus_per_rank, num_gpus=1 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement, placement_group_bundle_index=first_bundle + rank),
+            ).remote(rank, tp_size, target, dtype, num_slots, max_len)
+                for rank in range(tp_size)]
+            master_addr, master_port = self._gather([self.actors[0].address.remote()])[0]
+            infos = self._gather([a.start.remote(master_addr, master_port) for a in self.actors])
+        except BaseException:
+            self.shutdown()
+            raise
+        self.info = infos[0]  # vocab_size, device, dtype and local_kv_heads of rank 0
+        self.vocab_size = infos[0]["vocab_size"]
+
+    # ----- TargetRunner -----------------------------------------------------------------------
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
+        return self._all("forward", tokens, positions, tree_mask, slots, logit_index)[0]
+
+    def commit(self, slots, node_idx, kept) -> None:
+        self._all("commit", slots, node_idx, kept)
+        self._lengths[slots.cpu()] += kept.cpu()
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._all("copy_slot", src, dst)
+        self._lengths[dst] = self._lengths[src]
+
+    def set_lengths(self, slots, values) -> None:
+        self._all("set_lengths", slots, values)
+        self._lengths[slots.cpu()] = values.cpu()
+
+    # ----- lifecycle and checks ---------------------------------------------------------------
+    def rank_lengths(self) -> list[torch.Tensor]:
+        """Each rank's committed lengths (they must all equal `lengths`)."""
+        return self._all("lengths")
+
+    def shutdown(self) -> None:
+        """Kill the rank actors and release the placement group (if this runner reserved it)."""
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        if self._own_placement and self.placement is not None:
+            remove_placement_group(self.placement)
+        self.placement = None
+
+    def _all(self, method: str, *args):
+        """Call `method` on every rank with the same arguments; all results, rank order."""
+        if not self.actors:
+            raise RuntimeError("this ShardedRunner is shut down")
+        return self._gather([getattr(actor, method).remote(*args) for actor in self.actors])
+
+    def _gather(self, refs: list) -> list:
+        """ray.get, but a failed rank raises at once (its peers would wait in an all-reduce)."""
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
+            if not done:
+                raise TimeoutError(f"tensor-parallel call still running after {self.timeout_s} s")
+            ray.get(done)
+        return ray.get(refs)
+
+
+def _check_target(target: str | None, tp_size: int) -> None:
+    """Fail on the driver, before reserving anything, when the model cannot be split."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    path = embedded_model_dir() if target is None else Path(target)
+    if path.is_dir():  # a .gguf file is checked by the ranks
+        from transformers import AutoConfig
+
+        check_tp_size(AutoConfig.from_pretrained(path), tp_size)
