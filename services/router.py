@@ -9,7 +9,6 @@ Also answers grpc.health.v1 Check on the same port.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
 from dataclasses import asdict
@@ -33,19 +32,14 @@ class Overloaded(Exception):
     """Too many admitted requests."""
 
 
-@contextlib.contextmanager
-def grpc_errors(grpc_context):
-    """The one mapping from exceptions to gRPC status codes."""
-    try:
-        yield
-    except ValueError as e:
-        grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-        grpc_context.set_details(str(e))
-        raise
-    except Overloaded as e:
-        grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        grpc_context.set_details(str(e))
-        raise
+def set_status(grpc_context, e: Exception) -> None:
+    """The one mapping from exceptions to gRPC status codes (anything else: INTERNAL)."""
+    code = {ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+            Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED}.get(type(e), grpc.StatusCode.INTERNAL)
+    grpc_context.set_code(code)
+    grpc_context.set_details(str(e))
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("request failed", exc_info=e)
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -120,13 +114,15 @@ class Router:
             self.admitted -= 1
 
     async def GenerateStream(self, request, grpc_context):
-        with grpc_errors(grpc_context):
+        try:
             async for msg in self._stream(request):
                 yield msg
+        except (ValueError, Overloaded, RuntimeError) as e:
+            set_status(grpc_context, e)
 
     async def Generate(self, request, grpc_context):
-        with grpc_errors(grpc_context):
-            out = eagle2_pb2.GenerateResponse()
+        out = eagle2_pb2.GenerateResponse()
+        try:
             async for msg in self._stream(request):
                 out.text += msg.text_delta
                 out.token_ids.extend(msg.token_ids)
@@ -134,7 +130,10 @@ class Router:
                     out.finish_reason = msg.finish_reason
                     out.usage.CopyFrom(msg.usage)
                     out.stats.CopyFrom(msg.stats)
-            return out
+        except (ValueError, Overloaded, RuntimeError) as e:
+            set_status(grpc_context, e)
+            return eagle2_pb2.GenerateResponse()
+        return out
 
     async def ModelInfo(self, request, grpc_context):
         info = await self.engine.info.remote()
