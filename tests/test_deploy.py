@@ -1,0 +1,121 @@
+"""Deployment artifacts: the Serve config, the RayService manifest, a published-layout head."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE = ROOT / "deploy" / "serve-llama3-70b.yaml"
+RAYSERVICE = ROOT / "deploy" / "rayservice-llama3-70b.yaml"
+
+
+def serve_config() -> dict:
+    return yaml.safe_load(SERVE.read_text())
+
+
+def test_serve_config_resolves_to_the_app_builder_and_typed_config():
+    from ray.serve import Application
+
+    from services.config import ServiceConfig
+
+    conf = serve_config()
+    app = conf["applications"][0]
+    module, attr = app["import_path"].split(":")
+    builder = getattr(importlib.import_module(module), attr)
+    from services.app import build_app
+
+    assert builder is build_app
+    cfg = ServiceConfig(**app["args"])
+    assert cfg.tp_size == 4 and cfg.use_gpu and cfg.draft_placement == "worker"
+    assert cfg.target.startswith("/mnt/models/") and cfg.draft.startswith("/mnt/models/")
+    assert isinstance(build_app(app["args"]), Application)  # builds the graph, deploys nothing
+    grpc = conf["grpc_options"]
+    assert grpc["port"] == cfg.grpc_port == 9000
+    for path in grpc["grpc_servicer_functions"]:
+        module, _, name = path.rpartition(".")
+        assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_serve_config_layout_is_one_the_planner_accepts():
+    import argparse
+
+    from eagle2 import plan
+    from eagle2.plan import run
+
+    p = argparse.ArgumentParser()
+    plan.add_arguments(p)
+    args = p.parse_args(["--model", "llama-3-70b", "--gpus", "8", "--gpu-mem", "80", "--tp",
+                         str(serve_config()["applications"][0]["args"]["tp_size"])])
+    assert run(args) == 0
+
+
+def test_rayservice_carries_the_same_serve_config_and_enough_gpus():
+    manifest = yaml.safe_load(RAYSERVICE.read_text())
+    assert manifest["kind"] == "RayService" and manifest["apiVersion"] == "ray.io/v1"
+    spec = manifest["spec"]
+    assert yaml.safe_load(spec["serveConfigV2"]) == serve_config()
+    args = serve_config()["applications"][0]["args"]
+    groups = spec["rayClusterConfig"]["workerGroupSpecs"]
+    gpus = [int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
+            for g in groups for c in g["template"]["spec"]["containers"]]
+    assert max(gpus) >= args["tp_size"] + 1  # the TP ranks plus the draft worker's GPU
+    head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {"name": "serve-grpc", "containerPort": 9000} in head["ports"]
+    worker = groups[0]["template"]["spec"]["containers"][0]
+    assert "readinessProbe" in worker
+
+
+def test_head_in_published_llama3_70b_layout_loads(tmp_path):
+    """EAGLE-LLaMA3-Instruct-70B's key names and config fields, at shrunk dimensions."""
+    import json
+
+    from conftest import make_engine, random_prompts, run, tiny_target
+
+    from eagle2.config import SamplingParams, TreeConfig
+    from eagle2.drafter import Drafter
+    from eagle2.engine import Engine
+    from eagle2.head import load_head
+    from eagle2.runner import LocalRunner
+
+    h, inter, heads, kv, vocab = 64, 128, 4, 2, 48
+    config = {  # the published config.json's fields (values shrunk)
+        "architectures": ["LlamaForCausalLM"], "bias": False, "bos_token_id": 128000,
+        "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": h,
+        "initializer_range": 0.02, "intermediate_size": inter, "max_position_embeddings": 8192,
+        "model_type": "llama", "num_attention_heads": heads, "num_hidden_layers": 1,
+        "num_key_value_heads": kv, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "torch_dtype": "float16", "transformers_version": "4.28.1", "use_cache": True,
+        "vocab_size": vocab,
+    }
+    g = torch.Generator().manual_seed(0)
+    d = h // heads
+    shapes = {
+        "fc.weight": (h, 2 * h), "embed_tokens.weight": (vocab, h),
+        "layers.0.self_attn.q_proj.weight": (heads * d, h),
+        "layers.0.self_attn.k_proj.weight": (kv * d, h),
+        "layers.0.self_attn.v_proj.weight": (kv * d, h),
+        "layers.0.self_attn.o_proj.weight": (h, heads * d),
+        "layers.0.mlp.gate_proj.weight": (inter, h), "layers.0.mlp.up_proj.weight": (inter, h),
+        "layers.0.mlp.down_proj.weight": (h, inter),
+        "layers.0.post_attention_layernorm.weight": (h,),
+    }
+    state = {k: (torch.randn(s, generator=g) * 0.05).half() for k, s in shapes.items()}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    head = load_head(tmp_path, dtype=torch.float32)
+    assert head.fc.bias is None
+    torch.testing.assert_close(head.fc.weight, state["fc.weight"].float())
+    # ... and drives a lossless generation through the engine like any head
+    target = tiny_target(vocab=vocab, hidden=h, heads=heads, kv_heads=kv, seed=2)
+    drafter = Drafter(head, target.embed, target.lm_head, max_slots=2, max_len=256)
+    engine = Engine(LocalRunner(target, 2, 256 + Engine.tree_margin), drafter, 2, 256)
+    prompts = random_prompts(2, vocab, seed=1)
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    tree = TreeConfig("eagle2", total_tokens=10, depth=3, top_k=3)
+    assert run(engine, prompts, greedy, tree) == run(make_engine(target, None), prompts, greedy,
+                                                     TreeConfig("vanilla"))

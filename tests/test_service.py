@@ -1,0 +1,161 @@
+"""The service end to end: real Ray Serve, real gRPC, the embedded model (no mocks).
+
+One app is deployed for the module (about a minute to start on 2 cores): router -> target
+engine (one TP rank actor) -> draft worker (its own replica process, reached over gRPC).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import grpc
+import pytest
+
+from eagle2.config import SamplingParams
+
+pytest.importorskip("ray")
+
+PORT = 19000
+CONFIG = {"max_batch_size": 8, "max_context": 512, "max_tokens_limit": 256,
+          "default_max_tokens": 24, "grpc_port": PORT, "max_queued_requests": 32}
+PROMPTS = ["Write a haiku about the sea.", "Name three fruits.", "What is 7 times 8?",
+           "Say hello in French.", "Describe a cat in one sentence.", "What is Python?",
+           "Give me a color.", "Count from one to five."]
+
+
+@pytest.fixture(scope="module")
+def service():
+    import ray
+    from ray import serve
+
+    from services.cli_serve import start
+
+    handle = start(CONFIG)
+    yield handle
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    from services.client import Eagle2Client
+
+    with Eagle2Client(f"localhost:{PORT}") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def local():
+    from eagle2.api import Eagle2
+
+    return Eagle2.load(max_batch=1, max_context=512, dtype="float32", device="cpu")
+
+
+def stream_ids(client, prompt, **kw) -> tuple[list[int], str, object]:
+    ids, text, last = [], "", None
+    for msg in client.stream(prompt, **kw):
+        ids.extend(msg.token_ids)
+        text += msg.text_delta
+        last = msg
+    return ids, text, last
+
+
+def test_stream_equals_inprocess_and_plain_greedy(client, local):
+    ids, text, last = stream_ids(client, PROMPTS[0], max_tokens=24)
+    params = SamplingParams(max_tokens=24)
+    spec = local.generate([PROMPTS[0]], params, mode="eagle2")[0]
+    plain = local.generate([PROMPTS[0]], params, mode="vanilla")[0]
+    assert ids == spec.token_ids == plain.token_ids
+    assert text == spec.text
+    assert last.usage.completion_tokens == len(ids)
+    assert last.stats.num_steps >= 1 and last.stats.mode == "eagle2"
+    unary = client.generate(PROMPTS[0], max_tokens=24)
+    assert list(unary.token_ids) == ids and unary.text == text
+
+
+def test_concurrent_streams_are_batched_and_each_equals_solo(client, local, service):
+    service.engine_stats.remote().result()  # warm
+    before = len(service.engine_stats.remote().result()["batch_sizes"])
+    results: dict[int, list[int]] = {}
+
+    def worker(i):
+        results[i] = stream_ids(client, PROMPTS[i], max_tokens=20)[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    solo = local.generate(PROMPTS, SamplingParams(max_tokens=20), mode="vanilla")
+    for i in range(8):
+        assert results[i] == solo[i].token_ids, PROMPTS[i]
+    sizes = service.engine_stats.remote().result()["batch_sizes"][before:]
+    assert max(sizes) >= 4, sizes  # verified together, not one by one
+
+
+def test_draft_worker_is_another_process_reached_over_grpc(client, service):
+    from services.draft_client import RemoteDrafter
+
+    stats = service.engine_stats.remote().result()
+    assert stats["draft"].startswith("worker@")
+    worker = RemoteDrafter(stats["draft"].removeprefix("worker@"))
+    health = worker.health()
+    assert health.status == "SERVING"
+    assert health.pid not in (stats["pid"], os.getpid())
+    client.generate(PROMPTS[1], max_tokens=12)
+    after = worker.health()
+    assert after.draft_requests > health.draft_requests  # the worker's own gRPC counter
+    assert service.engine_stats.remote().result()["draft_rpc_calls"] > stats["draft_rpc_calls"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=""), "empty prompt"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=100000), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(mode="beam"), "mode"),
+    (dict(prompt=[5] * 600), "context"),
+])
+def test_bad_requests_get_invalid_argument(client, kwargs, message):
+    prompt = kwargs.pop("prompt", "Hello")
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt, **kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+
+
+def test_good_stream_unaffected_by_bad_requests(client, local):
+    expected = local.generate([PROMPTS[2]], SamplingParams(max_tokens=24), mode="vanilla")[0]
+    out = {}
+    t = threading.Thread(target=lambda: out.update(ids=stream_ids(client, PROMPTS[2],
+                                                                  max_tokens=24)[0]))
+    t.start()
+    for bad in ({"max_tokens": 0}, {"temperature": -2.0}, {"mode": "nope"}):
+        with pytest.raises(grpc.RpcError):
+            client.generate("Hi", **bad)
+    t.join()
+    assert out["ids"] == expected.token_ids
+
+
+def test_model_info_and_health(client):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    info = client.model_info()
+    assert info.tp_size == 1 and info.draft_placement == "worker"
+    assert info.vocab_size == 49152 and info.max_context == 512
+    stub = health_pb2_grpc.HealthStub(client.channel)
+    resp = stub.Check(health_pb2.HealthCheckRequest(), metadata=client.metadata)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_stop_strings_and_seeded_sampling(client):
+    a = client.generate(PROMPTS[7], max_tokens=40, temperature=0.8, seed=3)
+    b = client.generate(PROMPTS[7], max_tokens=40, temperature=0.8, seed=3)
+    assert list(a.token_ids) == list(b.token_ids)
+    base = client.generate(PROMPTS[7], max_tokens=40)
+    word = base.text.split()[2]
+    cut = client.generate(PROMPTS[7], max_tokens=40, stop=[word])
+    assert word not in cut.text and base.text.startswith(cut.text)
