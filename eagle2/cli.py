@@ -22,6 +22,7 @@ COMMANDS = {
     "plan": ("eagle2.plan", "plan GPU placement and memory for a model"),
     "serve": ("services.cli_serve", "start Ray Serve with the gRPC service (port 9000)"),
     "client": ("services.client", "call a running service over gRPC"),
+    "bench-service": ("services.bench_service", "benchmark the service against in-process"),
 }
 
 
