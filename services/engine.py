@@ -86,6 +86,7 @@ class TargetEngine:
         s = self.engine.stats
         out = asdict(s)
         out["pid"] = os.getpid()
+        out["active"] = len(self.engine.seqs) + len(self.engine.waiting)
         out["draft"] = self.draft_desc
         out["draft_rpc_calls"] = getattr(self.drafter, "calls", None)
         out["draft_rpc_s"] = getattr(self.drafter, "rpc_s", None)

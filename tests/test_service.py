@@ -18,7 +18,7 @@ pytest.importorskip("ray")
 
 PORT = 19000
 CONFIG = {"max_batch_size": 8, "max_context": 512, "max_tokens_limit": 256,
-          "default_max_tokens": 24, "grpc_port": PORT, "max_queued_requests": 32}
+          "default_max_tokens": 24, "grpc_port": PORT, "max_queued_requests": 8}
 PROMPTS = ["Write a haiku about the sea.", "Name three fruits.", "What is 7 times 8?",
            "Say hello in French.", "Describe a cat in one sentence.", "What is Python?",
            "Give me a color.", "Count from one to five."]
@@ -159,3 +159,36 @@ def test_stop_strings_and_seeded_sampling(client):
     word = base.text.split()[2]
     cut = client.generate(PROMPTS[7], max_tokens=40, stop=[word])
     assert word not in cut.text and base.text.startswith(cut.text)
+
+
+def test_cancelled_stream_frees_the_engine(client, service):
+    import time
+
+    stream = client.stream(PROMPTS[4], max_tokens=200, mode="vanilla")
+    first = next(stream)
+    assert first.token_ids
+    stream.cancel()  # the client goes away
+    deadline = time.time() + 60
+    while time.time() < deadline and service.engine_stats.remote().result()["active"]:
+        time.sleep(0.5)
+    assert service.engine_stats.remote().result()["active"] == 0
+
+
+def test_admission_queue_full_gives_resource_exhausted(client):
+    codes: list = []
+
+    def worker(i):
+        try:
+            client.generate(PROMPTS[i % 8], max_tokens=40, mode="vanilla")
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
+    assert codes.count(grpc.StatusCode.OK) >= 8
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}

@@ -1,0 +1,41 @@
+"""`eagle2 generate` end to end (a subprocess, the embedded model) and prompt encoding."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_generate_json_equals_plain_greedy(smol):
+    cmd = [sys.executable, "-m", "eagle2.cli", "generate", "Name a planet.", "--max-tokens",
+           "16", "--json", "--max-tokens", "16"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"text", "token_ids", "num_steps", "tau", "tokens_per_s"} <= set(got)
+    from eagle2.config import SamplingParams
+
+    ref = smol.generate(["Name a planet."], SamplingParams(max_tokens=16), mode="vanilla")[0]
+    assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
+    assert got["tau"] == pytest.approx(len(ref.token_ids) / got["num_steps"], rel=1e-3)
+
+
+def test_bad_cli_input_exits_with_message():
+    cmd = [sys.executable, "-m", "eagle2.cli", "generate", "hi", "--temperature", "-1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "temperature" in out.stderr
+
+
+def test_chat_template_is_applied_like_transformers(smol):
+    tok = smol.tokenizer
+    msg = [{"role": "user", "content": "Hello there"}]
+    expected = tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=True)
+    if hasattr(expected, "keys"):
+        expected = expected["input_ids"]
+    assert smol.encode("Hello there") == list(expected)
+    assert smol.encode(msg) == list(expected)
+    assert smol.encode("Hello there", chat=False) == tok("Hello there")["input_ids"]
+    with pytest.raises(ValueError, match="empty prompt"):
+        smol.encode("")
