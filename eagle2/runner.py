@@ -59,4 +59,5 @@ class LocalRunner:
         self.cache.copy_slot(src, dst)
 
     def set_lengths(self, slots, values) -> None:
-        self.cache.lengths[slots] = values
+        dev = self.cache.lengths.device
+        self.cache.lengths[slots.to(dev)] = values.to(dev)
