@@ -102,6 +102,7 @@ class ShardedRunner:
                                         strategy="STRICT_PACK")
         self.placement = placement
         self.actors: list = []
+        self._unchecked: list = []  # refs of calls sent without waiting (commit, ...)
         try:
             self._gather([placement.ready()])
             actor_cls = ray.remote(TPRank)
@@ -127,16 +128,18 @@ class ShardedRunner:
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
         return self._all("forward", tokens, positions, tree_mask, slots, logit_index)[0]
 
+    # Cache updates return nothing, so they are sent without waiting: each rank runs its calls
+    # in the order sent, and the next waiting call (the next forward) checks them for errors.
     def commit(self, slots, node_idx, kept) -> None:
-        self._all("commit", slots, node_idx, kept)
+        self._all("commit", slots, node_idx, kept, wait=False)
         self._lengths[slots.cpu()] += kept.cpu()
 
     def copy_slot(self, src: int, dst: int) -> None:
-        self._all("copy_slot", src, dst)
+        self._all("copy_slot", src, dst, wait=False)
         self._lengths[dst] = self._lengths[src]
 
     def set_lengths(self, slots, values) -> None:
-        self._all("set_lengths", slots, values)
+        self._all("set_lengths", slots, values, wait=False)
         self._lengths[slots.cpu()] = values.cpu()
 
     # ----- lifecycle and checks ---------------------------------------------------------------
@@ -148,16 +151,22 @@ class ShardedRunner:
         """Kill the rank actors and release the placement group (if this runner reserved it)."""
         for actor in self.actors:
             ray.kill(actor)
-        self.actors = []
+        self.actors, self._unchecked = [], []
         if self._own_placement and self.placement is not None:
             remove_placement_group(self.placement)
         self.placement = None
 
-    def _all(self, method: str, *args):
-        """Call `method` on every rank with the same arguments; all results, rank order."""
+    def _all(self, method: str, *args, wait: bool = True) -> list:
+        """Call `method` on every rank with the same arguments; all results in rank order
+        (wait=False: none, the calls are checked with the next waiting one)."""
         if not self.actors:
             raise RuntimeError("this ShardedRunner is shut down")
-        return self._gather([getattr(actor, method).remote(*args) for actor in self.actors])
+        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
+        if not wait:
+            self._unchecked += refs
+            return []
+        earlier, self._unchecked = self._unchecked, []
+        return self._gather(earlier + refs)[len(earlier):]
 
     def _gather(self, refs: list) -> list:
         """ray.get, but a failed rank raises at once (its peers would wait in an all-reduce)."""

@@ -1,0 +1,211 @@
+"""eagle2.tp + services.tp_runner: the tensor-parallel target is lossless (BRIEF §1, §8).
+
+Real Ray actors, real DeepSpeed AutoTP and real gloo all-reduces on CPU, no mocks: through the
+engine, a target sharded over tp ranks gives exactly the greedy tokens of the unsharded target
+in this process (LocalRunner), with tree verification (eagle2) and without (vanilla), while
+requests of different lengths finish and move cache slots. Every rank's committed lengths are
+checked against the driver's mirror after every step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections import Counter
+
+import pytest
+import torch
+from conftest import random_prompts, tiny_target
+
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.drafter import Drafter
+from eagle2.engine import Engine, Request
+from eagle2.head import new_head
+from eagle2.runner import LocalRunner
+from eagle2.target import TargetModel
+from eagle2.tp import check_tp_size, shard_target
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None or importlib.util.find_spec("deepspeed") is None,
+    reason="needs ray and deepspeed (pip install -e '.[serve]')")
+
+MAX_BATCH, MAX_CONTEXT = 3, 256
+MAX_TOKENS = (20, 12, 16)  # different lengths: requests finish apart and slots move
+TINY_TREES = {"eagle2": TreeConfig("eagle2", total_tokens=16, depth=4, top_k=4),
+              "vanilla": TreeConfig("vanilla")}
+SMOL_TREES = {"eagle2": TreeConfig("eagle2", total_tokens=8, depth=3, top_k=3),
+              "vanilla": TreeConfig("vanilla")}
+
+
+def make_engine(runner, target: TargetModel) -> Engine:
+    """An engine over `runner` whose (untrained) head uses the unsharded target's embeddings."""
+    head = new_head(target.config, seed=0)
+    drafter = Drafter(head, target.embed, target.lm_head, max_slots=MAX_BATCH,
+                      max_len=MAX_CONTEXT)
+    return Engine(runner, drafter, max_batch=MAX_BATCH, max_context=MAX_CONTEXT)
+
+
+def generate(engine: Engine, prompts: list[list[int]], tree: TreeConfig
+             ) -> tuple[list[list[int]], Counter]:
+    """New tokens per prompt and the accepted-draft-length histogram; checks the ranks' cache
+    lengths against the driver's mirror after every step (when the runner is sharded)."""
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True)
+        engine.add(Request(f"s{i}", tuple(p), params, tree))
+        out[f"s{i}"] = []
+    accepted: Counter = Counter()
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+            if ev.finished:
+                accepted.update(ev.accepted_at_depth)
+        if hasattr(engine.runner, "rank_lengths"):
+            for lengths in engine.runner.rank_lengths():
+                assert torch.equal(lengths, engine.runner.lengths)
+    return [out[f"s{i}"] for i in range(len(prompts))], accepted
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The driver shares the cores with the rank actors: multi-threaded matmuls oversubscribed
+    that way run many times slower (each actor runs one thread too)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False)  # logical CPUs: ranks oversubscribe 2 cores
+    yield
+    ray.shutdown()
+
+
+# ---------------------------------------------------------------- tp=2, tiny random Llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random Llama (4 heads, 2 KV heads, hidden 128: two 64-wide lm_head grains), saved."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    target = tiny_target(vocab=32, hidden=128, layers=2, heads=4, kv_heads=2, seed=1)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    target.hf.save_pretrained(path)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(path)
+    return target, str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2(ray_cluster, tiny):
+    from services.tp_runner import ShardedRunner
+
+    runner = ShardedRunner(2, MAX_BATCH, MAX_CONTEXT + Engine.tree_margin, target=tiny[1],
+                           cpus_per_rank=1)
+    yield runner
+    runner.shutdown()
+
+
+def test_tp2_shards_hold_one_kv_head_each(tiny_tp2):
+    assert tiny_tp2.info == {"vocab_size": 32, "device": "cpu", "dtype": "torch.float32",
+                             "local_kv_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_expected(tiny):
+    """Plain greedy decoding of the unsharded target in this process."""
+    prompts = random_prompts(3, 32, seed=1)
+    local = LocalRunner(tiny[0], MAX_BATCH, MAX_CONTEXT + Engine.tree_margin)
+    return prompts, generate(make_engine(local, tiny[0]), prompts, TreeConfig("vanilla"))[0]
+
+
+@pytest.mark.parametrize("mode", ["eagle2", "vanilla"])
+def test_tp2_tiny_llama_equals_unsharded_greedy(tiny, tiny_tp2, tiny_expected, mode):
+    prompts, expected = tiny_expected
+    got, accepted = generate(make_engine(tiny_tp2, tiny[0]), prompts, TINY_TREES[mode])
+    assert got == expected
+    assert [len(g) for g in got] == list(MAX_TOKENS)
+    if mode == "eagle2":  # some drafts were accepted: commit gathered tree entries on each rank
+        assert sum(n for depth, n in accepted.items() if depth > 0) > 0
+
+
+# ---------------------------------------------------------------- tp=3, embedded SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smol_target():
+    return TargetModel.load(dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def smol_tp3(ray_cluster, smol_target):
+    from services.tp_runner import ShardedRunner
+
+    runner = ShardedRunner(3, MAX_BATCH, MAX_CONTEXT + Engine.tree_margin, target=None,
+                           dtype="float32", cpus_per_rank=1)
+    yield runner
+    runner.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smol_expected(smol_target):
+    texts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
+    prompts = [smol_target.tokenizer(t)["input_ids"] for t in texts]
+    local = LocalRunner(smol_target, MAX_BATCH, MAX_CONTEXT + Engine.tree_margin)
+    return prompts, generate(make_engine(local, smol_target), prompts, TreeConfig("vanilla"))[0]
+
+
+@pytest.mark.parametrize("mode", ["eagle2", "vanilla"])
+def test_tp3_smollm2_equals_unsharded_greedy(smol_target, smol_tp3, smol_expected, mode):
+    assert smol_tp3.info["local_kv_heads"] == 1  # 3 KV heads over 3 ranks
+    prompts, expected = smol_expected
+    got, _ = generate(make_engine(smol_tp3, smol_target), prompts, SMOL_TREES[mode])
+    assert got == expected
+    assert [len(g) for g in got] == list(MAX_TOKENS)
+
+
+# ---------------------------------------------------------------- refused layouts
+
+
+def test_tp_sizes_that_do_not_split_the_kv_heads_are_refused(smol_target):
+    from services.tp_runner import ShardedRunner
+
+    smol = smol_target.config  # 9 heads, 3 KV heads
+    with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
+        check_tp_size(smol, 4)
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention / 3 KV"):
+        check_tp_size(smol, 2)
+    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        check_tp_size(smol, 0)
+    with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
+        ShardedRunner(4, 1, 64)  # refused on the driver: no placement group, no actors
+
+
+def test_shard_target_needs_the_process_group():
+    target = tiny_target(hidden=128, heads=4, kv_heads=2)
+    assert shard_target(target, 1).local_kv_heads() == 2  # tp=1: the model as it is
+    with pytest.raises(ValueError, match="needs init_tp with world_size 2 first"):
+        shard_target(target, 2)
+
+
+def test_a_rank_that_fails_to_start_raises_and_releases_its_bundles(ray_cluster, tmp_path):
+    import ray
+
+    from services.tp_runner import ShardedRunner
+
+    before = ray.available_resources().get("CPU")
+    with pytest.raises(ValueError, match="does not exist"):
+        ShardedRunner(1, 1, 64, target=str(tmp_path / "no-such-model.gguf"))
+    tables = ray.util.placement_group_table().values()
+    assert all(t["state"] == "REMOVED" for t in tables if t["strategy"] == "STRICT_PACK"
+               and len(t["bundles"]) == 1)
+    deadline = time.monotonic() + 30  # the removal is asynchronous
+    while ray.available_resources().get("CPU") != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == before
