@@ -10,7 +10,7 @@ committed length, overwritten by the next call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -111,6 +111,8 @@ class Drafter:
         last = out[rows, counts - 1]  # [B, H] predicted feature at the root's position
         if config.mode == "static":
             return self._expand_static(slots, root, last, config)
+        if config.mode == "chain":  # one child per level: a chain of depth + 1 drafts
+            config = replace(config, top_k=1)
         return self._expand_dynamic(slots, root, last, config)
 
     def _first_level(self, last: torch.Tensor, k: int) -> _Level:

@@ -53,7 +53,10 @@ def start(conf: dict, blocking: bool = False):
     if not ray.is_initialized():
         # logical CPUs: rank actors, the draft worker and the replicas share real cores
         ray.init(num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size, include_dashboard=False,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                               # idle OpenMP threads must not spin on cores
+                                               # the next process in the step needs
+                                               "OMP_WAIT_POLICY": "PASSIVE"}})
     serve.start(grpc_options=gRPCOptions(port=cfg.grpc_port,
                                          grpc_servicer_functions=SERVICER_FUNCTIONS),
                 http_options={"host": "127.0.0.1", "port": 8000})

@@ -41,6 +41,8 @@ class ServiceConfig(BaseModel):
     tp_size: int = Field(1, ge=1, le=64)
     # GPUs: each TP rank and the draft worker ask for one when true.
     use_gpu: bool = False
+    # CPUs reserved per TP rank (its placement-group bundle); also its torch threads.
+    cpus_per_rank: float = Field(1.0, gt=0)
     # "worker": the head runs in its own deployment, reached over gRPC; "inprocess": in the
     # engine replica (single-GPU deployments), otherwise the same code path.
     draft_placement: Literal["worker", "inprocess"] = "worker"

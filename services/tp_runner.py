@@ -30,8 +30,8 @@ class TPRank:
     """One tensor-parallel rank: a target shard and its KV cache (a Ray actor's body)."""
 
     def __init__(self, rank: int, tp_size: int, target: str | None, dtype: str | None,
-                 num_slots: int, max_len: int):
-        torch.set_num_threads(1)  # ranks share the node's cores; the lead sizes them by bundle
+                 num_slots: int, max_len: int, num_threads: int = 1):
+        torch.set_num_threads(num_threads)  # the rank's share of the node's cores (its bundle)
         self.rank, self.tp_size = rank, tp_size
         self.target_spec, self.dtype = target, dtype
         self.num_slots, self.max_len = num_slots, max_len
@@ -110,7 +110,8 @@ class ShardedRunner:
                 num_cpus=cpus_per_rank, num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=first_bundle + rank),
-            ).remote(rank, tp_size, target, dtype, num_slots, max_len)
+            ).remote(rank, tp_size, target, dtype, num_slots, max_len,
+                     max(1, int(cpus_per_rank)))
                 for rank in range(tp_size)]
             master_addr, master_port = self._gather([self.actors[0].address.remote()])[0]
             infos = self._gather([a.start.remote(master_addr, master_port) for a in self.actors])

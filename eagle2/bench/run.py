@@ -1,0 +1,293 @@
+"""`eagle2 bench`: tau, tokens/s and speedup of each mode against plain decoding (BRIEF §7).
+
+Batch size 1 (a latency benchmark). For each prompt every mode runs once, the order rotating
+from prompt to prompt, so that load noise from other processes hits all modes alike. Modes:
+vanilla (our engine, no drafting: the speedup baseline), eagle2 (dynamic tree), static (the
+EAGLE-1 tree cut to the same total_tokens), chain (top_k 1), hf (Hugging Face
+`model.generate` on the same target module: an outside baseline). The tree budget comes from
+the auto-tuner (`--tree auto`, the default) or from --total-tokens/--depth/--tree-top-k.
+Greedy runs check that every speculative mode's tokens equal vanilla's (`lossless`).
+Metric definitions: `eagle2.bench.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from eagle2.cli import add_model_arguments
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.tree import static_shape
+
+from . import report
+from .report import PromptRun
+
+ALL_MODES = ("vanilla", "eagle2", "static", "chain", "hf")
+PHASE_FIELDS = {"draft": "draft_s", "verify": "verify_s", "prefill": "prefill_s",
+                "other": "other_s"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", action="append", default=None,
+                   help="mt_bench | humaneval (repeatable or comma list; default mt_bench)")
+    p.add_argument("--num-prompts", type=int, default=10, help="prompts per suite")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="T > 0: prompt i is sampled with seed+i")
+    p.add_argument("--modes", default=",".join(ALL_MODES),
+                   help=f"comma list of {', '.join(ALL_MODES)}")
+    p.add_argument("--tree", choices=("auto", "fixed"), default=None,
+                   help="auto: run the tree-budget tuner first (default unless a size is given)")
+    p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. the root")
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--tree-top-k", type=int, default=None, help="draft tree branching")
+    p.add_argument("--out", default=None, help="output folder (default runs/bench-<timestamp>)")
+    p.add_argument("--warmup", action="store_true", help="one short untimed run per mode first")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's); 1 suffers least on a shared machine")
+    add_model_arguments(p)
+
+
+def parse_list(values: list[str], allowed: tuple[str, ...], what: str) -> list[str]:
+    """['a,b', 'c'] -> ['a', 'b', 'c'] (deduplicated, in order), each checked."""
+    items = list(dict.fromkeys(x.strip() for v in values for x in v.split(",") if x.strip()))
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise ValueError(f"unknown {what} {bad or values}; use one of {', '.join(allowed)}")
+    return items
+
+
+def tree_source(args) -> str:
+    explicit = any(getattr(args, f) is not None for f in ("total_tokens", "depth", "tree_top_k"))
+    if args.tree == "auto" and explicit:
+        raise ValueError("--tree auto picks the tree itself; drop --total-tokens/--depth/"
+                         "--tree-top-k or use --tree fixed")
+    return args.tree or ("fixed" if explicit else "auto")
+
+
+def fixed_tree(args) -> TreeConfig:
+    fields = {k: v for k, v in (("total_tokens", args.total_tokens), ("depth", args.depth),
+                                ("top_k", args.tree_top_k)) if v is not None}
+    return TreeConfig("eagle2", **fields)
+
+
+def mode_trees(modes: list[str], tree: TreeConfig, chain: TreeConfig) -> dict[str, TreeConfig]:
+    """The TreeConfig each engine mode runs with; static gets eagle2's total_tokens."""
+    trees = {"vanilla": TreeConfig("vanilla"), "eagle2": tree,
+             "static": replace(tree, mode="static"), "chain": chain}
+    return {m: trees[m] for m in modes if m in trees}
+
+
+def tree_nodes(tree: TreeConfig) -> int:
+    """Nodes actually verified (the static tree has at most 26)."""
+    if tree.mode == "static":
+        return 1 + sum(len(level) for level in static_shape(tree.total_tokens))
+    return tree.num_nodes
+
+
+def draft_levels(tree: TreeConfig | None) -> int | None:
+    if tree is None or tree.mode == "vanilla":
+        return None
+    return len(static_shape(tree.total_tokens)) if tree.mode == "static" else tree.depth + 1
+
+
+# ----- one generation ---------------------------------------------------------------------------
+def run_engine(llm, tree: TreeConfig, ids: list[int], params: SamplingParams,
+               prompt_id: str) -> PromptRun:
+    before = asdict(llm.engine.stats)
+    out = llm.generate_ids([llm.request(ids, params, tree)])[0]
+    after = asdict(llm.engine.stats)
+    phase = {p: after[f] - before[f] for p, f in PHASE_FIELDS.items()}
+    return PromptRun(prompt_id, len(ids), out.token_ids, out.num_steps, out.wall_s,
+                     out.finish_reason, dict(out.accepted_at_depth), phase)
+
+
+@torch.inference_mode()
+def run_hf(llm, ids: list[int], params: SamplingParams, prompt_id: str) -> PromptRun:
+    """HF `generate` on the same target module, explicit attention mask, same stop rules."""
+    from transformers import GenerationConfig
+
+    eos = sorted(llm.eos_ids())
+    sample = not params.greedy
+    config = GenerationConfig(
+        max_new_tokens=params.max_tokens, do_sample=sample,
+        temperature=params.temperature if sample else None,
+        top_p=params.top_p if sample else None, top_k=params.top_k if sample else None,
+        eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
+    input_ids = torch.tensor([ids], device=llm.target.device)
+    if sample:
+        torch.manual_seed(params.seed if params.seed is not None else 0)
+    t0 = time.perf_counter()
+    out = llm.target.hf.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                 generation_config=config)
+    wall = time.perf_counter() - t0
+    new = out[0, len(ids):].tolist()
+    reason = "stop" if new and new[-1] in eos else "length"
+    return PromptRun(prompt_id, len(ids), new, len(new), wall, reason)
+
+
+def run_mode(llm, mode: str, trees: dict, ids: list[int], params: SamplingParams,
+             prompt_id: str) -> PromptRun:
+    if mode == "hf":
+        return run_hf(llm, ids, params, prompt_id)
+    return run_engine(llm, trees[mode], ids, params, prompt_id)
+
+
+# ----- the benchmark ----------------------------------------------------------------------------
+def run(args) -> int:
+    """Validate, load, tune (or take the given tree), run the interleaved loop, report."""
+    from .prompts import load_suite, suite_names
+
+    suites = parse_list(args.suite or ["mt_bench"], suite_names(), "suite")
+    modes = parse_list([args.modes], ALL_MODES, "mode")
+    source = tree_source(args)
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    max_tokens=args.max_tokens)
+    SamplingParams(**sampling)  # validate before loading anything
+    prompts = {s: load_suite(s, args.num_prompts) for s in suites}
+    threads = torch.get_num_threads()
+    try:  # the thread count is process-wide: put it back for in-process callers (tests)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return _bench(args, prompts, modes, source, sampling)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -> int:
+    from eagle2.api import Eagle2
+
+    out_dir = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start, load_start = time.perf_counter(), _loadavg()
+    if load_start and load_start[0] > (os.cpu_count() or 1):
+        print(f"warning: load average {load_start[0]} on {os.cpu_count()} CPUs: timings will be "
+              f"noisy (with --threads 1 torch suffers less from oversubscription)",
+              file=sys.stderr)
+    llm = Eagle2.load(args.target, args.draft, dtype=args.dtype, device=args.device, max_batch=1)
+    trees, tuned = _trees(llm, args, modes, source)
+    greedy = args.temperature == 0
+    if args.warmup:
+        first = llm.encode(next(iter(prompts.values()))[0].user_message)
+        for mode in modes:
+            run_mode(llm, mode, trees, first, SamplingParams(**{**sampling, "max_tokens": 8},
+                                                             seed=args.seed), "warmup")
+    runs = _loop(llm, prompts, modes, trees, sampling, None if greedy else args.seed)
+    levels = {m: draft_levels(trees.get(m)) for m in modes}
+    results = {
+        "definitions": report.DEFINITIONS,
+        "config": {
+            "suites": list(prompts), "num_prompts": args.num_prompts, **sampling,
+            "seed": args.seed, "modes": modes,
+            "order": "per prompt every mode, order rotating by one each prompt",
+            "batch_size": 1, "warmup": args.warmup, "target": llm.target.name,
+            "draft": _head_name(args, llm), "tree_source": source,
+            "trees": {m: {**asdict(t), "num_nodes": tree_nodes(t)} for m, t in trees.items()},
+        },
+        "machine": _machine(llm, load_start),
+        "tuner": tuned.to_json() if tuned else None,
+        "suites": {s: report.finish_suite(runs[s], greedy, levels) for s in prompts},
+    }
+    checks = [s["lossless"] for s in results["suites"].values()]
+    results["lossless"] = None if None in checks else all(checks)
+    results["wall_s"] = round(time.perf_counter() - t_start, 2)
+    report.write_json(out_dir / "results.json", results)
+    report.plot(out_dir / "bench.png", results["suites"])
+    print(_trees_line(trees))
+    print(report.summary_table(results["suites"]))
+    for name, suite in results["suites"].items():
+        for m in suite["mismatches"]:
+            print(f"LOSSLESS FAILURE {name} {m}", file=sys.stderr)
+    print(f"lossless: {report.fmt_bool(results['lossless'])}; wrote "
+          f"{out_dir / 'results.json'} and {out_dir / 'bench.png'}")
+    return 1 if results["lossless"] is False else 0
+
+
+def _trees(llm, args, modes: list[str], source: str):
+    """-> ({mode: TreeConfig}, TuneResult or None)."""
+    tuned = None
+    if source == "auto" and set(modes) & {"eagle2", "static", "chain"}:
+        from .autotune import tune
+
+        print("tuning the tree budget on this machine ...", file=sys.stderr)
+        tuned = tune(llm)
+        print(tuned.format())
+        tree, chain = tuned.tree(), tuned.chain()
+    else:
+        tree = fixed_tree(args)
+        chain = TreeConfig("chain", total_tokens=tree.depth + 2, depth=tree.depth, top_k=1)
+    return mode_trees(modes, tree, chain), tuned
+
+
+def _loop(llm, prompts: dict, modes: list[str], trees: dict, sampling: dict,
+          seed: int | None) -> dict[str, dict[str, list[PromptRun]]]:
+    """Every prompt in every mode, the mode order rotating by one from prompt to prompt."""
+    from tqdm import tqdm
+
+    runs: dict[str, dict[str, list[PromptRun]]] = {s: {m: [] for m in modes} for s in prompts}
+    total = sum(len(ps) for ps in prompts.values()) * len(modes)
+    turn = 0
+    with tqdm(total=total, desc="bench", unit="gen", file=sys.stderr) as bar:
+        for suite, suite_prompts in prompts.items():
+            for i, prompt in enumerate(suite_prompts):
+                ids = llm.encode(prompt.user_message)
+                params = SamplingParams(**sampling, seed=None if seed is None else seed + i)
+                for mode in modes[turn % len(modes):] + modes[:turn % len(modes)]:
+                    bar.set_postfix_str(f"{suite} {prompt.prompt_id} {mode}")
+                    runs[suite][mode].append(run_mode(llm, mode, trees, ids, params,
+                                                      prompt.prompt_id))
+                    bar.update(1)
+                turn += 1
+    return runs
+
+
+def _trees_line(trees: dict[str, TreeConfig]) -> str:
+    parts = [f"{m}: N={tree_nodes(t)} depth={t.depth} top_k={t.top_k}"
+             for m, t in trees.items() if m != "vanilla"]
+    return "trees  " + "; ".join(parts)
+
+
+def _head_name(args, llm) -> str:
+    from eagle2.api import shipped_head_dir
+    from eagle2.target import EMBEDDED_NAME
+
+    if args.draft:
+        return args.draft
+    name = llm.target.name
+    shipped = shipped_head_dir(EMBEDDED_NAME if name == EMBEDDED_NAME else Path(name).name)
+    return str(shipped) if shipped else "untrained (no shipped head)"
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _machine(llm, load_start) -> dict:
+    import transformers
+
+    return {
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else None,
+        "device": str(llm.target.device), "dtype": str(llm.target.dtype).removeprefix("torch."),
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "loadavg_start": load_start, "loadavg_end": _loadavg(),
+    }
