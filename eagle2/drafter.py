@@ -96,6 +96,9 @@ class Drafter:
         num_b, num_a = tokens.shape
         assert features.shape[:2] == (num_b, num_a), "features and tokens disagree"
         features, tokens, counts = (t.to(self.device) for t in (features, tokens, counts))
+        if config.depth * config.top_k > self.tree_margin:
+            raise ValueError(f"depth x top_k = {config.depth * config.top_k} exceeds the draft "
+                             f"cache's tree margin ({self.tree_margin})")
         slots = self._slots(seq_ids)
         base = self.cache.lengths[slots]
         if int((base + counts).max()) > self.max_len:
