@@ -1,0 +1,197 @@
+"""Training data for a draft head (BRIEF §6): self-distilled conversations and feature shards.
+
+Two stages, each resumable and written atomically (a crash loses at most one chunk):
+
+1. **Conversations.** Prompts from `make_prompts`, in the target's chat template; the target
+   itself writes the answers (self-distillation), batched through the engine in vanilla mode.
+   Greedy by default, which matches the T=0 benchmark best; `temperature > 0` samples
+   instead. Stored as token ids: `conversations/chunk_XXXXX.json`.
+2. **Features.** One target forward per conversation gives the features (last hidden state
+   after the final norm) at every position; stored with the token ids and the loss mask in
+   `features/shard_XXXXX.safetensors` (features in fp16).
+
+Loss mask: the head at position t (pair feature[t], token[t+1]) predicts feature[t+1], whose
+argmax is token[t+2]. Drafting starts at the first answer token, so position t is trained
+when token[t+2] is an answer token: t in [P - 1, L - 3] for a prompt of P tokens and L tokens
+in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    num_prompts: int = 2000
+    seed: int = 0
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    max_batch: int = 16
+    chunk_size: int = 64  # conversations per chunk / shard
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.max_new_tokens < 2:
+            raise ValueError(f"max_new_tokens must be >= 2, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.max_batch < 1 or self.chunk_size < 1:
+            raise ValueError("max_batch and chunk_size must be >= 1")
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.num_prompts // self.chunk_size)
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call write(tmp_path), then rename onto path (readers never see a partial file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def chunk_path(root: Path, idx: int) -> Path:
+    return root / "conversations" / f"chunk_{idx:05d}.json"
+
+
+def shard_path(root: Path, idx: int) -> Path:
+    return root / "features" / f"shard_{idx:05d}.safetensors"
+
+
+# ----- stage 1: conversations ------------------------------------------------------------------
+def generate_conversations(llm, prompts: list[str], cfg: DataConfig, root: Path,
+                           chunks: list[int] | None = None) -> int:
+    """Let the target answer the prompts of `chunks` (default all); skip finished chunks.
+
+    Returns the number of answer tokens written."""
+    from eagle2.config import SamplingParams
+
+    (root / "conversations").mkdir(parents=True, exist_ok=True)
+    chunks = range(cfg.num_chunks) if chunks is None else chunks
+    todo = [i for i in chunks if not chunk_path(root, i).exists()]
+    written = 0
+    bar = tqdm(todo, desc="self-distill chunks", unit="chunk")
+    for idx in bar:
+        batch = prompts[idx * cfg.chunk_size:(idx + 1) * cfg.chunk_size]
+        params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                                seed=cfg.seed * 100_003 + idx)
+        outs = llm.generate(batch, params, mode="vanilla")
+        records = [{"prompt": p, "prompt_ids": llm.encode(p), "answer_ids": o.token_ids}
+                   for p, o in zip(batch, outs, strict=True)]
+        atomic_write(chunk_path(root, idx),
+                     lambda tmp, r=records: tmp.write_text(json.dumps(r)))
+        written += sum(len(o.token_ids) for o in outs)
+        bar.set_postfix(answer_tokens=written)
+    return written
+
+
+def load_conversations(root: Path) -> list[dict]:
+    files = sorted((root / "conversations").glob("chunk_*.json"))
+    return [rec for f in files for rec in json.loads(f.read_text())]
+
+
+# ----- stage 2: features -----------------------------------------------------------------------
+def loss_mask(prompt_len: int, total_len: int) -> torch.Tensor:
+    """[L] bool: positions t whose predicted token t+2 is an answer token (see module doc)."""
+    mask = torch.zeros(total_len, dtype=torch.bool)
+    mask[max(prompt_len - 1, 0):max(total_len - 2, 0)] = True
+    return mask
+
+
+@torch.inference_mode()
+def target_features(hf_model, ids: list[list[int]]) -> list[torch.Tensor]:
+    """Features [L, H] per sequence (last hidden state after the final norm); right-padded."""
+    lengths = [len(x) for x in ids]
+    num_t = max(lengths)
+    device = hf_model.device
+    batch = torch.zeros(len(ids), num_t, dtype=torch.long, device=device)
+    attn = torch.zeros(len(ids), num_t, dtype=torch.long, device=device)
+    for b, x in enumerate(ids):
+        batch[b, :len(x)] = torch.tensor(x)
+        attn[b, :len(x)] = 1
+    hidden = hf_model.model(input_ids=batch, attention_mask=attn).last_hidden_state
+    return [hidden[b, :n].float().cpu() for b, n in enumerate(lengths)]
+
+
+def extract_features(hf_model, root: Path, max_len: int = 2048, batch_size: int = 8,
+                     worker: tuple[int, int] = (0, 1)) -> int:
+    """One shard per conversation chunk (same number); skip finished shards. Returns chunks.
+
+    worker (i, n): only chunks whose number is i mod n (several processes in parallel)."""
+    (root / "features").mkdir(parents=True, exist_ok=True)
+    chunks = sorted((root / "conversations").glob("chunk_*.json"))
+    todo = [c for c in chunks if int(c.stem.split("_")[1]) % worker[1] == worker[0]
+            and not shard_path(root, int(c.stem.split("_")[1])).exists()]
+    for chunk in tqdm(todo, desc="feature shards", unit="shard"):
+        recs = json.loads(chunk.read_text())
+        seqs = [(r["prompt_ids"] + r["answer_ids"])[:max_len] for r in recs]
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths together
+        by_idx: dict[int, torch.Tensor] = {}
+        for s in range(0, len(order), batch_size):
+            group = order[s:s + batch_size]
+            feats = target_features(hf_model, [seqs[i] for i in group])
+            by_idx.update(zip(group, feats, strict=True))
+        masks = [loss_mask(len(r["prompt_ids"]), len(x))
+                 for r, x in zip(recs, seqs, strict=True)]
+        tensors = {
+            "input_ids": torch.tensor([t for x in seqs for t in x], dtype=torch.int32),  # [L*]
+            "lengths": torch.tensor([len(x) for x in seqs], dtype=torch.int32),  # [N]
+            "loss_mask": torch.cat(masks),  # [L*]
+            "features": torch.cat([by_idx[i] for i in range(len(seqs))]).half(),  # [L*, H]
+        }
+        atomic_write(shard_path(root, int(chunk.stem.split("_")[1])),
+                     lambda tmp, t=tensors: save_file(t, str(tmp)))
+    return len(chunks)
+
+
+@dataclass
+class Sequence:
+    input_ids: torch.Tensor  # [L] long
+    loss_mask: torch.Tensor  # [L] bool
+    features: torch.Tensor  # [L, H] fp16
+
+
+def load_shards(root: Path) -> list[Sequence]:
+    """All stored sequences, split back out of their shards."""
+    out: list[Sequence] = []
+    for f in sorted((root / "features").glob("shard_*.safetensors")):
+        t = load_file(str(f))
+        lengths = t["lengths"].tolist()
+        ids = t["input_ids"].long().split(lengths)
+        masks = t["loss_mask"].split(lengths)
+        feats = t["features"].split(lengths)
+        out.extend(Sequence(i, m, x) for i, m, x in zip(ids, masks, feats, strict=True))
+    return out
+
+
+def token_counts(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """[V] how often each token is a trained prediction target (token[t+2] under the mask)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        idx = torch.nonzero(s.loss_mask[:-2]).squeeze(-1) + 2
+        counts += torch.bincount(s.input_ids[idx], minlength=vocab_size)
+    return counts
+
+
+def draft_vocab(seqs: list[Sequence], vocab_size: int, size: int,
+                always: tuple[int, ...] = ()) -> torch.Tensor:
+    """d2t [size]: the `size` most frequent target tokens (plus `always`), sorted by id.
+
+    Ties (mostly tokens unseen in the data) go to the lower id: BPE vocabularies number their
+    merges in order, so a lower id is the more common token in the tokenizer's corpus."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"--draft-vocab must be in 1..{vocab_size}, got {size}")
+    counts = token_counts(seqs, vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.double) / (2 * vocab_size)
+    if always:
+        counts[list(always)] = float("inf")
+    return counts.topk(size).indices.sort().values

@@ -1,0 +1,29 @@
+"""Training curves of a head run (train_log.jsonl -> PNG), matplotlib with the Agg backend."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_log(log_path: Path, png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [json.loads(x) for x in Path(log_path).read_text().splitlines() if x]
+    train = [r for r in recs if "loss" in r]
+    val = [r for r in recs if "val_loss" in r]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    for ax, key in zip(axes, ("loss", "smooth_l1", "ce", "acc"), strict=True):
+        ax.plot([r["step"] for r in train], [r[key] for r in train], label="train")
+        if val:
+            ax.plot([r["step"] for r in val], [r[f"val_{key}"] for r in val], "o", label="val")
+        ax.set_title("top-1 accuracy" if key == "acc" else key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,121 @@
+"""`eagle2 train-head`: self-distilled data -> feature shards -> head training -> saved head.
+
+Every stage is resumable: rerun the same command after a crash and finished chunks, shards
+and the last checkpoint are picked up. `--stages` runs a subset (e.g. `data` only, while the
+trainer is still being tuned), and `--data-minutes` time-boxes the self-distillation stage
+(the later stages use the chunks that exist).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+STAGES = ("data", "features", "train")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/train-head", help="working directory (resumable)")
+    p.add_argument("--save", default=None, help="where to write the head (default OUT/head)")
+    p.add_argument("--target", default=None, help="model directory or .gguf (default: embedded)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"subset of {STAGES}")
+    g = p.add_argument_group("data (self-distillation)")
+    g.add_argument("--num-prompts", type=int, default=2048)
+    g.add_argument("--prompt-seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers")
+    g.add_argument("--gen-batch", type=int, default=16, help="max_batch of the generator")
+    g.add_argument("--chunk-size", type=int, default=64, help="conversations per chunk/shard")
+    g.add_argument("--data-minutes", type=float, default=None,
+                   help="stop self-distillation after this many minutes (whole chunks)")
+    g.add_argument("--worker", default="0/1",
+                   help="I/N: this process does chunks i with i %% N == I (data and features)")
+    g.add_argument("--max-len", type=int, default=2048, help="truncate conversations")
+    t = p.add_argument_group("training")
+    t.add_argument("--draft-vocab", type=int, default=0,
+                   help="reduced draft vocabulary size (0 = the target's full vocabulary)")
+    t.add_argument("--epochs", type=float, default=4.0)
+    t.add_argument("--batch-tokens", type=int, default=1024, help="tokens per batch (padded)")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    t.add_argument("--noise", type=float, default=0.2,
+                   help="uniform feature noise amplitude, relative to the feature RMS")
+    t.add_argument("--ce-weight", type=float, default=0.1)
+    t.add_argument("--init", default="random", choices=("random", "target"),
+                   help="random (measured better) or target: pass-through start with the "
+                        "target's last decoder layer")
+    t.add_argument("--checkpoint-minutes", type=float, default=3.0)
+    t.add_argument("--train-minutes", type=float, default=None,
+                   help="stop training after this many minutes (then save the head)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def run(args) -> int:
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        raise ValueError(f"unknown stage(s) {bad}; use a subset of {STAGES}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    root = Path(args.out)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "args.json").write_text(json.dumps(vars(args), indent=2, default=str))
+    from eagle2.train import data
+
+    cfg = data.DataConfig(num_prompts=args.num_prompts, seed=args.prompt_seed,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          max_batch=args.gen_batch, chunk_size=args.chunk_size)
+    target = None
+    if "data" in stages:
+        target = _data_stage(args, cfg, root)
+    if "features" in stages:
+        target = target or _load_target(args)
+        worker = tuple(int(x) for x in args.worker.split("/"))
+        if not data.extract_features(target.hf, root, args.max_len, worker=worker):
+            raise ValueError(f"no conversations under {root}; run the 'data' stage first")
+    if "train" in stages:
+        target = target or _load_target(args)
+        from eagle2.train.trainer import train_from_args
+
+        train_from_args(args, target, root)
+    return 0
+
+
+def _load_target(args):
+    from eagle2.target import TargetModel
+
+    return TargetModel.load(args.target, dtype="float32", device=args.device)
+
+
+def _data_stage(args, cfg, root: Path):
+    from eagle2.api import Eagle2
+    from eagle2.train.data import chunk_path, generate_conversations
+    from eagle2.train.prompts import make_prompts
+
+    llm = Eagle2.load(args.target, draft="untrained", dtype="float32", device=args.device,
+                      max_batch=cfg.max_batch, max_context=args.max_len)
+    prompts = make_prompts(cfg.num_prompts, seed=cfg.seed)
+    deadline = time.time() + 60 * args.data_minutes if args.data_minutes else None
+    start = time.time()
+    total = 0
+    worker, num_workers = (int(x) for x in args.worker.split("/"))
+    for idx in range(worker, cfg.num_chunks, num_workers):
+        if deadline is not None and time.time() > deadline:
+            log.warning("data stage stopped at its time box (%s min)", args.data_minutes)
+            break
+        if chunk_path(root, idx).exists():
+            continue
+        total += generate_conversations(llm, prompts, cfg, root, [idx])
+        rate = total / max(time.time() - start, 1e-9)
+        print(f"chunk {idx}: {total} answer tokens, {rate:.1f} tokens/s", flush=True)
+    return llm.target
+

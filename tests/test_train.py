@@ -1,0 +1,173 @@
+"""Head training (BRIEF §6): data shards, the loop, checkpoints and resume, the saved layout."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_prompts, run, tiny_target
+from safetensors.torch import load_file
+
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.drafter import Drafter
+from eagle2.engine import Engine
+from eagle2.head import load_head, save_head
+from eagle2.runner import LocalRunner
+from eagle2.train import data
+from eagle2.train.batches import collate, epoch_batches
+from eagle2.train.trainer import TrainConfig, Trainer, build_head, init_from_target
+
+VOCAB = 48
+CFG = TrainConfig(lr=3e-3, warmup=2, epochs=1.0, batch_tokens=256, noise=0.1, log_every=1,
+                  checkpoint_seconds=1e9)
+
+
+def greedy_sequences(target, n: int, seed: int = 0, new: int = 24) -> list[data.Sequence]:
+    """Self-distilled sequences of the tiny target: random prompt + its greedy answer."""
+    prompts = random_prompts(n, VOCAB, seed=seed, lo=3, hi=10)
+    ids = []
+    for p in prompts:
+        x = torch.tensor([p])
+        out = target.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+        ids.append(out[0].tolist())
+    feats = data.target_features(target.hf, ids)
+    return [data.Sequence(torch.tensor(x), data.loss_mask(len(p), len(x)), f.half())
+            for p, x, f in zip(prompts, ids, feats, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_target(vocab=VOCAB, seed=3)
+    return target, greedy_sequences(target, 12)
+
+
+def trainer(target, seqs, out: Path, cfg: TrainConfig = CFG, vocab: int = 0) -> Trainer:
+    head = build_head(target, seqs, vocab, "target", seed=0)
+    return Trainer(head, target.embed, target.lm_head, seqs, seqs[:2], cfg, out)
+
+
+def test_loss_mask_covers_positions_that_predict_answer_tokens():
+    mask = data.loss_mask(prompt_len=4, total_len=9)
+    assert mask.tolist() == [False, False, False, True, True, True, True, False, False]
+
+
+def test_shards_round_trip_and_resume(tmp_path):
+    target = tiny_target(vocab=VOCAB, seed=1)
+    (tmp_path / "conversations").mkdir()
+    recs = [{"prompt": "", "prompt_ids": [1, 2, 3], "answer_ids": [4, 5, 6, 7]},
+            {"prompt": "", "prompt_ids": [9, 8], "answer_ids": [7, 6, 5, 4, 3, 2]}]
+    data.chunk_path(tmp_path, 0).write_text(json.dumps(recs))
+    assert data.extract_features(target.hf, tmp_path) == 1
+    stamp = data.shard_path(tmp_path, 0).stat().st_mtime_ns
+    data.extract_features(target.hf, tmp_path)  # finished shards are skipped
+    assert data.shard_path(tmp_path, 0).stat().st_mtime_ns == stamp
+    seqs = data.load_shards(tmp_path)
+    assert [s.input_ids.tolist() for s in seqs] == [[1, 2, 3, 4, 5, 6, 7],
+                                                    [9, 8, 7, 6, 5, 4, 3, 2]]
+    ref = target.hf.model(torch.tensor([[9, 8, 7, 6, 5, 4, 3, 2]])).last_hidden_state[0]
+    torch.testing.assert_close(seqs[1].features.float(), ref, atol=2e-2, rtol=2e-3)
+    assert seqs[0].loss_mask.tolist() == data.loss_mask(3, 7).tolist()
+
+
+def test_draft_vocab_keeps_the_most_frequent_targets(tiny):
+    _, seqs = tiny
+    counts = data.token_counts(seqs, VOCAB)
+    d2t = data.draft_vocab(seqs, VOCAB, 8)
+    assert d2t.tolist() == sorted(d2t.tolist()) and len(d2t) == 8
+    assert counts[d2t].min() >= counts.sort(descending=True).values[7]
+
+
+def test_init_from_target_passes_features_through(tiny):
+    target, _ = tiny
+    head = build_head(target, [], 0, "target", seed=0)
+    last = target.hf.model.layers[-1]
+    torch.testing.assert_close(head.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    assert not head.layers[0].mlp.down_proj.weight.any()  # residual branches start at zero
+    feats = torch.randn(1, 5, 64)
+    torch.testing.assert_close(head.fuse(torch.zeros(1, 5, 64), feats), feats)
+    out = head.forward_train(0.02 * torch.randn(1, 5, 64), feats)  # embedding-sized
+    torch.testing.assert_close(out, feats, atol=0.1, rtol=0.05)  # ~pass-through
+    init_from_target(head, target.hf)  # idempotent
+
+
+def test_batches_are_padded_and_reproducible(tiny):
+    _, seqs = tiny
+    lengths = [len(s.input_ids) for s in seqs]
+    a = epoch_batches(lengths, 96, seed=1, epoch=2)
+    assert a == epoch_batches(lengths, 96, seed=1, epoch=2)
+    assert sorted(i for b in a for i in b) == list(range(len(seqs)))
+    for b in a:
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 96
+    batch = collate([seqs[i] for i in a[0]])
+    assert batch.features.dtype == torch.float32
+    assert batch.loss_mask.sum() == sum(int(seqs[i].loss_mask.sum()) for i in a[0])
+
+
+def test_loop_lowers_the_loss_on_a_fixed_batch(tiny, tmp_path):
+    target, seqs = tiny
+    t = trainer(target, seqs[:4], tmp_path, replace(CFG, batch_tokens=4096, epochs=40.0))
+    assert t.steps_per_epoch == 1
+    before = t.evaluate(seqs[:4])
+    t.run()
+    after = t.evaluate(seqs[:4])
+    assert after["loss"] < 0.7 * before["loss"]
+    assert after["acc"] >= before["acc"]
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "smooth_l1", "ce", "acc"} <= set(log[0])
+    assert log[-1]["step"] == 40 and "val_acc" in log[-1]
+
+
+def test_interrupted_run_resumes_to_the_same_state(tiny, tmp_path):
+    target, seqs = tiny
+    cfg = replace(CFG, epochs=2.0)
+    whole = trainer(target, seqs, tmp_path / "a", cfg)
+    whole.run()
+    first = trainer(target, seqs, tmp_path / "b", cfg)
+    first.run(max_steps=3)  # "crash" after step 3 (run() checkpoints on the way out)
+    second = trainer(target, seqs, tmp_path / "b", cfg)
+    assert second.maybe_resume() and second.step == 3
+    assert second.opt.state_dict()["state"]  # the optimizer moments came back too
+    second.run()
+    assert second.step == whole.step == whole.total_steps
+    for (name, a), b in zip(whole.head.state_dict().items(), second.head.state_dict().values(),
+                            strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_saved_head_has_the_published_layout(tiny, tmp_path):
+    target, seqs = tiny
+    head = build_head(target, seqs, 16, "target", seed=0)
+    save_head(head, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["bias"] is False
+    keys = set(load_file(tmp_path / "model.safetensors"))
+    expected = {"fc.weight", "layers.0.post_attention_layernorm.weight", "d2t"}
+    expected |= {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"}
+    expected |= {f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert keys == expected  # no embed_tokens, no rotary buffers, no input_layernorm
+    loaded = load_head(tmp_path)
+    assert loaded.d2t.tolist() == head.d2t.tolist()
+    torch.testing.assert_close(loaded.fc.weight, head.fc.weight)
+
+
+def test_trained_reduced_vocab_head_is_lossless(tiny, tmp_path):
+    target, seqs = tiny
+    t = trainer(target, seqs, tmp_path, replace(CFG, epochs=3.0), vocab=12)
+    t.run()
+    save_head(t.head.eval(), tmp_path / "head")
+    head = load_head(tmp_path / "head")
+    assert head.d2t.numel() == 12
+    drafter = Drafter(head, target.embed, target.lm_head, max_slots=4, max_len=256)
+    engine = Engine(LocalRunner(target, 4, 256 + Engine.tree_margin), drafter, max_batch=4,
+                    max_context=256)
+    vanilla = Engine(LocalRunner(target, 4, 256 + Engine.tree_margin), None, max_batch=4,
+                     max_context=256)
+    prompts = random_prompts(6, VOCAB, seed=7)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3)
+    assert run(engine, prompts, params, tree) == run(vanilla, prompts, params,
+                                                     TreeConfig("vanilla"))
