@@ -27,8 +27,10 @@ class TreeConfig:
     """
 
     mode: str = "eagle2"
-    total_tokens: int = 24
-    depth: int = 5
+    # defaults: the auto-tuner's pick for the shipped SmolLM2 head on a 2-core CPU
+    # (benchmarks/bench-cpu-shipped-head.json); GPUs want far larger trees (48-60 tokens)
+    total_tokens: int = 7
+    depth: int = 1
     top_k: int = 6
     draft_window: int = 2048
 

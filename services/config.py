@@ -13,15 +13,15 @@ from eagle2.config import TreeConfig
 
 
 class TreeSettings(BaseModel):
-    """Draft-tree budget; `auto: true` measures it on the hardware at start-up."""
+    """Draft-tree budget. Defaults: what `eagle2 bench`'s auto-tuner picked for the shipped
+    SmolLM2 head on a 2-core CPU; GPU deployments set their own (deploy/*.yaml)."""
 
     model_config = ConfigDict(extra="forbid")
     mode: Literal["eagle2", "static", "chain", "vanilla"] = "eagle2"
-    total_tokens: int = Field(24, ge=2, le=128)
-    depth: int = Field(5, ge=1, le=16)
+    total_tokens: int = Field(7, ge=2, le=128)
+    depth: int = Field(1, ge=1, le=16)
     top_k: int = Field(6, ge=1, le=32)
     draft_window: int = Field(2048, ge=16)
-    auto: bool = False
 
     def to_core(self, mode: str | None = None) -> TreeConfig:
         return TreeConfig(mode or self.mode, self.total_tokens, self.depth, self.top_k,
