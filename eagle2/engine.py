@@ -138,9 +138,9 @@ class Engine:
         t0 = time.perf_counter()
         tree = self._draft()
         t1 = time.perf_counter()
-        verified = self._verify(tree)
+        verified, features = self._verify(tree)
         t2 = time.perf_counter()
-        events = self._advance(verified, tree)
+        events = self._advance(verified, features)
         t3 = time.perf_counter()
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
@@ -195,8 +195,8 @@ class Engine:
                 tokens.append(toks)
         return Verified(nodes, tokens), features
 
-    def _advance(self, verified_and_feats, tree: DraftTree) -> list[Event]:
-        verified, features = verified_and_feats
+    def _advance(self, verified: Verified, features: torch.Tensor) -> list[Event]:
+        """Commit the accepted paths; their features [B, N, H] feed the next draft."""
         dev = self.runner.device
         width = max(len(n) for n in verified.nodes)
         node_idx = torch.tensor([n + [0] * (width - len(n)) for n in verified.nodes], device=dev)
