@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from eagle2.attention import causal_mask, step_inputs
+from eagle2.attention import causal_mask, step_inputs, vocab_projection
 from eagle2.config import TreeConfig
 from eagle2.head import DraftHead
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
@@ -74,7 +74,7 @@ class Drafter:
     # ----- drafting -------------------------------------------------------------------------
     def _log_probs(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k draft (log-prob, token) for [..., H] features."""
-        logits = (features.to(self.dtype) @ self.draft_lm_head.T).float()
+        logits = vocab_projection(features.to(self.dtype), self.draft_lm_head).float()
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
         tokens = top.indices if self.d2t is None else self.d2t[top.indices]
         return top.values, tokens

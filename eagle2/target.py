@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from eagle2.attention import KVCache, decoder_layer, step_inputs
+from eagle2.attention import KVCache, decoder_layer, step_inputs, vocab_projection
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,10 @@ class TargetModel:
     @torch.inference_mode()
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] in fp32."""
-        return self.lm_head(features).float()
+        head = self.lm_head
+        if type(head) is torch.nn.Linear and head.bias is None:
+            return vocab_projection(features, head.weight).float()
+        return head(features).float()  # e.g. a TP-sharded lm_head with its own gather
 
 
 def load_vocab_modules(spec: str | None, dtype: str | torch.dtype | None = None,

@@ -205,3 +205,38 @@ def test_hf_mode_uses_the_same_target_greedy(bench_run):
         assert hf["tau"] == 1.0
         assert hf["per_prompt"][0]["new_tokens"] == van["per_prompt"][0]["new_tokens"]
 
+
+
+def test_shards_merge_into_one_report(tmp_path):
+    """Two --shard runs split the prompts; --merge gives the report of all of them."""
+    from eagle2.cli import main
+
+    common = ["bench", "--suite", "mt_bench", "--num-prompts", "3", "--max-tokens", "6",
+              "--modes", "vanilla,eagle2", "--total-tokens", "4", "--depth", "2",
+              "--tree-top-k", "2", "--dtype", "float32", "--device", "cpu", "--threads", "1"]
+    for i in (0, 1):
+        assert main([*common, "--shard", f"{i}/2", "--out", str(tmp_path / f"s{i}")]) == 0
+    assert main(["bench", "--merge", str(tmp_path / "s1"), str(tmp_path / "s0"),
+                 "--out", str(tmp_path / "all")]) == 0
+    shards = [json.loads((tmp_path / f"s{i}" / "runs.json").read_text()) for i in (0, 1)]
+    assert [len(s["runs"]["mt_bench"]["eagle2"]) for s in shards] == [2, 1]
+    res = json.loads((tmp_path / "all" / "results.json").read_text())
+    suite = res["suites"]["mt_bench"]
+    assert res["lossless"] is True and res["config"]["merged_shards"] == ["0/2", "1/2"]
+    for mode in ("vanilla", "eagle2"):
+        runs = [r for s in shards for r in s["runs"]["mt_bench"][mode]]
+        m = suite["modes"][mode]
+        assert [p["prompt_id"] for p in m["per_prompt"]] == sorted(
+            (r["prompt_id"] for r in runs), key=int)
+        assert m["new_tokens"] == sum(len(r["token_ids"]) for r in runs)
+        assert m["num_steps"] == sum(r["num_steps"] for r in runs)
+    # a shard merged with itself, or a run that was not sharded, is refused
+    assert main(["bench", "--merge", str(tmp_path / "s0"), str(tmp_path / "s0"),
+                 "--out", str(tmp_path / "bad")]) == 2
+
+
+def test_shard_needs_a_fixed_tree():
+    from eagle2.cli import main
+
+    assert main(["bench", "--shard", "0/2"]) == 2
+    assert main(["bench", "--shard", "2/2", "--total-tokens", "4"]) == 2

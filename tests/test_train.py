@@ -171,3 +171,33 @@ def test_trained_reduced_vocab_head_is_lossless(tiny, tmp_path):
     tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3)
     assert run(engine, prompts, params, tree) == run(vanilla, prompts, params,
                                                      TreeConfig("vanilla"))
+
+
+def test_code_prompts_cut_stubs_and_drop_benchmark_overlap(tmp_path):
+    """Stubs keep the signature and docstring, drop the body; excluded names, near-copies of
+    benchmark prompts, private functions and test folders never become prompts."""
+    from eagle2.train.code_prompts import function_stubs, make_code_prompts
+
+    doc = "Return the sum of the squares of the numbers in values, skipping None entries."
+    (tmp_path / "mod.py").write_text(
+        "import os\n\n"
+        f"def sum_squares(values):\n    \"\"\"{doc}\"\"\"\n    total = 0\n"
+        "    for v in values:\n        total += v * v\n    return total\n\n"
+        f"def _private(x):\n    \"\"\"{doc}\"\"\"\n    return x\n\n"
+        f"def only_doc(x):\n    \"\"\"{doc}\"\"\"\n\n"
+        "def short(x):\n    \"\"\"Too short.\"\"\"\n    return x\n\n"
+        f"@staticmethod\ndef has_entry(table, key):\n    \"\"\"Tell whether key is in table; {doc}\"\"\"\n"
+        "    return key in table\n")
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "t.py").write_text(
+        f"def in_tests(x):\n    \"\"\"{doc}\"\"\"\n    return x\n")
+    stubs = dict(function_stubs(tmp_path))
+    assert set(stubs) == {"sum_squares", "has_entry"}
+    assert stubs["sum_squares"] == f"def sum_squares(values):\n    \"\"\"{doc}\"\"\"\n"
+    assert stubs["has_entry"].startswith("@staticmethod\ndef has_entry")
+    both = make_code_prompts(5, root=tmp_path)
+    assert len(both) == 2 and all("```python\n" in p and p.endswith("```") for p in both)
+    assert make_code_prompts(5, root=tmp_path) == both  # deterministic
+    assert len(make_code_prompts(5, root=tmp_path, exclude_names={"has_entry"})) == 1
+    bench = [f"def other(values):\n    \"\"\"{doc}\"\"\"\n"]  # shares an 8-gram with both
+    assert make_code_prompts(5, root=tmp_path, bench_prompts=bench) == []

@@ -54,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", action="store_true", help="one short untimed run per mode first")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's); 1 suffers least on a shared machine")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="run only prompts i with i %% N == I (one process per core; needs a "
+                        "fixed tree), then combine the shards' folders with --merge")
+    p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="combine finished --shard runs (their runs.json) into one report in "
+                        "--out; runs nothing")
     add_model_arguments(p)
 
 
@@ -143,13 +149,31 @@ def run_mode(llm, mode: str, trees: dict, ids: list[int], params: SamplingParams
 
 
 # ----- the benchmark ----------------------------------------------------------------------------
+def parse_shard(text: str | None) -> tuple[int, int]:
+    if text is None:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ValueError(f"--shard must be I/N with 0 <= I < N, got {text!r}")
+    return i, n
+
+
 def run(args) -> int:
     """Validate, load, tune (or take the given tree), run the interleaved loop, report."""
     from .prompts import load_suite, suite_names
 
+    if args.merge:
+        return merge(args.merge, Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}"))
     suites = parse_list(args.suite or ["mt_bench"], suite_names(), "suite")
     modes = parse_list([args.modes], ALL_MODES, "mode")
     source = tree_source(args)
+    shard = parse_shard(args.shard)
+    if shard[1] > 1 and source == "auto":
+        raise ValueError("--shard needs one tree for all shards: give --total-tokens/--depth/"
+                         "--tree-top-k (e.g. the tree an unsharded run's tuner picked)")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.threads is not None and args.threads < 1:
@@ -157,7 +181,8 @@ def run(args) -> int:
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                     max_tokens=args.max_tokens)
     SamplingParams(**sampling)  # validate before loading anything
-    prompts = {s: load_suite(s, args.num_prompts) for s in suites}
+    prompts = {s: list(enumerate(load_suite(s, args.num_prompts)))[shard[0]::shard[1]]
+               for s in suites}  # (index in the suite, prompt): seeds follow the index
     threads = torch.get_num_threads()
     try:  # the thread count is process-wide: put it back for in-process callers (tests)
         if args.threads:
@@ -181,32 +206,49 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
     trees, tuned = _trees(llm, args, modes, source)
     greedy = args.temperature == 0
     if args.warmup:
-        first = llm.encode(next(iter(prompts.values()))[0].user_message)
+        first = llm.encode(next(iter(prompts.values()))[0][1].user_message)
         for mode in modes:
             run_mode(llm, mode, trees, first, SamplingParams(**{**sampling, "max_tokens": 8},
                                                              seed=args.seed), "warmup")
     runs = _loop(llm, prompts, modes, trees, sampling, None if greedy else args.seed)
-    levels = {m: draft_levels(trees.get(m)) for m in modes}
+    config = {
+        "suites": list(prompts), "num_prompts": args.num_prompts, **sampling,
+        "seed": args.seed, "modes": modes,
+        "order": "per prompt every mode, order rotating by one each prompt",
+        "batch_size": 1, "warmup": args.warmup, "target": llm.target.name,
+        "draft": _head_name(args, llm), "tree_source": source,
+        "trees": {m: {**asdict(t), "num_nodes": tree_nodes(t)} for m, t in trees.items()},
+    }
+    if args.shard:
+        config["shard"] = args.shard
+    report.write_json(out_dir / "runs.json", {
+        "config": config, "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
+                                   for s, by_mode in runs.items()}})
+    return _report(out_dir, config, runs, [_machine(llm, load_start)],
+                   tuned.to_json() if tuned else None, time.perf_counter() - t_start)
+
+
+def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner: dict | None,
+            wall_s: float) -> int:
+    """Metrics, results.json, the chart and the printed table from the raw runs."""
+    greedy = config["temperature"] == 0
+    levels = {m: draft_levels(TreeConfig(**{k: v for k, v in t.items() if k != "num_nodes"}))
+              for m, t in config["trees"].items()}
     results = {
         "definitions": report.DEFINITIONS,
-        "config": {
-            "suites": list(prompts), "num_prompts": args.num_prompts, **sampling,
-            "seed": args.seed, "modes": modes,
-            "order": "per prompt every mode, order rotating by one each prompt",
-            "batch_size": 1, "warmup": args.warmup, "target": llm.target.name,
-            "draft": _head_name(args, llm), "tree_source": source,
-            "trees": {m: {**asdict(t), "num_nodes": tree_nodes(t)} for m, t in trees.items()},
-        },
-        "machine": _machine(llm, load_start),
-        "tuner": tuned.to_json() if tuned else None,
-        "suites": {s: report.finish_suite(runs[s], greedy, levels) for s in prompts},
+        "config": config,
+        "machine": machines[0] if len(machines) == 1 else machines,
+        "tuner": tuner,
+        "suites": {s: report.finish_suite(by_mode, greedy, levels)
+                   for s, by_mode in runs.items()},
     }
     checks = [s["lossless"] for s in results["suites"].values()]
     results["lossless"] = None if None in checks else all(checks)
-    results["wall_s"] = round(time.perf_counter() - t_start, 2)
+    results["wall_s"] = round(wall_s, 2)
     report.write_json(out_dir / "results.json", results)
     report.plot(out_dir / "bench.png", results["suites"])
-    print(_trees_line(trees))
+    print("trees  " + "; ".join(f"{m}: N={t['num_nodes']} depth={t['depth']} top_k={t['top_k']}"
+                                for m, t in config["trees"].items() if m != "vanilla"))
     print(report.summary_table(results["suites"]))
     for name, suite in results["suites"].items():
         for m in suite["mismatches"]:
@@ -214,6 +256,42 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
     print(f"lossless: {report.fmt_bool(results['lossless'])}; wrote "
           f"{out_dir / 'results.json'} and {out_dir / 'bench.png'}")
     return 1 if results["lossless"] is False else 0
+
+
+def merge(dirs: list[str], out_dir: Path) -> int:
+    """Combine `--shard` runs: same config apart from the shard, prompts in suite order."""
+    import json
+
+    parts = [json.loads((Path(d) / "runs.json").read_text()) for d in dirs]
+    results = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
+    configs = [{k: v for k, v in p["config"].items() if k != "shard"} for p in parts]
+    if any(c != configs[0] for c in configs[1:]):
+        raise ValueError("the runs to merge differ in more than their --shard "
+                         "(suites, sampling, modes, trees, target and head must match)")
+    shards = [p["config"].get("shard") for p in parts]
+    if None in shards or len(set(shards)) != len(shards):
+        raise ValueError(f"--merge takes distinct --shard runs, got shards {shards}")
+    runs: dict = {}
+    for p in parts:
+        for suite, by_mode in p["runs"].items():
+            for mode, rs in by_mode.items():
+                runs.setdefault(suite, {}).setdefault(mode, []).extend(
+                    PromptRun(**{**r, "accepted_at_depth": {int(k): v for k, v in
+                                                            r["accepted_at_depth"].items()}})
+                    for r in rs)
+    for by_mode in runs.values():  # suite order (the ids sort as the suites list them)
+        for rs in by_mode.values():
+            rs.sort(key=lambda r: _prompt_order(r.prompt_id))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {**configs[0], "merged_shards": sorted(shards)}
+    wall = max(r["wall_s"] for r in results)
+    return _report(out_dir, config, runs, [r["machine"] for r in results], None, wall)
+
+
+def _prompt_order(prompt_id: str) -> tuple:
+    """'81' < '100'; 'HumanEval/9' < 'HumanEval/10'."""
+    head, _, tail = prompt_id.rpartition("/")
+    return (head, int(tail)) if tail.isdigit() else (head, tail)
 
 
 def _trees(llm, args, modes: list[str], source: str):
@@ -242,7 +320,7 @@ def _loop(llm, prompts: dict, modes: list[str], trees: dict, sampling: dict,
     turn = 0
     with tqdm(total=total, desc="bench", unit="gen", file=sys.stderr) as bar:
         for suite, suite_prompts in prompts.items():
-            for i, prompt in enumerate(suite_prompts):
+            for i, prompt in suite_prompts:
                 ids = llm.encode(prompt.user_message)
                 params = SamplingParams(**sampling, seed=None if seed is None else seed + i)
                 for mode in modes[turn % len(modes):] + modes[:turn % len(modes)]:
@@ -252,12 +330,6 @@ def _loop(llm, prompts: dict, modes: list[str], trees: dict, sampling: dict,
                     bar.update(1)
                 turn += 1
     return runs
-
-
-def _trees_line(trees: dict[str, TreeConfig]) -> str:
-    parts = [f"{m}: N={tree_nodes(t)} depth={t.depth} top_k={t.top_k}"
-             for m, t in trees.items() if m != "vanilla"]
-    return "trees  " + "; ".join(parts)
 
 
 def _head_name(args, llm) -> str:

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", default=",".join(STAGES), help=f"subset of {STAGES}")
     g = p.add_argument_group("data (self-distillation)")
     g.add_argument("--num-prompts", type=int, default=2048)
+    g.add_argument("--prompt-source", default="synthetic", choices=("synthetic", "stdlib-code"),
+                   help="synthetic chat prompts (prompts.py) or code-completion stubs cut from "
+                        "the Python standard library (code_prompts.py); one source per --out")
     g.add_argument("--prompt-seed", type=int, default=0)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers")
@@ -40,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="I/N: this process does chunks i with i %% N == I (data and features)")
     g.add_argument("--max-len", type=int, default=2048, help="truncate conversations")
     t = p.add_argument_group("training")
+    t.add_argument("--extra-data", action="append", default=[], metavar="DIR",
+                   help="also train on the feature shards of another --out (repeatable), "
+                        "e.g. a stdlib-code run next to the synthetic one")
     t.add_argument("--draft-vocab", type=int, default=0,
                    help="reduced draft vocabulary size (0 = the target's full vocabulary)")
     t.add_argument("--epochs", type=float, default=4.0)
@@ -96,14 +102,30 @@ def _load_target(args):
     return TargetModel.load(args.target, dtype="float32", device=args.device)
 
 
+def _prompts(source: str, num: int, seed: int) -> list[str]:
+    if source == "synthetic":
+        from eagle2.train.prompts import make_prompts
+
+        return make_prompts(num, seed=seed)
+    import re
+
+    from eagle2.bench.prompts import load_suite
+    from eagle2.train.code_prompts import make_code_prompts
+
+    bench = load_suite("humaneval") + load_suite("mt_bench")
+    names = {n for b in bench for n in re.findall(r"def (\w+)", b.text)}
+    prompts = make_code_prompts(num, seed, [b.text for b in bench], names)
+    if len(prompts) < num:
+        log.warning("the standard library gave %d code prompts (asked for %d)", len(prompts), num)
+    return prompts
+
+
 def _data_stage(args, cfg, root: Path):
     from eagle2.api import Eagle2
     from eagle2.train.data import chunk_path, generate_conversations
-    from eagle2.train.prompts import make_prompts
-
     llm = Eagle2.load(args.target, draft="untrained", dtype="float32", device=args.device,
                       max_batch=cfg.max_batch, max_context=args.max_len)
-    prompts = make_prompts(cfg.num_prompts, seed=cfg.seed)
+    prompts = _prompts(args.prompt_source, cfg.num_prompts, cfg.seed)
     deadline = time.time() + 60 * args.data_minutes if args.data_minutes else None
     start = time.time()
     total = 0
@@ -112,6 +134,8 @@ def _data_stage(args, cfg, root: Path):
         if deadline is not None and time.time() > deadline:
             log.warning("data stage stopped at its time box (%s min)", args.data_minutes)
             break
+        if idx * cfg.chunk_size >= len(prompts):
+            break  # the prompt source ran out
         if chunk_path(root, idx).exists():
             continue
         total += generate_conversations(llm, prompts, cfg, root, [idx])
