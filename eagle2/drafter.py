@@ -36,8 +36,13 @@ class Drafter:
     """The head, its per-sequence KV cache and the tree builder. Sequences are keyed by id."""
 
     def __init__(self, head: DraftHead, embed: nn.Embedding, lm_head: nn.Module,
-                 max_slots: int, max_len: int, tree_margin: int = 256):
+                 max_slots: int, max_len: int, tree_margin: int = 256,
+                 keep_candidates: bool = False):
+        """keep_candidates: keep every expansion's full candidate list (before the rerank)
+        in `last_candidates`, for tools that replay acceptance (the bench's tuner)."""
         self.head = head
+        self.keep_candidates = keep_candidates
+        self.last_candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self.embed = embed
         param = head.fc.weight
         self.device, self.dtype = param.device, param.dtype
@@ -70,6 +75,13 @@ class Drafter:
 
     def length(self, seq_id: str) -> int:
         return int(self.cache.lengths[self.slot_of[seq_id]])
+
+    def rewind(self, seq_id: str, length: int) -> None:
+        """Forget the head's entries of a sequence past `length` (e.g. to draft a step again)."""
+        if not 0 <= length <= self.length(seq_id):
+            raise ValueError(f"cannot rewind {seq_id!r} to {length}: it holds "
+                             f"{self.length(seq_id)} entries")
+        self.cache.lengths[self.slot_of[seq_id]] = length
 
     # ----- drafting -------------------------------------------------------------------------
     def _log_probs(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,8 +199,10 @@ class Drafter:
             num_cands += len(spec)
         return self._build(root, cands, num_cands + 1)
 
-    @staticmethod
-    def _build(root, cands, num_nodes: int) -> DraftTree:
+    def _build(self, root, cands, num_nodes: int) -> DraftTree:
+        """cands: per level (tokens [B, C], scores [B, C], parent candidate [B, C], level)."""
+        if self.keep_candidates:
+            self.last_candidates = cands
         tokens = torch.cat([c[0] for c in cands], 1)
         scores = torch.cat([c[1] for c in cands], 1)
         parents = torch.cat([c[2] for c in cands], 1)

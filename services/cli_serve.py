@@ -18,6 +18,9 @@ def add_arguments(p) -> None:
     p.add_argument("--draft", default=None)
     p.add_argument("--tp-size", type=int, default=None)
     p.add_argument("--port", type=int, default=None, help="public gRPC port (default 9000)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="port of Ray Serve's HTTP proxy on 127.0.0.1 (Serve always starts one; "
+                        "the service itself speaks gRPC only)")
     p.add_argument("--draft-placement", choices=["worker", "inprocess"], default=None)
     p.add_argument("--mode", default=None, help="default speculation mode")
 
@@ -40,7 +43,7 @@ def config_from_args(args) -> dict:
     return conf
 
 
-def start(conf: dict, blocking: bool = False):
+def start(conf: dict, blocking: bool = False, http_port: int = 8000):
     """Start Ray (if needed) and Serve with the gRPC proxy; deploy; return the Serve handle."""
     import ray
     from ray import serve
@@ -59,14 +62,16 @@ def start(conf: dict, blocking: bool = False):
                                                "OMP_WAIT_POLICY": "PASSIVE"}})
     serve.start(grpc_options=gRPCOptions(port=cfg.grpc_port,
                                          grpc_servicer_functions=SERVICER_FUNCTIONS),
-                http_options={"host": "127.0.0.1", "port": 8000})
+                http_options={"host": "127.0.0.1", "port": http_port})
     return serve.run(build_app(conf), name=cfg.app_name, route_prefix=f"/{cfg.app_name}",
                      blocking=blocking)
 
 
 def run(args) -> int:
     conf = config_from_args(args)
-    start(conf)
+    if not 1 <= args.http_port <= 65535:
+        raise ValueError(f"--http-port must be in 1..65535, got {args.http_port}")
+    start(conf, http_port=args.http_port)
     port = conf.get("grpc_port", 9000)
     print(json.dumps({"status": "serving", "grpc": f"localhost:{port}",
                       "config": conf}), flush=True)

@@ -124,6 +124,7 @@ def test_replay_matches_the_engine_step_by_step(one_thread):
     from conftest import make_engine
 
     from eagle2.config import SamplingParams, TreeConfig
+    from eagle2.drafter import Drafter
     from eagle2.engine import Request
     from eagle2.runner import LocalRunner
 
@@ -143,8 +144,8 @@ def test_replay_matches_the_engine_step_by_step(one_thread):
         for c in produced[1:-1]:  # verification steps; the last one may be cut by max_tokens
             positions.append(pos)
             pos += c
-        drafter = autotune._RecordingDrafter(engine.drafter.head, target.embed, target.lm_head,
-                                             max_slots=1, max_len=64)
+        drafter = Drafter(engine.drafter.head, target.embed, target.lm_head, max_slots=1,
+                          max_len=64, keep_candidates=True)
         feats = autotune._features(LocalRunner(target, 1, 64), ids)
         replay = [r[(depth, k, n)] for r in autotune.replay_sequence(
             drafter, "r", ids, feats, positions, (depth,), (k,), (n,))]

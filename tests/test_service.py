@@ -31,7 +31,7 @@ def service():
 
     from services.cli_serve import start
 
-    handle = start(CONFIG)
+    handle = start(CONFIG, http_port=18000)  # not 8000: a running `eagle2 serve` may hold it
     yield handle
     serve.shutdown()
     ray.shutdown()

@@ -186,7 +186,8 @@ def test_code_prompts_cut_stubs_and_drop_benchmark_overlap(tmp_path):
         f"def _private(x):\n    \"\"\"{doc}\"\"\"\n    return x\n\n"
         f"def only_doc(x):\n    \"\"\"{doc}\"\"\"\n\n"
         "def short(x):\n    \"\"\"Too short.\"\"\"\n    return x\n\n"
-        f"@staticmethod\ndef has_entry(table, key):\n    \"\"\"Tell whether key is in table; {doc}\"\"\"\n"
+        "@staticmethod\ndef has_entry(table, key):\n"
+        f"    \"\"\"Tell whether key is in table; {doc}\"\"\"\n"
         "    return key in table\n")
     (tmp_path / "test").mkdir()
     (tmp_path / "test" / "t.py").write_text(

@@ -191,21 +191,6 @@ def replay_accepted(cands: list[tuple[list[int], list[float], list[int], int]],
     return out
 
 
-class _RecordingDrafter(Drafter):
-    """A Drafter that keeps the candidate list of its last dynamic expansion."""
-
-    candidates: list  # per level (tokens, scores, parents, level), set by _build
-
-    def _build(self, root, cands, num_nodes):
-        self.candidates = cands
-        return Drafter._build(root, cands, num_nodes)
-
-
-def _rewind(drafter: Drafter, seq_id: str, length: int) -> None:
-    """Drop head cache entries past `length` so the same step can be drafted again."""
-    drafter.cache.lengths[drafter.slot_of[seq_id]] = length
-
-
 # ----- measuring --------------------------------------------------------------------------------
 def _seconds(fn) -> float:
     t0 = time.perf_counter()
@@ -257,7 +242,7 @@ def measure_draft(drafter: Drafter, feats: torch.Tensor, ids: list[int], depths,
     new_f, new_t = feats[None, base:base + 2], torch.tensor([ids[base + 1:base + 3]])
 
     def call(depth: int, k: int) -> None:
-        _rewind(drafter, sid, base)
+        drafter.rewind(sid, base)
         drafter.draft([sid], new_f, new_t, torch.tensor([2]),
                       TreeConfig(total_tokens=24, depth=depth, top_k=k))
 
@@ -286,7 +271,7 @@ def replay_positions(sequences, reach: int, num_positions: int) -> list[list[int
     return [[pos for j2, pos in spots if j2 == j] for j in range(len(sequences))]
 
 
-def replay_sequence(drafter: _RecordingDrafter, seq_id: str, ids: list[int],
+def replay_sequence(drafter: Drafter, seq_id: str, ids: list[int],
                     feats: torch.Tensor, positions: list[int], depths, top_ks, sizes):
     """Yield {(depth, top_k, N): accepted} at each position (ascending) of one sequence.
 
@@ -300,12 +285,12 @@ def replay_sequence(drafter: _RecordingDrafter, seq_id: str, ids: list[int],
         out = {}
         for k in top_ks:
             if seq_id in drafter.slot_of:
-                _rewind(drafter, seq_id, done)
+                drafter.rewind(seq_id, done)
             drafter.draft([seq_id], feats[None, done:pos], torch.tensor([ids[done + 1:pos + 1]]),
                           torch.tensor([pos - done]),
                           TreeConfig(total_tokens=2, depth=max(depths), top_k=k))
             cands = [(t[0].tolist(), s[0].tolist(), p[0].tolist(), lvl)
-                     for t, s, p, lvl in drafter.candidates]
+                     for t, s, p, lvl in drafter.last_candidates]
             for (d, n), acc in replay_accepted(cands, ids[pos + 1:pos + 1 + reach], depths,
                                                sizes).items():
                 out[(d, k, n)] = acc
@@ -314,7 +299,7 @@ def replay_sequence(drafter: _RecordingDrafter, seq_id: str, ids: list[int],
     drafter.release(seq_id)
 
 
-def measure_acceptance(drafter: _RecordingDrafter, sequences, depths, top_ks, sizes,
+def measure_acceptance(drafter: Drafter, sequences, depths, top_ks, sizes,
                        num_positions: int) -> tuple[dict, int]:
     """Mean accepted length per (depth, top_k, N) over evenly spread replayed positions.
 
@@ -358,8 +343,8 @@ def tune(llm, calibration: list[list[int]] | None = None, gen_tokens: int = 48,
     prefix = (seqs[0] * (prefix_tokens // len(seqs[0]) + 1))[:prefix_tokens]
     verify_s = measure_verify(runner, prefix, VERIFY_SIZES, repeats)
     feats = [_features(runner, s) for s in seqs]
-    drafter = _RecordingDrafter(llm.head, llm.target.embed, llm.target.lm_head, max_slots=1,
-                                max_len=longest + 8)
+    drafter = Drafter(llm.head, llm.target.embed, llm.target.lm_head, max_slots=1,
+                      max_len=longest + 8, keep_candidates=True)
     draft_s, fit = measure_draft(drafter, feats[0], seqs[0], depths, top_ks, repeats)
     per_position = sum(draft_s[(max(depths), k)] for k in top_ks)
     left = budget_s - (time.perf_counter() - t0)

@@ -10,7 +10,7 @@ itself (self-distillation), so no library code is trained on, only the model's o
 Disjoint from the benchmarks by construction (the standard library is not HumanEval or
 MT-bench) and checked: `make_code_prompts` drops any stub whose function name is a HumanEval
 entry point or that `overlap_report` flags against the benchmark prompts given to it.
-The list depends on the Python version's standard library (the shipped head used 3.12) and
+The list depends on the Python version's standard library (the shipped head used 3.11) and
 is otherwise deterministic: files and functions in sorted order, shuffled with `seed`.
 """
 
