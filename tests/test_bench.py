@@ -234,6 +234,8 @@ def test_shards_merge_into_one_report(tmp_path):
     # a shard merged with itself, or a run that was not sharded, is refused
     assert main(["bench", "--merge", str(tmp_path / "s0"), str(tmp_path / "s0"),
                  "--out", str(tmp_path / "bad")]) == 2
+    assert main(["bench", "--merge", str(tmp_path / "s0"), str(tmp_path / "nothing"),
+                 "--out", str(tmp_path / "bad")]) == 2
 
 
 def test_shard_needs_a_fixed_tree():

@@ -262,6 +262,10 @@ def merge(dirs: list[str], out_dir: Path) -> int:
     """Combine `--shard` runs: same config apart from the shard, prompts in suite order."""
     import json
 
+    missing = [d for d in dirs if not (Path(d) / "runs.json").exists()]
+    if missing:
+        raise ValueError(f"no runs.json in {missing}: --merge takes the --out folders of "
+                         "finished --shard runs")
     parts = [json.loads((Path(d) / "runs.json").read_text()) for d in dirs]
     results = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
     configs = [{k: v for k, v in p["config"].items() if k != "shard"} for p in parts]
