@@ -27,8 +27,9 @@ class TreeConfig:
     """
 
     mode: str = "eagle2"
-    # defaults: the auto-tuner's pick for the shipped SmolLM2 head on a 2-core CPU
-    # (benchmarks/bench-cpu-shipped-head.json); GPUs want far larger trees (48-60 tokens)
+    # defaults: a small tree, as CPUs need (the tuner's pick for the first shipped head on a
+    # 2-core CPU; for the current head it picks 3/1/1, benchmarks/tuner-cpu.json). GPUs want
+    # far larger trees (48-60 tokens): run the bench's tuner on the hardware at hand.
     total_tokens: int = 7
     depth: int = 1
     top_k: int = 6
