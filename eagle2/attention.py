@@ -157,4 +157,3 @@ def vocab_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] == 1 or x.device.type != "cpu":
         return F.linear(x, weight)
     return torch.mm(weight, rows.t()).t().reshape(*x.shape[:-1], weight.shape[0])
-

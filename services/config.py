@@ -13,8 +13,8 @@ from eagle2.config import TreeConfig
 
 
 class TreeSettings(BaseModel):
-    """Draft-tree budget. Defaults: what `eagle2 bench`'s auto-tuner picked for the shipped
-    SmolLM2 head on a 2-core CPU; GPU deployments set their own (deploy/*.yaml)."""
+    """Draft-tree budget. Defaults: `eagle2.config.TreeConfig`'s small CPU tree; GPU
+    deployments set their own (deploy/*.yaml), ideally what `eagle2 bench`'s tuner picks."""
 
     model_config = ConfigDict(extra="forbid")
     mode: Literal["eagle2", "static", "chain", "vanilla"] = "eagle2"

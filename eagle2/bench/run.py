@@ -221,11 +221,12 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
     }
     if args.shard:
         config["shard"] = args.shard
+    machine, wall_s = _machine(llm, load_start), time.perf_counter() - t_start
     report.write_json(out_dir / "runs.json", {
-        "config": config, "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
-                                   for s, by_mode in runs.items()}})
-    return _report(out_dir, config, runs, [_machine(llm, load_start)],
-                   tuned.to_json() if tuned else None, time.perf_counter() - t_start)
+        "config": config, "machine": machine, "wall_s": wall_s,
+        "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
+                 for s, by_mode in runs.items()}})
+    return _report(out_dir, config, runs, [machine], tuned.to_json() if tuned else None, wall_s)
 
 
 def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner: dict | None,
@@ -267,7 +268,6 @@ def merge(dirs: list[str], out_dir: Path) -> int:
         raise ValueError(f"no runs.json in {missing}: --merge takes the --out folders of "
                          "finished --shard runs")
     parts = [json.loads((Path(d) / "runs.json").read_text()) for d in dirs]
-    results = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
     configs = [{k: v for k, v in p["config"].items() if k != "shard"} for p in parts]
     if any(c != configs[0] for c in configs[1:]):
         raise ValueError("the runs to merge differ in more than their --shard "
@@ -288,8 +288,8 @@ def merge(dirs: list[str], out_dir: Path) -> int:
             rs.sort(key=lambda r: _prompt_order(r.prompt_id))
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {**configs[0], "merged_shards": sorted(shards)}
-    wall = max(r["wall_s"] for r in results)
-    return _report(out_dir, config, runs, [r["machine"] for r in results], None, wall)
+    wall = max(p["wall_s"] for p in parts)  # the shards ran side by side
+    return _report(out_dir, config, runs, [p["machine"] for p in parts], None, wall)
 
 
 def _prompt_order(prompt_id: str) -> tuple:

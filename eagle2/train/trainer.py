@@ -275,7 +275,7 @@ def train_from_args(args, target, root: Path) -> dict:
     from eagle2.train.plot import plot_log
 
     seqs = load_shards(root)
-    for extra in getattr(args, "extra_data", None) or []:
+    for extra in args.extra_data:
         seqs += load_shards(Path(extra))
     if not seqs:
         raise ValueError(f"no feature shards under {root}; run the 'features' stage first")
