@@ -77,6 +77,7 @@ class StepInputs:
     cos: torch.Tensor  # [B, N, Dh]
     sin: torch.Tensor  # [B, N, Dh]
     contiguous: bool  # slots == arange(B): read the cache through a view, not a copy
+    write_start: int | None = None  # contiguous and one common write offset: slice writes
 
 
 def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
@@ -107,7 +108,10 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     contiguous = bool(
         num_b > 0 and torch.equal(slots, torch.arange(num_b, device=slots.device))
     )
-    return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous)
+    write_start = None
+    if contiguous and bool((base == base[0]).all()):
+        write_start = int(base[0]) + num_t - num_n
+    return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, write_start)
 
 
 def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache: KVCache,

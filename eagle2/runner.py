@@ -36,7 +36,7 @@ class LocalRunner:
     """The whole target and its KV cache in this process."""
 
     def __init__(self, target: TargetModel, num_slots: int, max_len: int):
-        self.target = target
+        self.target = target.fuse()  # fused layers where the model allows (eagle2.fused)
         self.vocab_size = target.vocab_size
         self.device = target.device
         self.cache = target.allocate_cache(num_slots, max_len)

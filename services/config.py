@@ -13,19 +13,21 @@ from eagle2.config import TreeConfig
 
 
 class TreeSettings(BaseModel):
-    """Draft-tree budget. Defaults: `eagle2.config.TreeConfig`'s small CPU tree; GPU
-    deployments set their own (deploy/*.yaml), ideally what `eagle2 bench`'s tuner picks."""
+    """Draft-tree budget, as `eagle2.config.TreeConfig`: with budget "auto" (the default) the
+    sizes are maxima and the engine cuts each step's trees to what pays on this hardware at
+    the current batch (from the forward costs it measures at start-up, cached per machine)."""
 
     model_config = ConfigDict(extra="forbid")
     mode: Literal["eagle2", "static", "chain", "vanilla"] = "eagle2"
-    total_tokens: int = Field(7, ge=2, le=128)
-    depth: int = Field(1, ge=1, le=16)
-    top_k: int = Field(6, ge=1, le=32)
+    total_tokens: int = Field(32, ge=2, le=128)
+    depth: int = Field(6, ge=1, le=16)
+    top_k: int = Field(8, ge=1, le=32)
     draft_window: int = Field(2048, ge=16)
+    budget: Literal["auto", "fixed"] = "auto"
 
     def to_core(self, mode: str | None = None) -> TreeConfig:
         return TreeConfig(mode or self.mode, self.total_tokens, self.depth, self.top_k,
-                          self.draft_window)
+                          self.draft_window, self.budget)
 
 
 class ServiceConfig(BaseModel):

@@ -28,11 +28,12 @@ class RemoteDrafter:
         self.rpc_s = 0.0  # wall time of Draft calls, worker compute included
 
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
-              counts: torch.Tensor, config: TreeConfig) -> DraftTree:
+              counts: torch.Tensor, config: TreeConfig, min_gain: float = 0.0) -> DraftTree:
         req = draft_pb2.DraftRequest(
             seq_ids=seq_ids, features=convert.tensor_to_proto(features),
             tokens=convert.tensor_to_proto(tokens.long()),
-            counts=convert.tensor_to_proto(counts.long()), tree=convert.tree_to_spec(config))
+            counts=convert.tensor_to_proto(counts.long()), tree=convert.tree_to_spec(config),
+            min_gain=min_gain)
         t0 = time.perf_counter()
         try:
             resp = self.stub.Draft(req, timeout=self.timeout_s)

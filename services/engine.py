@@ -38,8 +38,11 @@ class TargetEngine:
                                dtype=None if cfg.dtype == "auto" else cfg.dtype,
                                use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank)
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
-        self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context)
+        self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
+                             costs=_cost_path(cfg))
         self.tree = cfg.tree.to_core()
+        if self.drafter is not None and self.tree.budget == "auto":
+            _ = self.engine.costs  # measured (or read) before serving, not at the first request
         self.inbox: queue.Queue = queue.Queue()
         self.outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -146,3 +149,13 @@ def _event_dict(ev: Event) -> dict:
     return {"token_ids": ev.token_ids, "finished": ev.finished,
             "finish_reason": ev.finish_reason, "num_steps": ev.num_steps,
             "accepted_at_depth": ev.accepted_at_depth, "time": time.time()}
+
+
+def _cost_path(cfg: ServiceConfig):
+    """This machine's measured forward costs for this deployment's target and layout."""
+    from eagle2.kernels import machine_key
+    from eagle2.target import cache_root
+
+    key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{cfg.dtype}|{cfg.use_gpu}|"
+                      f"{cfg.cpus_per_rank}")
+    return cache_root() / "costs" / f"{key}.json"

@@ -116,6 +116,6 @@ def test_head_in_published_llama3_70b_layout_loads(tmp_path):
     engine = Engine(LocalRunner(target, 2, 256 + Engine.tree_margin), drafter, 2, 256)
     prompts = random_prompts(2, vocab, seed=1)
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
-    tree = TreeConfig("eagle2", total_tokens=10, depth=3, top_k=3)
+    tree = TreeConfig("eagle2", total_tokens=10, depth=3, top_k=3, budget="fixed")
     assert run(engine, prompts, greedy, tree) == run(make_engine(target, None), prompts, greedy,
                                                      TreeConfig("vanilla"))

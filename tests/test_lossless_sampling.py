@@ -25,7 +25,7 @@ VOCAB = 8
 PROMPT = [1, 4, 6, 2]
 NUM_SAMPLES = 4000
 SEED_BASE = 20000
-TREE = TreeConfig("eagle2", total_tokens=6, depth=2, top_k=3)
+TREE = TreeConfig("eagle2", total_tokens=6, depth=2, top_k=3, budget="fixed")
 
 
 def processed(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:

@@ -31,9 +31,9 @@ pytestmark = pytest.mark.skipif(
 
 MAX_BATCH, MAX_CONTEXT = 3, 256
 MAX_TOKENS = (20, 12, 16)  # different lengths: requests finish apart and slots move
-TINY_TREES = {"eagle2": TreeConfig("eagle2", total_tokens=16, depth=4, top_k=4),
+TINY_TREES = {"eagle2": TreeConfig("eagle2", total_tokens=16, depth=4, top_k=4, budget="fixed"),
               "vanilla": TreeConfig("vanilla")}
-SMOL_TREES = {"eagle2": TreeConfig("eagle2", total_tokens=8, depth=3, top_k=3),
+SMOL_TREES = {"eagle2": TreeConfig("eagle2", total_tokens=8, depth=3, top_k=3, budget="fixed"),
               "vanilla": TreeConfig("vanilla")}
 
 
