@@ -42,12 +42,15 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. the root")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None, help="draft tree branching")
+    p.add_argument("--budget", choices=("auto", "fixed"), default="auto",
+                   help="auto: the sizes are maxima and the engine keeps what pays each step "
+                        "on this machine; fixed: exactly these sizes")
 
 
 def tree_from_args(args):
     from eagle2.config import TreeConfig
 
-    fields = {"mode": args.mode}
+    fields = {"mode": args.mode, "budget": getattr(args, "budget", "auto")}
     for name in ("total_tokens", "depth"):
         if getattr(args, name, None) is not None:
             fields[name] = getattr(args, name)
