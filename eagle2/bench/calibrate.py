@@ -107,7 +107,8 @@ def run(args) -> int:
 
 
 def fit_and_check(rec: Recorder, bins: int) -> dict:
-    """Fit on the even steps, check on the odd ones (step-level split, no shared trees)."""
+    """Fit on the even steps, check on the odd ones (step-level split, no shared trees); the
+    calibration returned for shipping is then fitted on all steps."""
     from eagle2.calibration import Calibration
 
     fit_v = torch.cat([v.flatten() for v in rec.values[0::2]])
@@ -121,7 +122,10 @@ def fit_and_check(rec: Recorder, bins: int) -> dict:
         pred_raw += float(v.sum())
         actual += float(a.sum())
     trees = sum(v.shape[0] for v in rec.values[1::2])
-    return {"calibration": calib, "fit_nodes": int(keep.sum()), "check_trees": trees,
+    every_v = torch.cat([v.flatten() for v in rec.values])
+    every_a = torch.cat([a.flatten() for a in rec.accepted])
+    shipped = Calibration.fit(every_v[every_v > 0], every_a[every_v > 0], bins)  # all steps
+    return {"calibration": shipped, "fit_nodes": int(keep.sum()), "check_trees": trees,
             "accepted_per_tree": round(actual / trees, 4),
             "predicted_per_tree_calibrated": round(pred_cal / trees, 4),
             "predicted_per_tree_raw": round(pred_raw / trees, 4),
