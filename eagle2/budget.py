@@ -194,7 +194,8 @@ def choose_num_nodes(values: torch.Tensor, costs: CostModel, draft_s: float,
 @dataclass
 class SpeculationGate:
     """Stop drafting while it does not pay; probe again after a back-off that doubles (up to
-    `max_backoff` steps) each time the probe does not pay either, and resets when it does."""
+    `max_backoff` steps) each time the probe does not pay either, and resets when it does or
+    when new requests join the batch."""
 
     max_backoff: int = 32
     backoff: int = 0  # steps to skip after the current streak
@@ -206,6 +207,10 @@ class SpeculationGate:
             self.skip_left -= 1
             return False
         return True
+
+    def reopen(self) -> None:
+        """Probe again at the next step (the batch changed: what paid or not may differ)."""
+        self.backoff = self.skip_left = 0
 
     def record(self, pays: bool) -> None:
         self.history = [*self.history[-63:], pays]

@@ -334,6 +334,7 @@ class Engine:
         t0 = time.perf_counter()
         room = self.max_batch - len(self.seqs)
         batch, self.waiting = self.waiting[:room], self.waiting[room:]
+        self.gate.reopen()  # a new batch: probe speculation again at its first step
         dev = self.runner.device
         lengths = torch.tensor([len(r.prompt_ids) for r in batch], device=dev)
         width = int(lengths.max())

@@ -79,6 +79,9 @@ def test_gate_backs_off_and_resets():
     assert verdicts == [False, "skip", "skip", False] + ["skip"] * 4 + [False] + ["skip"] * 8 \
         + [False] + ["skip"] * 8 + [True]
     assert gate.should_draft() and gate.backoff == 0
+    gate.record(False)
+    gate.reopen()
+    assert gate.should_draft()
 
 
 # ----- pruning -------------------------------------------------------------------------------
