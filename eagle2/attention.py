@@ -1,4 +1,6 @@
-"""Llama decoder layers over a preallocated, slotted KV cache with tree attention (BRIEF §4-§5).
+"""Llama decoder layers over a preallocated, slotted KV cache with tree attention.
+
+See docs/DESIGN.md "Verification, KV cache and batching".
 
 The target and the draft head both run through `decoder_layer`: it calls the Hugging Face
 layer's own sub-modules (projections, norms, MLP), so a model sharded by DeepSpeed AutoTP

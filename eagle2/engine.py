@@ -1,4 +1,6 @@
-"""The batched speculative decoding loop (BRIEF §4-§5): prefill, draft, verify, commit.
+"""The batched speculative decoding loop: prefill, draft, verify, commit.
+
+See docs/DESIGN.md "Verification, KV cache and batching".
 
 Continuous batching: requests join between steps (their prompts are prefilled together) and
 leave when finished. Target-cache slots are kept compact (a finished request's slot takes the

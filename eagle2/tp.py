@@ -1,4 +1,4 @@
-"""Tensor parallelism for the target (BRIEF §1, §8): one process per rank, DeepSpeed AutoTP.
+"""Tensor parallelism for the target (docs/DESIGN.md "Tensor parallelism"): one process per rank, DeepSpeed AutoTP.
 
 Every rank calls `init_tp` (joins the process group), loads the whole target, then
 `shard_target` (AutoTP keeps its own slice of every decoder layer and of lm_head). The
@@ -36,7 +36,7 @@ def init_tp(rank: int, world_size: int, master_addr: str, master_port: int,
     import deepspeed.comm.comm as ds_comm
 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
-    # DeepSpeed's CPU shared-memory all-reduce kernel SIGSEGVs on some CPUs (BRIEF §8); level 0
+    # DeepSpeed's CPU shared-memory all-reduce kernel SIGSEGVs on some CPUs (docs/DESIGN.md "Environment notes"); level 0
     # makes inference_all_reduce fall back to the process group's all_reduce.
     ds_comm.cdb.shm_vector_kernel_level = 0
 

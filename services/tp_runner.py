@@ -1,4 +1,6 @@
-"""The tensor-parallel target on Ray (BRIEF §1, §8): one `TPRank` actor per rank.
+"""The tensor-parallel target on Ray: one `TPRank` actor per rank.
+
+See docs/DESIGN.md "Tensor parallelism".
 
 `ShardedRunner` is the engine's `TargetRunner` on the driver side:
   1. reserve a placement group of tp_size bundles on one node (STRICT_PACK), one per rank

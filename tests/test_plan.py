@@ -236,7 +236,7 @@ def _autotp_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
-    ds_comm.cdb.shm_vector_kernel_level = 0  # the shm all-reduce kernel SIGSEGVs here (BRIEF §8)
+    ds_comm.cdb.shm_vector_kernel_level = 0  # the shm all-reduce kernel SIGSEGVs here
     result = {}
     for tied in (False, True):
         torch.manual_seed(0)

@@ -1,4 +1,6 @@
-"""eagle2.tp + services.tp_runner: the tensor-parallel target is lossless (BRIEF §1, §8).
+"""eagle2.tp + services.tp_runner: the tensor-parallel target is lossless.
+
+See docs/DESIGN.md "Tensor parallelism".
 
 Real Ray actors, real DeepSpeed AutoTP and real gloo all-reduces on CPU, no mocks: through the
 engine, a target sharded over tp ranks gives exactly the greedy tokens of the unsharded target

@@ -1,4 +1,6 @@
-"""`eagle2 bench`: tau, tokens/s and speedup of each mode against plain decoding (BRIEF §7).
+"""`eagle2 bench`: tau, tokens/s and speedup of each mode against plain decoding.
+
+See docs/DESIGN.md "Metrics".
 
 Batch size 1 (a latency benchmark). For each prompt every mode runs once, the order rotating
 from prompt to prompt, so that load noise from other processes hits all modes alike. Modes:

@@ -1,8 +1,8 @@
 """Placement and memory planner: a Llama target tensor-parallel on N GPUs + an EAGLE draft worker.
 
-Deployment step before serving (BRIEF §1, §8, §9): decide the tensor-parallel size, check that
-the target's shards and the draft worker fit, and say how many sequences of a given context
-the KV caches hold. Pure arithmetic over config.json values; `shard_shapes` additionally builds
+Deployment step before serving (docs/DESIGN.md "Overview"): decide the tensor-parallel size,
+check that the target's shards and the draft worker fit, and say how many sequences of a given
+context the KV caches hold. Pure arithmetic over config.json values; `shard_shapes` additionally builds
 the model on the meta device (no weights allocated) to list the per-rank parameter shapes.
 
 What the engine loads per target GPU mirrors DeepSpeed AutoTP
@@ -19,7 +19,8 @@ read from deepspeed/module_inject/{replace_module,auto_tp,layers,tp_shard}.py:
 The planner refuses uneven splits (AutoTP would accept them, but the rank with the extra
 head group is the bottleneck of every step).
 
-The draft worker (BRIEF §2) holds the EAGLE head (fc Linear(2H -> H) + decoder layers without
+The draft worker (docs/DESIGN.md "Draft head")
+holds the EAGLE head (fc Linear(2H -> H) + decoder layers without
 input_layernorm) and a copy of the target's embed_tokens and lm_head, plus the head's KV cache.
 
 Modules: `specs` (model and head specs), `memory` (per-rank arithmetic), `layout` (the

@@ -130,7 +130,7 @@ def rank_params(spec: ModelSpec, tp: int, rank: int) -> int:
 
 
 def draft_params(draft: DraftSpec) -> int:
-    """The head's own parameters: fc + layers without input_layernorm (BRIEF §2)."""
+    """The head's own parameters: fc + layers without input_layernorm."""
     h = draft.model.hidden_size
     layer = sum(math.prod(s) for s in _layer_shapes(draft.model, input_norm=False).values())
     return 2 * h * h + (h if draft.fc_bias else 0) + draft.model.num_hidden_layers * layer
