@@ -2,8 +2,8 @@
 
 Deployment step before serving (docs/DESIGN.md "Overview"): decide the tensor-parallel size,
 check that the target's shards and the draft worker fit, and say how many sequences of a given
-context the KV caches hold. Pure arithmetic over config.json values; `shard_shapes` additionally builds
-the model on the meta device (no weights allocated) to list the per-rank parameter shapes.
+context the KV caches hold. Pure arithmetic over config.json values; `shard_shapes` additionally
+builds the model on the meta device (no weights allocated) to list the per-rank parameter shapes.
 
 What the engine loads per target GPU mirrors DeepSpeed AutoTP
 (`init_inference(model, tensor_parallel={"tp_size": n}, replace_with_kernel_inject=False)`),
