@@ -72,10 +72,16 @@ class LocalRunner:
             return feats, self.target.logits(feats[rows, logit_index])
         return feats, self.target.logits(feats)
 
+    def forward_features(self, tokens, positions, tree_mask, slots) -> torch.Tensor:
+        """The forward without lm_head: features [B, N, H] (what a TP rank other than 0 runs:
+        it takes part in the all-reduces, rank 0 verifies)."""
+        return self.target.forward(tokens, positions, tree_mask, self.cache, slots).features
+
     def verify_step(self, tree, positions, slots, params, generators):
         dev = self.device
-        features, logits = self.forward(tree.tokens.to(dev), positions.to(dev),
-                                        tree.tree_mask.to(dev), slots.to(dev))  # [B, N, V]
+        tree = DraftTree(*(t.to(dev) for t in tree._fields()))  # greedy acceptance on the device
+        features, logits = self.forward(tree.tokens, positions.to(dev), tree.tree_mask,
+                                        slots.to(dev))  # [B, N, V]
         verified = verify_batch(tree, logits, params, generators)
         return verified, accepted_features(features, verified.nodes)
 

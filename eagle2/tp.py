@@ -211,6 +211,6 @@ def _set_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 def _rebuild_buffers(model: torch.nn.Module, config, device: torch.device) -> None:
     """Non-persistent buffers (RoPE inv_freq) are not in the checkpoint: build them anew."""
     rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=config, device=device)
+    model.model.rotary_emb = type(rotary)(config=config).to(device)
     for name, buf in model.named_buffers():
         assert not buf.is_meta, f"buffer {name} left on the meta device"
