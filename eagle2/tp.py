@@ -182,7 +182,9 @@ def load_sharded(path: str | Path, tp_size: int, rank: int, dtype: torch.dtype,
         if key not in loaded:
             with safe_open(files[key], framework="pt") as f:
                 part = f.get_slice(key)[shard_index(pname, tuple(param.shape), tp_size, rank)]
-            loaded[key] = part.to(device=dev, dtype=dtype)
+            # a copy: safetensors' CPU tensors are views of the file's mapping, whose touched
+            # pages (and their read-around neighbours) would stay in this process' RSS
+            loaded[key] = part.to(device=dev, dtype=dtype, copy=True).contiguous()
         _set_param(model, pname, loaded[key])
     _rebuild_buffers(model, config, dev)
     _mark_row_parallel(model)
