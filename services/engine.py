@@ -90,6 +90,7 @@ class TargetEngine:
         out["draft"] = self.draft_desc
         out["draft_rpc_calls"] = getattr(self.drafter, "calls", None)
         out["draft_rpc_s"] = getattr(self.drafter, "rpc_s", None)
+        out.update(traffic_stats(self.engine.runner, self.drafter))
         return out
 
     def reset_stats(self) -> None:
@@ -140,6 +141,15 @@ class TargetEngine:
         if box is not None:
             loop, q = box
             loop.call_soon_threadsafe(q.put_nowait, item)
+
+
+def traffic_stats(runner, drafter) -> dict:
+    """Bytes moved between processes so far: engine <-> TP ranks (tensors in the calls, the
+    same inputs counted once per rank) and engine <-> draft worker (serialized protobuf)."""
+    traffic = getattr(runner, "traffic", {})
+    return {"rank_bytes_out": traffic.get("bytes_out"), "rank_bytes_in": traffic.get("bytes_in"),
+            "draft_bytes_out": getattr(drafter, "bytes_sent", None),
+            "draft_bytes_in": getattr(drafter, "bytes_received", None)}
 
 
 def _event_dict(ev: Event) -> dict:
