@@ -5,19 +5,10 @@ check that the target's shards and the draft worker fit, and say how many sequen
 context the KV caches hold. Pure arithmetic over config.json values; `shard_shapes` additionally
 builds the model on the meta device (no weights allocated) to list the per-rank parameter shapes.
 
-What the engine loads per target GPU mirrors DeepSpeed AutoTP
-(`init_inference(model, tensor_parallel={"tp_size": n}, replace_with_kernel_inject=False)`),
-read from deepspeed/module_inject/{replace_module,auto_tp,layers,tp_shard}.py:
-- only modules inside LlamaDecoderLayer are sharded, plus `lm_head`. `model.embed_tokens`,
-  the final norm and every RMSNorm stay whole on every rank;
-- q/k/v_proj are column-parallel (dim 0), o_proj row-parallel (dim 1), both split by whole
-  KV-head groups: rank r gets kv_heads // tp (+1 if r < kv_heads % tp) groups;
-- gate/up_proj column-parallel, down_proj row-parallel, split in grains of 64
-  (`DeepSpeedTPConfig.tp_grain_size`), the remainder going to the last rank;
-- lm_head row-parallel (split on the hidden dim, grains of 64) with an all-reduce. A tied
-  lm_head is cloned first, so tying saves nothing on the target GPUs.
-The planner refuses uneven splits (AutoTP would accept them, but the rank with the extra
-head group is the bottleneck of every step).
+What the engine loads per target GPU mirrors `eagle2.tp` (docs/DESIGN.md "Tensor
+parallelism"): q/k/v and gate/up projections split evenly by rows (whole KV-head groups), o and
+down projections by columns; embed_tokens, the norms and lm_head stay whole on every rank. The
+planner refuses tp sizes that do not divide the heads, the KV heads and the MLP width.
 
 The draft worker (docs/DESIGN.md "Draft head")
 holds the EAGLE head (fc Linear(2H -> H) + decoder layers without
@@ -30,7 +21,6 @@ plan), `cli` (`eagle2 plan`).
 from eagle2.plan.cli import add_arguments, format_plan, run
 from eagle2.plan.layout import DraftPlan, PlanRequest, ServingPlan, plan
 from eagle2.plan.memory import (
-    autotp_shard_size,
     check_tp_rank,
     draft_params,
     kv_bytes_per_token,
@@ -43,7 +33,6 @@ from eagle2.plan.memory import (
     valid_tp_sizes,
 )
 from eagle2.plan.specs import (
-    AUTOTP_GRAIN,
     DEFAULT_CONTEXT,
     DRAFT_PRESETS,
     DTYPE_BYTES,
@@ -58,9 +47,9 @@ from eagle2.plan.specs import (
 )
 
 __all__ = [
-    "AUTOTP_GRAIN", "DEFAULT_CONTEXT", "DRAFT_PRESETS", "DTYPE_BYTES", "GIB", "PRESETS",
+    "DEFAULT_CONTEXT", "DRAFT_PRESETS", "DTYPE_BYTES", "GIB", "PRESETS",
     "DraftPlan", "DraftSpec", "ModelSpec", "PlanRequest", "ServingPlan", "add_arguments",
-    "autotp_shard_size", "check_tp_rank", "draft_params", "eagle_head_for", "format_plan",
+    "check_tp_rank", "draft_params", "eagle_head_for", "format_plan",
     "kv_bytes_per_token", "load_draft_spec", "load_model_spec", "num_params", "plan",
     "rank_params", "run", "shard_shape", "shard_shapes", "spec_from_config", "to_hf_config",
     "tp_problems", "valid_tp_sizes",

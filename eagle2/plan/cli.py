@@ -48,7 +48,7 @@ def _gib(n: int) -> str:
 def format_plan(p: ServingPlan) -> str:
     """Human-readable summary of a plan."""
     draft_gpus = 1 if p.draft else 0
-    target = f"target: tp={p.tp_size} (AutoTP) on GPUs 0-{p.tp_size - 1}"
+    target = f"target: tp={p.tp_size} on GPUs 0-{p.tp_size - 1}"
     target += f", draft worker on GPU {p.tp_size}" if p.draft else ""
     target += f", {p.idle_gpus} idle" if p.idle_gpus else ""
     lines = [
@@ -56,7 +56,7 @@ def format_plan(p: ServingPlan) -> str:
          f"({_gib(p.usable_bytes_per_gpu)} usable each), context {p.context_len}"),
         target,
         (f"weights: {p.num_params:,} params = {_gib(p.weight_bytes_total)}; per GPU "
-         f"{_gib(p.weight_bytes_per_gpu)} (embed_tokens replicated, lm_head split)"),
+         f"{_gib(p.weight_bytes_per_gpu)} (embed_tokens and lm_head whole on every rank)"),
         (f"KV cache: {p.kv_bytes_per_token:,} B/token, {p.kv_bytes_per_token_per_gpu:,} B/token "
          f"per GPU; {_gib(p.kv_budget_bytes_per_gpu)} free per GPU = {p.kv_tokens_per_gpu:,} "
          f"tokens = {p.target_max_sequences} sequences"),

@@ -6,45 +6,26 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from eagle2.plan.specs import AUTOTP_GRAIN, DraftSpec, ModelSpec, spec_from_config
+from eagle2.plan.specs import DraftSpec, ModelSpec, spec_from_config
 
-
-def autotp_shard_size(total: int, tp: int, rank: int, num_kv_heads: int, by_heads: bool) -> int:
-    """Rows/columns of a `total`-wide dimension that rank `rank` of `tp` holds under AutoTP.
-
-    Mirrors deepspeed.module_inject.tp_shard.get_shard_size: attention projections split by
-    whole KV-head groups, MLP and lm_head in grains of AUTOTP_GRAIN (remainder to the last rank).
-    E.g. 3 KV heads, tp=2, q_proj rows 192 -> [128, 64]; MLP 320 rows -> [192, 128].
-    """
-    if by_heads and total % num_kv_heads == 0:
-        num_groups = num_kv_heads // tp + (1 if rank < num_kv_heads % tp else 0)
-        return total * num_groups // num_kv_heads
-    if total < AUTOTP_GRAIN:
-        return total // tp + (1 if rank < total % tp else 0)
-    num_grains, remainder = divmod(total, AUTOTP_GRAIN)
-    size = (num_grains // tp + (1 if rank < num_grains % tp else 0)) * AUTOTP_GRAIN
-    return size + (remainder if rank == tp - 1 else 0)
-
-
-# parameter-name suffix -> (split dim, split by KV-head groups); anything else is replicated.
-# nn.Linear weights are [out, in]: column-parallel splits dim 0, row-parallel dim 1.
+# parameter-name suffix -> split dim (eagle2.tp.split_dim); anything else is whole on every
+# rank. nn.Linear weights are [out, in]: column-parallel splits dim 0, row-parallel dim 1.
 _SPLIT_RULES = (
     (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-      "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), 0, True),
-    (("self_attn.o_proj.weight",), 1, True),
-    (("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias"),
-     0, False),
-    (("mlp.down_proj.weight", "lm_head.weight"), 1, False),
+      "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+      "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias"), 0),
+    (("self_attn.o_proj.weight", "mlp.down_proj.weight"), 1),
 )
 
 
 def shard_shape(name: str, shape: tuple[int, ...], spec: ModelSpec, tp: int, rank: int
                 ) -> tuple[int, ...]:
-    """Per-rank shape of the full parameter `name` of `shape` under AutoTP."""
-    for suffixes, dim, by_heads in _SPLIT_RULES:
+    """Per-rank shape of the full parameter `name` of `shape` (eagle2.tp: even splits, whole
+    KV-head groups for attention; embed_tokens, norms and lm_head whole)."""
+    for suffixes, dim in _SPLIT_RULES:
         if name.endswith(suffixes):
             out = list(shape)
-            out[dim] = autotp_shard_size(shape[dim], tp, rank, spec.num_key_value_heads, by_heads)
+            out[dim] = shape[dim] // tp
             return tuple(out)
     return tuple(shape)
 
@@ -54,7 +35,10 @@ def check_tp_rank(spec: ModelSpec, tp: int, rank: int) -> None:
         raise ValueError(f"rank must be in [0, {tp}), got {rank}")
     if tp > spec.num_key_value_heads:
         raise ValueError(f"{spec.name}: tp={tp} exceeds its {spec.num_key_value_heads} KV heads; "
-                         "AutoTP splits by whole KV-head groups, so some ranks would hold none")
+                         "ranks hold whole KV-head groups, so some ranks would hold none")
+    problems = tp_problems(spec, tp)
+    if problems:
+        raise ValueError(f"{spec.name}: tp={tp} does not split it evenly: {'; '.join(problems)}")
 
 
 def to_hf_config(spec: ModelSpec):
@@ -72,10 +56,10 @@ def to_hf_config(spec: ModelSpec):
 
 def shard_shapes(config: ModelSpec | Any, tp_size: int, rank: int = 0
                  ) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape on rank `rank` after AutoTP, from a model built on meta.
+    """Parameter name -> shape on rank `rank` (eagle2.tp), from a model built on meta.
 
-    `config` is a ModelSpec or a transformers LlamaConfig. A tied lm_head is listed too: AutoTP
-    clones it into its own (sharded) parameter.
+    `config` is a ModelSpec or a transformers LlamaConfig. A tied lm_head is listed too (on a
+    rank it shares the embedding's tensor).
     """
     import torch
     from transformers import LlamaForCausalLM
@@ -120,13 +104,14 @@ def num_params(spec: ModelSpec) -> int:
 
 
 def rank_params(spec: ModelSpec, tp: int, rank: int) -> int:
-    """Parameters AutoTP leaves on rank `rank`: layer shards + embed + lm_head shard + norm."""
+    """Parameters rank `rank` holds: layer shards + embed_tokens + lm_head (whole) + norm.
+    A tied lm_head shares the embedding's tensor on the rank."""
     check_tp_rank(spec, tp, rank)
     shapes = _layer_shapes(spec).items()
     layer = sum(math.prod(shard_shape(n, s, spec, tp, rank)) for n, s in shapes)
     embed = (spec.vocab_size, spec.hidden_size)
-    lm_head = shard_shape("lm_head.weight", embed, spec, tp, rank)
-    return spec.num_hidden_layers * layer + math.prod(embed) + math.prod(lm_head) + spec.hidden_size
+    lm_head = 0 if spec.tie_word_embeddings else math.prod(embed)
+    return spec.num_hidden_layers * layer + math.prod(embed) + lm_head + spec.hidden_size
 
 
 def draft_params(draft: DraftSpec) -> int:
@@ -138,19 +123,18 @@ def draft_params(draft: DraftSpec) -> int:
 
 def kv_bytes_per_token(spec: ModelSpec, dtype_bytes: int, tp: int = 1, rank: int = 0) -> int:
     """K and V of every layer for one token on one rank: 2 * L * kv_heads_on_rank * d * bytes."""
-    kv_width = autotp_shard_size(spec.num_key_value_heads * spec.head_dim, tp, rank,
-                                 spec.num_key_value_heads, by_heads=True)
+    kv_width = spec.num_key_value_heads // tp * spec.head_dim
     return 2 * spec.num_hidden_layers * kv_width * dtype_bytes
 
 
 def tp_problems(spec: ModelSpec, tp: int) -> list[str]:
-    """Why `tp` is not a clean AutoTP split of `spec` (empty list: it is)."""
+    """Why `tp` does not split `spec` evenly (empty list: it does)."""
     problems = [f"{what} ({n}) is not divisible by tp={tp}" for what, n in (
         ("num_attention_heads", spec.num_attention_heads),
         ("num_key_value_heads", spec.num_key_value_heads),
         ("intermediate_size", spec.intermediate_size)) if n % tp]
     if tp > spec.num_key_value_heads:
-        problems.append(f"tp={tp} > {spec.num_key_value_heads} KV heads (AutoTP splits by whole "
+        problems.append(f"tp={tp} > {spec.num_key_value_heads} KV heads (ranks hold whole "
                         "KV-head groups)")
     return problems
 

@@ -11,7 +11,6 @@ from types import MappingProxyType
 from typing import Any
 
 DTYPE_BYTES = MappingProxyType({"bf16": 2, "fp16": 2, "fp32": 4})
-AUTOTP_GRAIN = 64  # deepspeed.inference.config.DeepSpeedTPConfig.tp_grain_size default
 GIB = 2**30
 DEFAULT_CONTEXT = 8192
 
@@ -105,7 +104,7 @@ def spec_from_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     """ModelSpec from an HF config.json dict (Llama architecture only)."""
     if cfg.get("model_type", "llama") != "llama":
         raise ValueError(f"{name}: model_type {cfg['model_type']!r} is not 'llama'; the planner "
-                         "knows DeepSpeed AutoTP's layout for Llama-family models only")
+                         "knows the tensor-parallel layout of Llama-family models only")
     fields = {f.name: cfg[f.name] for f in dataclasses.fields(ModelSpec)
               if cfg.get(f.name) is not None and f.name != "name"}
     if "num_attention_heads" in fields:
