@@ -36,7 +36,8 @@ class TargetEngine:
         runner = ShardedRunner(cfg.tp_size, cfg.max_batch_size,
                                cfg.max_context + Engine.tree_margin, target=cfg.target,
                                dtype=None if cfg.dtype == "auto" else cfg.dtype,
-                               use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank)
+                               use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank,
+                               gpu_per_rank=cfg.gpu_per_rank())
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context)
         self.tree = cfg.tree.to_core()

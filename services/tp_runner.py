@@ -114,12 +114,14 @@ class ShardedRunner:
     def __init__(self, tp_size: int, num_slots: int, max_len: int, target: str | None = None,
                  dtype: str | None = None, use_gpu: bool = False, cpus_per_rank: float = 1.0,
                  placement: PlacementGroup | None = None, first_bundle: int = 0,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, gpu_per_rank: float = 1.0):
         """target: a model directory, a .gguf file or None (the embedded SmolLM2); dtype: None
         = fp32 on CPU, bf16 on GPU. num_slots, max_len: each rank's KV cache, as LocalRunner.
         placement: use these bundles (first_bundle ..) of an existing placement group, e.g. a
         Serve replica's, instead of reserving one (then it is not removed on shutdown).
         timeout_s: how long one lockstep call (or the start) may take before TimeoutError.
+        gpu_per_rank: each rank's Ray GPU share when use_gpu (below 1 when a draft worker
+        shares the GPUs; a rank still gets one device of its own).
         """
         _check_target(target, tp_size)
         self.tp_size, self.timeout_s = tp_size, timeout_s
@@ -127,7 +129,7 @@ class ShardedRunner:
         self._lengths = torch.zeros(num_slots, dtype=torch.long)  # [slots] mirror of the ranks'
         self._own_placement = placement is None
         if placement is None:
-            bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if use_gpu else {})}
+            bundle = {"CPU": cpus_per_rank, **({"GPU": gpu_per_rank} if use_gpu else {})}
             placement = placement_group([dict(bundle) for _ in range(tp_size)],
                                         strategy="STRICT_PACK")
         self.placement = placement
@@ -137,7 +139,7 @@ class ShardedRunner:
             self._gather([placement.ready()])
             actor_cls = ray.remote(TPRank)
             self.actors = [actor_cls.options(
-                num_cpus=cpus_per_rank, num_gpus=1 if use_gpu else 0,
+                num_cpus=cpus_per_rank, num_gpus=gpu_per_rank if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=first_bundle + rank),
             ).remote(rank, tp_size, target, dtype, num_slots, max_len,

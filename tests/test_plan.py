@@ -232,3 +232,31 @@ def test_uneven_splits_are_refused():
                        max_position_embeddings=64)
     with pytest.raises(ValueError, match="does not split it evenly"):
         P.shard_shapes(spec, 2)
+
+
+# ---------------------------------------------------------------- node layouts
+
+
+def test_layouts_rank_two_tp4_replicas_with_a_shared_draft_first_on_8_gpus():
+    model = P.PRESETS["llama-3-70b"]
+    layouts = P.node_layouts(model, P.eagle_head_for(model), 8)
+    best = layouts[0]
+    assert (best.replicas, best.tp_size, best.draft, best.idle_gpus) == (2, 4, "shared", 0)
+    assert 0 < best.draft_gpu_fraction < 1
+    assert [lay.tokens_per_s for lay in layouts] == sorted(
+        (lay.tokens_per_s for lay in layouts), reverse=True)
+    own = next(lay for lay in layouts if lay.draft == "own" and lay.tp_size == 4)
+    assert own.replicas == 1 and own.idle_gpus == 3  # 4 ranks + a draft GPU: one replica fits
+    assert own.step_ms == best.step_ms  # same step, but half the replicas per node
+    assert any("shares a rank's GPU" in r for r in best.reasons)
+
+
+def test_layouts_drop_what_does_not_fit_and_cli_prints_them(capsys):
+    model = P.PRESETS["llama-3-70b"]
+    layouts = P.node_layouts(model, P.eagle_head_for(model), 8, P.Hardware(gpu_mem_gib=40))
+    assert all(lay.tp_size >= 4 for lay in layouts)  # 70B bf16 at tp 2 needs > 40 GiB a GPU
+    with pytest.raises(ValueError, match="no layout"):
+        P.node_layouts(model, None, 1, P.Hardware(gpu_mem_gib=24))
+    assert P.run(_parse("--model", "llama-3-70b", "--gpus", "8", "--gpu-mem", "80",
+                        "--layouts")) == 0
+    assert capsys.readouterr().out.startswith("1. 2 x tp4, draft shared:")

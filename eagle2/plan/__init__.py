@@ -14,12 +14,13 @@ The draft worker (docs/DESIGN.md "Draft head")
 holds the EAGLE head (fc Linear(2H -> H) + decoder layers without
 input_layernorm) and a copy of the target's embed_tokens and lm_head, plus the head's KV cache.
 
-Modules: `specs` (model and head specs), `memory` (per-rank arithmetic), `layout` (the
-plan), `cli` (`eagle2 plan`).
+Modules: `specs` (model and head specs), `memory` (per-rank arithmetic), `layout` (the plan
+of one replica), `layouts` (whole-node layouts ranked by tokens/s), `cli` (`eagle2 plan`).
 """
 
 from eagle2.plan.cli import add_arguments, format_plan, run
 from eagle2.plan.layout import DraftPlan, PlanRequest, ServingPlan, plan
+from eagle2.plan.layouts import Hardware, NodeLayout, Workload, format_layouts, node_layouts
 from eagle2.plan.memory import (
     check_tp_rank,
     draft_params,
@@ -47,10 +48,37 @@ from eagle2.plan.specs import (
 )
 
 __all__ = [
-    "DEFAULT_CONTEXT", "DRAFT_PRESETS", "DTYPE_BYTES", "GIB", "PRESETS",
-    "DraftPlan", "DraftSpec", "ModelSpec", "PlanRequest", "ServingPlan", "add_arguments",
-    "check_tp_rank", "draft_params", "eagle_head_for", "format_plan",
-    "kv_bytes_per_token", "load_draft_spec", "load_model_spec", "num_params", "plan",
-    "rank_params", "run", "shard_shape", "shard_shapes", "spec_from_config", "to_hf_config",
-    "tp_problems", "valid_tp_sizes",
+    "DEFAULT_CONTEXT",
+    "DRAFT_PRESETS",
+    "DTYPE_BYTES",
+    "GIB",
+    "PRESETS",
+    "DraftPlan",
+    "DraftSpec",
+    "Hardware",
+    "ModelSpec",
+    "NodeLayout",
+    "PlanRequest",
+    "ServingPlan",
+    "Workload",
+    "add_arguments",
+    "check_tp_rank",
+    "draft_params",
+    "eagle_head_for",
+    "format_layouts",
+    "format_plan",
+    "kv_bytes_per_token",
+    "load_draft_spec",
+    "load_model_spec",
+    "node_layouts",
+    "num_params",
+    "plan",
+    "rank_params",
+    "run",
+    "shard_shape",
+    "shard_shapes",
+    "spec_from_config",
+    "to_hf_config",
+    "tp_problems",
+    "valid_tp_sizes",
 ]

@@ -8,6 +8,7 @@ import json
 import sys
 
 from eagle2.plan.layout import PlanRequest, ServingPlan, plan
+from eagle2.plan.layouts import Hardware, Workload, format_layouts, node_layouts
 from eagle2.plan.specs import (
     DEFAULT_CONTEXT,
     DRAFT_PRESETS,
@@ -39,6 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve", type=float, default=0.10,
                         help="fraction of each GPU kept for CUDA context and activations")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--layouts", action="store_true",
+                        help="rank whole-node layouts (replicas x tp, draft worker shared / own "
+                             "GPU / none) by expected tokens/s per node")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="--layouts: sequences per replica")
+    parser.add_argument("--tree-tokens", type=int, default=26,
+                        help="--layouts: draft-tree nodes verified per sequence and step")
+    parser.add_argument("--tau", type=float, default=3.3,
+                        help="--layouts: expected tokens per step with speculation")
+    parser.add_argument("--gpu-bw", type=float, default=3350.0,
+                        help="--layouts: HBM bandwidth per GPU in GB/s (H100 SXM: 3350)")
 
 
 def _gib(n: int) -> str:
@@ -71,8 +83,29 @@ def format_plan(p: ServingPlan) -> str:
     return "\n".join(lines + [f"note: {n}" for n in p.notes])
 
 
+def run_layouts(args: argparse.Namespace) -> int:
+    """`eagle2 plan --layouts`: every fitting node layout, best first, with the reasons."""
+    try:
+        model = load_model_spec(args.model)
+        hw = Hardware(gpu_mem_gib=args.gpu_mem, bandwidth_gbs=args.gpu_bw,
+                      reserve_fraction=args.reserve)
+        work = Workload(max_batch=args.max_batch, tree_tokens=args.tree_tokens, tau=args.tau,
+                        context_len=args.context or min(DEFAULT_CONTEXT,
+                                                        model.max_position_embeddings))
+        layouts = node_layouts(model, load_draft_spec(args.draft, model), args.gpus, hw, work,
+                               args.dtype)
+    except ValueError as err:
+        print(f"eagle2 plan: error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps([dataclasses.asdict(lay) for lay in layouts], indent=2) if args.json
+          else format_layouts(layouts))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """`eagle2 plan`: print the plan; on an impossible layout print why to stderr, return 1."""
+    if getattr(args, "layouts", False):
+        return run_layouts(args)
     try:
         model = load_model_spec(args.model)
         req = PlanRequest(model=model, num_gpus=args.gpus, gpu_mem_gib=args.gpu_mem,

@@ -139,7 +139,7 @@ def _check_weights_fit(req: PlanRequest, tp: int, weights: int, usable: int) -> 
 
 
 def plan(req: PlanRequest) -> ServingPlan:
-    """Place the target (tensor-parallel) and the draft worker; raise ValueError if it cannot work."""
+    """Place the target (tensor-parallel) and the draft worker; ValueError if it cannot work."""
     spec, nbytes = req.model, DTYPE_BYTES[req.dtype]
     context = req.context_len or min(DEFAULT_CONTEXT, spec.max_position_embeddings)
     if context > spec.max_position_embeddings:
