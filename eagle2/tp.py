@@ -168,6 +168,7 @@ def load_sharded(path: str | Path, tp_size: int, rank: int, dtype: torch.dtype,
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     check_tp_size(config, tp_size)
+    _need_group(tp_size)  # without it the row-parallel sums would silently be partial
     dev = pick_device(device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
