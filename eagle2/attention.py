@@ -1,7 +1,9 @@
-"""Llama decoder layers over a preallocated, slotted KV cache with tree attention (BRIEF §4-§5).
+"""Llama decoder layers over a preallocated, slotted KV cache with tree attention.
+
+See docs/DESIGN.md "Verification, KV cache and batching".
 
 The target and the draft head both run through `decoder_layer`: it calls the Hugging Face
-layer's own sub-modules (projections, norms, MLP), so a model sharded by DeepSpeed AutoTP
+layer's own sub-modules (projections, norms, MLP), so a tensor-parallel model (`eagle2.tp`)
 works unchanged (its o_proj/down_proj all-reduce inside), but the attention and the cache are
 ours. We do not go through the HF model's 4D-mask path: a tree step needs per-request cache
 lengths, writes at arbitrary positions and a commit by gather, which are simpler and faster to

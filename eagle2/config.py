@@ -16,7 +16,7 @@ BUDGETS = ("auto", "fixed")
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Draft-tree budget (BRIEF §3).
+    """Draft-tree budget (docs/DESIGN.md "Draft tree").
 
     mode: "eagle2" (dynamic tree: expand by path value, rerank globally), "static" (the
     EAGLE-1 default tree, cut to total_tokens), "chain" (top_k = 1) or "vanilla" (no drafting).

@@ -1,4 +1,4 @@
-"""Drafting with the EAGLE head (BRIEF §3 steps 1-2): head update, root step, expansion.
+"""Drafting with the EAGLE head (docs/DESIGN.md "Draft tree"): head update, root step, expansion.
 
 One call per decoding step and batch: the head first runs over the newly accepted positions,
 fed the target's *true* features (pair t = (feature[t], token[t+1]) at position t), which

@@ -1,4 +1,6 @@
-"""The batched speculative decoding loop (BRIEF §4-§5): prefill, draft, verify, commit.
+"""The batched speculative decoding loop: prefill, draft, verify, commit.
+
+See docs/DESIGN.md "Verification, KV cache and batching".
 
 Continuous batching: requests join between steps (their prompts are prefilled together) and
 leave when finished. Target-cache slots are kept compact (a finished request's slot takes the
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -26,7 +27,7 @@ from eagle2.budget import CostModel, SpeculationGate, choose_num_nodes, measure_
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.runner import TargetRunner
 from eagle2.tree import DraftTree, prune_tree, root_only
-from eagle2.verify import Verified, children_lists, verify_greedy, verify_sampling
+from eagle2.verify import Verified
 
 
 class DrafterLike(Protocol):
@@ -111,8 +112,6 @@ class Engine:
         self._costs = costs
         self.gate = SpeculationGate()
         self._rate = 0.0  # tokens/s predicted for the last speculative step
-        # called with (tree, target logits [B, N, V]) after each verification forward
-        self.observers: list[Callable[[DraftTree, torch.Tensor], None]] = []
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -244,35 +243,18 @@ class Engine:
         return tree.select(inverse)
 
     def _verify(self, tree: DraftTree) -> tuple[Verified, torch.Tensor]:
+        """One target forward over all trees and acceptance, where the logits are (the runner).
+        -> (Verified, accepted nodes' features [B, A, H])."""
         dev = self.runner.device
         num_b = tree.batch_size
         slots = torch.arange(num_b, device=dev)
         positions = self.runner.lengths[:num_b, None] + tree.depths.to(dev)
-        features, logits = self.runner.forward(tree.tokens.to(dev), positions,
-                                               tree.tree_mask.to(dev), slots)  # [B, N, V]
         self.stats.batch_sizes.append(num_b)
-        for observe in self.observers:
-            observe(tree, logits)
-        greedy = verify_greedy(tree, logits) if any(
-            s.req.params.greedy for s in self.seqs) else None
-        nodes, tokens = [], []
-        parents = tree.parents.tolist()
-        tree_tokens = tree.tokens.tolist()
-        for b, s in enumerate(self.seqs):
-            if s.req.params.greedy:
-                nodes.append(greedy.nodes[b])
-                tokens.append(greedy.tokens[b])
-            else:
-                n = int(tree.num_nodes[b])
-                kids = children_lists(parents[b], n)
-                kept, toks = verify_sampling(tree_tokens[b], kids, logits[b], s.req.params,
-                                             s.generator)
-                nodes.append(kept)
-                tokens.append(toks)
-        return Verified(nodes, tokens), features
+        return self.runner.verify_step(tree, positions, slots, [s.req.params for s in self.seqs],
+                                       [s.generator for s in self.seqs])
 
     def _advance(self, verified: Verified, features: torch.Tensor) -> list[Event]:
-        """Commit the accepted paths; their features [B, N, H] feed the next draft."""
+        """Commit the accepted paths; their features [B, A, H] feed the next draft."""
         dev = self.runner.device
         width = max(len(n) for n in verified.nodes)
         node_idx = torch.tensor([n + [0] * (width - len(n)) for n in verified.nodes], device=dev)
@@ -282,7 +264,7 @@ class Engine:
         events = []
         for b, s in enumerate(self.seqs):
             n = len(verified.nodes[b])
-            new_feats = features[b, node_idx[b, :n]]
+            new_feats = features[b, :n].to(dev)
             new_tokens = torch.tensor(verified.tokens[b], device=dev)
             if s.auto and not s.drafted:  # the drafter has not seen the pending pairs yet
                 new_feats = torch.cat([s.pending_feats, new_feats])
@@ -345,17 +327,15 @@ class Engine:
         slots = torch.arange(first, first + len(batch), device=dev)
         self.runner.set_lengths(slots, torch.zeros_like(slots))
         positions = torch.arange(width, device=dev).expand(len(batch), width)
-        features, last_logits = self.runner.forward(tokens, positions, causal_mask(lengths, width),
-                                                    slots, logit_index=lengths - 1)  # [B, V]
+        gens = [_generator(r.params) for r in batch]
+        features, first = self.runner.prefill_step(
+            tokens, positions, causal_mask(lengths, width), slots, lengths - 1,
+            [r.params for r in batch], gens)  # features [B, S, H]
         self.runner.set_lengths(slots, lengths)
         events = []
-        for b, r in enumerate(batch):
-            gen = torch.Generator()
-            gen.manual_seed(r.params.seed if r.params.seed is not None else
-                            int(torch.randint(0, 2**62, ())))
-            tok = _first_token(last_logits[b], r.params, gen)
+        for b, (r, gen, tok) in enumerate(zip(batch, gens, first, strict=True)):
             n = len(r.prompt_ids)
-            s = _Seq(r, gen, features[b, :n],
+            s = _Seq(r, gen, features[b, :n].to(dev),
                      torch.tensor(list(r.prompt_ids[1:]) + [tok], device=dev))
             self.seqs.append(s)
             events.append(self._emit(s, [tok]))
@@ -364,11 +344,11 @@ class Engine:
         return events
 
 
-def _first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    if params.greedy:
-        return int(logits.argmax())
-    _, toks = verify_sampling([0], [[]], logits[None], params, gen)
-    return toks[0]
+def _generator(params: SamplingParams) -> torch.Generator:
+    """The request's own CPU generator: seeded by the request, else at random."""
+    gen = torch.Generator()
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ())))
+    return gen
 
 
 def _pad(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The EAGLE-1/2 draft head (BRIEF §2) and its published checkpoint layout.
+"""The EAGLE-1/2 draft head (docs/DESIGN.md "Draft head") and its published checkpoint layout.
 
 Input at position t: concat(embed(token[t+1]), feature[t]) (embedding first) -> fc (2H -> H)
 -> one Llama decoder layer without input_layernorm and without a final norm -> a predicted

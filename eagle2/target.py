@@ -1,6 +1,7 @@
 """The target model: loading (HF directory, GGUF, the embedded default) and the tree forward.
 
-Features are the last hidden state after the final norm (the input of lm_head), BRIEF §2.
+Features are the last hidden state after the final norm (the input of lm_head);
+see docs/DESIGN.md "Draft head".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Draft trees as pure tensor functions (BRIEF §3, steps 3-4): rerank and flatten.
+"""Draft trees as pure tensor functions (docs/DESIGN.md "Draft tree"): rerank and flatten.
 
 A tree is built from a flat list of C candidates in depth order (all depth-1 candidates, then
 all depth-2 ones, ...), each with a token, a parent (an index into the same list, -1 for the
@@ -114,7 +114,7 @@ def retrieve_paths(tree_mask: torch.Tensor, parents: torch.Tensor,
 def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
                cand_scores: torch.Tensor, cand_depths: torch.Tensor,
                num_nodes: int) -> DraftTree:
-    """Rerank candidates globally and flatten (BRIEF §3 steps 3-4).
+    """Rerank candidates globally and flatten (docs/DESIGN.md "Draft tree").
 
     root: [B]; cand_*: [B, C] in depth order, parents index the candidate list (-1 = root),
     depths start at 1. Keeps min(C, num_nodes - 1) candidates.

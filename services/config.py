@@ -43,6 +43,12 @@ class ServiceConfig(BaseModel):
     tp_size: int = Field(1, ge=1, le=64)
     # GPUs: each TP rank and the draft worker ask for one when true.
     use_gpu: bool = False
+    # Engine replicas (each with its own tp_size ranks and draft worker); `eagle2 plan
+    # --layouts` ranks replicas x tp for a node, e.g. 2 x tp4 on 8 GPUs.
+    num_replicas: int = Field(1, ge=1, le=64)
+    # The draft worker's GPU share: 1.0 = a GPU of its own; below 1 it shares a GPU with a TP
+    # rank, and every rank then asks for 1 - draft_gpu_fraction (Ray packs the fractions).
+    draft_gpu_fraction: float = Field(1.0, gt=0, le=1)
     # CPUs reserved per TP rank (its placement-group bundle); also its torch threads.
     cpus_per_rank: float = Field(1.0, gt=0)
     # "worker": the head runs in its own deployment, reached over gRPC; "inprocess": in the
@@ -70,3 +76,9 @@ class ServiceConfig(BaseModel):
 
     def device(self) -> str:
         return "cuda" if self.use_gpu else "cpu"
+
+    def gpu_per_rank(self) -> float:
+        """Ray GPU share of one TP rank: 1, or what the draft worker leaves when it shares."""
+        if not self.use_gpu:
+            return 0.0
+        return 1.0 if self.draft_gpu_fraction >= 1.0 else round(1.0 - self.draft_gpu_fraction, 4)

@@ -26,6 +26,8 @@ class RemoteDrafter:
         self.timeout_s = timeout_s
         self.calls = 0
         self.rpc_s = 0.0  # wall time of Draft calls, worker compute included
+        self.bytes_sent = 0  # serialized DraftRequests
+        self.bytes_received = 0  # serialized DraftResponses
 
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
               counts: torch.Tensor, config: TreeConfig, min_gain: float = 0.0) -> DraftTree:
@@ -43,6 +45,8 @@ class RemoteDrafter:
             raise
         self.rpc_s += time.perf_counter() - t0
         self.calls += 1
+        self.bytes_sent += req.ByteSize()
+        self.bytes_received += resp.ByteSize()
         return convert.draft_tree_from_proto(resp)
 
     def release(self, seq_id: str) -> None:

@@ -36,7 +36,8 @@ class TargetEngine:
         runner = ShardedRunner(cfg.tp_size, cfg.max_batch_size,
                                cfg.max_context + Engine.tree_margin, target=cfg.target,
                                dtype=None if cfg.dtype == "auto" else cfg.dtype,
-                               use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank)
+                               use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank,
+                               gpu_per_rank=cfg.gpu_per_rank())
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
                              costs=_cost_path(cfg))
@@ -93,6 +94,7 @@ class TargetEngine:
         out["draft"] = self.draft_desc
         out["draft_rpc_calls"] = getattr(self.drafter, "calls", None)
         out["draft_rpc_s"] = getattr(self.drafter, "rpc_s", None)
+        out.update(traffic_stats(self.engine.runner, self.drafter))
         return out
 
     def reset_stats(self) -> None:
@@ -143,6 +145,15 @@ class TargetEngine:
         if box is not None:
             loop, q = box
             loop.call_soon_threadsafe(q.put_nowait, item)
+
+
+def traffic_stats(runner, drafter) -> dict:
+    """Bytes moved between processes so far: engine <-> TP ranks (tensors in the calls, the
+    same inputs counted once per rank) and engine <-> draft worker (serialized protobuf)."""
+    traffic = getattr(runner, "traffic", {})
+    return {"rank_bytes_out": traffic.get("bytes_out"), "rank_bytes_in": traffic.get("bytes_in"),
+            "draft_bytes_out": getattr(drafter, "bytes_sent", None),
+            "draft_bytes_in": getattr(drafter, "bytes_received", None)}
 
 
 def _event_dict(ev: Event) -> dict:

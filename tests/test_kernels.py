@@ -9,7 +9,7 @@ from conftest import make_engine, random_prompts, run, tiny_target
 
 from eagle2.bench.load import busy_processes
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.kernels import BlockedWeight, BlockPlan, ROW_BUCKETS, measure_plan
+from eagle2.kernels import ROW_BUCKETS, BlockedWeight, BlockPlan, measure_plan
 
 
 @pytest.mark.parametrize("block_bytes", [0, 1024, 4096, 1 << 20])

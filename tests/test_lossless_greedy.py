@@ -1,4 +1,7 @@
-"""Greedy speculative output equals plain greedy decoding, token for token (BRIEF §4)."""
+"""Greedy speculative output equals plain greedy decoding, token for token.
+
+See docs/DESIGN.md "Verification".
+"""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import make_engine, run, tiny_target
 
-import eagle2.engine
+import eagle2.verify
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.verify import verify_sampling
 
@@ -105,7 +105,7 @@ def test_wrong_bonus_distribution_is_caught(target, monkeypatch):
         return verify_sampling(tree_tokens, children, *args, bonus_from_raw=len(children) > 1,
                                **kwargs)
 
-    monkeypatch.setattr(eagle2.engine, "verify_sampling", buggy)
+    monkeypatch.setattr(eagle2.verify, "verify_sampling", buggy)  # where the runner calls it
     params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=3, ignore_eos=True)
     probs = exact_joint(target, 0.7, 0.95)
     counts, _ = sample_counts(target, params)

@@ -1,4 +1,7 @@
-"""Head training (BRIEF §6): data shards, the loop, checkpoints and resume, the saved layout."""
+"""Head training: data shards, the loop, checkpoints and resume, the saved layout.
+
+See docs/DESIGN.md "Training a head".
+"""
 
 from __future__ import annotations
 

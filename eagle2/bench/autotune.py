@@ -1,4 +1,4 @@
-"""Tree-budget auto-tuner (BRIEF §3: "the budget must be chosen by measuring").
+"""Tree-budget auto-tuner (docs/DESIGN.md "Draft tree": "the budget must be chosen by measuring").
 
 Three measurements on this hardware, then a pure choice:
 

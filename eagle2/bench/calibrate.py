@@ -83,7 +83,7 @@ def run(args) -> int:
     llm.engine.drafter = Drafter(llm.head, llm.target.embed, llm.target.lm_head,
                                  max_slots=args.batch, max_len=llm.max_context, calibrated=False)
     rec = Recorder()
-    llm.engine.observers.append(rec)
+    _observe_verification(llm.engine.runner, rec)
     tree = TreeConfig("eagle2", args.total_tokens, args.depth, args.tree_top_k, budget="fixed")
     params = SamplingParams(max_tokens=args.max_tokens)
     prompts = held_out_prompts(args)
@@ -104,6 +104,25 @@ def run(args) -> int:
     print(json.dumps(report, indent=1))
     print(f"wrote {out}")
     return 0
+
+
+def _observe_verification(runner, observe) -> None:
+    """Call observe(tree, logits [B, N, V]) after each verification of an in-process runner
+    (its verify_step runs its own forward, whose logits are caught on the way)."""
+    forward, verify_step = runner.forward, runner.verify_step
+    caught = {}
+
+    def forward_and_catch(*args, **kwargs):
+        features, logits = forward(*args, **kwargs)
+        caught["logits"] = logits
+        return features, logits
+
+    def verify_and_observe(tree, *args, **kwargs):
+        out = verify_step(tree, *args, **kwargs)
+        observe(tree, caught.pop("logits"))
+        return out
+
+    runner.forward, runner.verify_step = forward_and_catch, verify_and_observe
 
 
 def fit_and_check(rec: Recorder, bins: int) -> dict:

@@ -1,4 +1,6 @@
-"""`eagle2 bench`: tau, tokens/s and speedup of each mode against plain decoding (BRIEF §7).
+"""`eagle2 bench`: tau, tokens/s and speedup of each mode against plain decoding.
+
+See docs/DESIGN.md "Metrics".
 
 Batch size 1 by default (a latency benchmark; `--batch B` runs B prompts together). For each
 prompt (group) every mode runs once, the order rotating from prompt to prompt, so that load
