@@ -108,8 +108,11 @@ def check_lossless(target, head, sizes: dict, num_tokens: int) -> dict:
                for n in (7, 12, 5)]
     greedy = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     trees = {"vanilla": TreeConfig("vanilla"), **{
-        mode: TreeConfig(mode, sizes["total_tokens"], sizes["depth"], sizes["top_k"])
+        mode: TreeConfig(mode, sizes["total_tokens"], sizes["depth"], sizes["top_k"],
+                         budget="fixed")
         for mode in ("eagle2", "static", "chain")}}
+    trees["eagle2-auto"] = TreeConfig("eagle2", sizes["total_tokens"], sizes["depth"],
+                                      sizes["top_k"])  # the cost-aware budget (default)
     out, ref = {}, None
     for mode, tree in trees.items():
         tokens, _ = generate(make_engine(target, head, 4, 256), prompts, greedy, tree)
@@ -180,8 +183,8 @@ def eagle2_vs_vanilla(target, head, sizes: dict, num_tokens: int) -> list[dict]:
     for num_b in (1, 8):
         prompts = [[(7 * i + j) % target.vocab_size for j in range(9)] for i in range(num_b)]
         for mode in ("vanilla", "eagle2"):
-            tree = TreeConfig(mode, sizes["total_tokens"], sizes["depth"], sizes["top_k"]) \
-                if mode != "vanilla" else TreeConfig("vanilla")
+            tree = TreeConfig(mode, sizes["total_tokens"], sizes["depth"], sizes["top_k"],
+                              budget="fixed") if mode != "vanilla" else TreeConfig("vanilla")
             _, stats = generate(make_engine(target, head, num_b, 256), prompts, params, tree)
             rows.append({"batch": num_b, "mode": mode, **stats})
     return rows
