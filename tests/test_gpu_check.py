@@ -30,7 +30,8 @@ def test_tiny_gpu_check_runs_from_the_checkout_and_passes(tmp_path):
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert report["passed"] and report["tiny"] and report["imported_forbidden"] == []
     assert {k for k, v in report["lossless"].items() if v.get("equal_to_vanilla")} == {
-        "greedy_vanilla", "greedy_eagle2", "greedy_static", "greedy_chain"}
+        "greedy_vanilla", "greedy_eagle2", "greedy_static", "greedy_chain",
+        "greedy_eagle2-auto"}
     assert all(r["eager_ms"] > 0 for r in report["forward_cost"])
     assert {r["mode"] for r in report["eagle2_vs_vanilla"]} == {"vanilla", "eagle2"}
 
