@@ -112,6 +112,7 @@ class Engine:
         self._costs = costs
         self.gate = SpeculationGate()
         self._rate = 0.0  # tokens/s predicted for the last speculative step
+        self._depths_used: list[int] = []  # deepest kept node of recent auto trees
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -216,7 +217,17 @@ class Engine:
         self._rate = choice.rate
         self.stats.nodes_chosen[choice.num_nodes] += 1
         keep = torch.where(auto, choice.num_nodes, tree.num_nodes)
-        return prune_tree(tree, keep)
+        pruned = prune_tree(tree, keep)
+        self._depths_used = [*self._depths_used[-7:], int(pruned.depths[auto].max())]
+        return pruned
+
+    def _expansions(self, config: TreeConfig) -> TreeConfig:
+        """An auto tree expands one level past the deepest node kept in the last 8 steps: the
+        levels below it cost draft time and were not chosen (e.g. where verifying a third
+        token costs far more than a second, trees stay shallow and so does the drafting)."""
+        if config.budget != "auto" or not self._depths_used:
+            return config
+        return replace(config, depth=min(config.depth, max(1, *self._depths_used)))
 
     def _draft(self, draft_auto: bool = True) -> DraftTree:
         """One tree per sequence; auto-budget ones get the one-node tree if not draft_auto."""
@@ -233,7 +244,8 @@ class Engine:
             else:
                 ids = [self.seqs[i].req.seq_id for i in idx]
                 gain = self._min_gain(len(self.seqs)) if config.budget == "auto" else 0.0
-                parts.append((idx, self.drafter.draft(ids, feats, toks, counts, config, gain)))
+                parts.append((idx, self.drafter.draft(ids, feats, toks, counts,
+                                                      self._expansions(config), gain)))
         if len(parts) == 1:
             return parts[0][1]
         order = [i for idx, _ in parts for i in idx]
