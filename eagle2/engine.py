@@ -270,8 +270,8 @@ class Engine:
         events = []
         for b, r in enumerate(batch):
             gen = torch.Generator()
-            gen.manual_seed(r.params.seed if r.params.seed is not None else
-                            int(torch.randint(0, 2**62, ())))
+            gen.manual_seed(fold_seed(r.params.seed) if r.params.seed is not None else
+                            int(torch.randint(0, 2**32, ())))
             tok = _first_token(last_logits[b], r.params, gen)
             n = len(r.prompt_ids)
             s = _Seq(r, gen, features[b, :n],
@@ -281,6 +281,15 @@ class Engine:
         self._drop_finished(events)
         self.stats.prefill_s += time.perf_counter() - t0
         return events
+
+
+def fold_seed(seed: int) -> int:
+    """A 64-bit seed folded into the 32 bits that torch's CPU generator (mt19937) keeps, so
+    that seeds differing only in their high bits give different samples. Seeds in
+    [0, 2**32) are kept as they are. E.g. 1 -> 1, 1 + 2**32 -> 1 ^ 0x9E3779B1."""
+    seed &= (1 << 64) - 1  # negative int64 seeds: their two's complement
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    return low ^ ((high * 0x9E3779B1) & 0xFFFFFFFF)  # odd multiplier: a bijection of high
 
 
 def _first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
