@@ -165,7 +165,7 @@ class ResilientDrafter:
         while not self._closed.wait(self.retry_s):
             try:
                 remote = self._connect()
-            except Exception as e:  # noqa: BLE001 (not back yet: try again)
+            except Exception as e:
                 log.debug("draft worker not back yet: %s", type(e).__name__)
                 continue
             with self.lock:

@@ -3,7 +3,8 @@
 The replica starts a plain grpcio server (the internal API, protos/eagle2/v1/draft.proto);
 the engine asks the deployment for its address through Serve (again after a failure: a
 restarted replica listens on a new port), then talks gRPC directly at every decoding step.
-The server binds to localhost by default: DraftService has no authentication. In production the replica asks for its own GPU.
+The server binds to localhost by default: DraftService has no authentication. In
+production the replica asks for its own GPU.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ class TargetEngine:
         while True:
             try:
                 self._once()
-            except Exception:  # noqa: BLE001 (the loop must survive its own error handling)
+            except Exception:
                 log.exception("engine loop error; continuing")
                 time.sleep(0.1)
 
@@ -171,7 +171,7 @@ class TargetEngine:
             return
         try:
             events = self.engine.step()
-        except Exception as e:  # noqa: BLE001 (a broken step fails its requests, not the loop)
+        except Exception as e:
             self._step_failed(e)
             return
         self.last_progress = time.monotonic()
@@ -198,7 +198,7 @@ class TargetEngine:
             if self.drafter is not None:
                 try:
                     self.drafter.release(sid)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.debug("release of %s failed", sid)
         runner = self.engine.runner
         if rank_died:

@@ -83,7 +83,7 @@ _RPCS = {  # method -> (kind, request type, response type), as in eagle2.proto
 }
 
 
-def add_Eagle2Servicer_to_server(servicer, server) -> None:  # noqa: N802 (grpc's naming)
+def add_Eagle2Servicer_to_server(servicer, server) -> None:
     """The generated registration, but with request parsing that never fails (see
     `MalformedRequest`). Ray Serve's proxy keeps our request deserializers."""
     import grpc

@@ -170,7 +170,7 @@ class Router:
         try:
             async for msg in self._stream(request, grpc_context):
                 yield msg
-        except Exception as e:  # noqa: BLE001 (every error becomes a status)
+        except Exception as e:
             set_status(grpc_context, to_request_error(e))
             yield eagle2_pb2.GenerateStreamResponse()  # carries the status through the proxy
 
@@ -184,7 +184,7 @@ class Router:
                     out.finish_reason = msg.finish_reason
                     out.usage.CopyFrom(msg.usage)
                     out.stats.CopyFrom(msg.stats)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             set_status(grpc_context, to_request_error(e))
             return eagle2_pb2.GenerateResponse()
         return out
@@ -193,7 +193,7 @@ class Router:
         try:
             self._check_call(request, grpc_context)
             info = await self.engine.info.remote()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             set_status(grpc_context, to_request_error(e))
             return eagle2_pb2.ModelInfoResponse()
         t = self.cfg.tree
@@ -210,10 +210,16 @@ class Router:
         status = health_pb2.HealthCheckResponse
         try:
             health = await asyncio.wait_for(self.engine.health.remote(), timeout=5.0)
-        except Exception:  # noqa: BLE001 (unreachable or slow engine: not serving)
+        except Exception:
             return status(status=status.NOT_SERVING)
         return status(status=status.SERVING if health["serving"] else status.NOT_SERVING)
 
     # ----- for benchmarks and tests (through a Serve handle) ---------------------------------
     async def engine_stats(self) -> dict:
         return await self.engine.stats.remote()
+
+    async def engine_health(self) -> dict:
+        return await self.engine.health.remote()
+
+    async def rank_pids(self) -> list[int]:
+        return await self.engine.rank_pids.remote()

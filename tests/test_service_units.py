@@ -4,7 +4,6 @@ fallback to plain decoding when the draft worker dies (real gRPC servers, tiny t
 from __future__ import annotations
 
 import pytest
-import torch
 
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.engine import Request, fold_seed
@@ -12,8 +11,8 @@ from tests.conftest import make_engine, random_prompts, run, tiny_target
 
 pytest.importorskip("grpc")
 
-from services import convert  # noqa: E402
-from services.protos import MalformedRequest, _lenient, eagle2_pb2  # noqa: E402
+from services import convert
+from services.protos import MalformedRequest, _lenient, eagle2_pb2
 
 LIMITS = dict(max_prompt_bytes=100, max_chat_messages=3, max_stop_sequences=2,
               max_stop_bytes=5)
