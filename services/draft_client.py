@@ -87,6 +87,7 @@ class ResilientDrafter:
         self.held: set[str] = set()  # sequences whose draft state the current worker holds
         self.plain: set[str] = set()  # sequences that lost it: one-node trees until they end
         self.fallbacks = 0  # workers lost (each: its sequences decoded plainly)
+        self.fallback_sequences = 0  # sequences that lost their draft state with a worker
         self.reconnects = 0
         self.last_recovery_s: float | None = None  # failure -> reconnected
         self.calls, self.rpc_s = 0, 0.0  # Draft calls that reached a worker, and their time
@@ -151,6 +152,7 @@ class ResilientDrafter:
                 return
             self.remote = None
             self.plain |= self.held
+            self.fallback_sequences += len(self.held)
             self.held = set()
             self.fallbacks += 1
             self._lost_at = time.monotonic()

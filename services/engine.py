@@ -112,6 +112,7 @@ class TargetEngine:
         out["draft_rpc_calls"] = getattr(d, "calls", None)
         out["draft_rpc_s"] = getattr(d, "rpc_s", None)
         out["draft_fallbacks"] = getattr(d, "fallbacks", 0)
+        out["draft_fallback_sequences"] = getattr(d, "fallback_sequences", 0)
         out["draft_reconnects"] = getattr(d, "reconnects", 0)
         out["draft_last_recovery_s"] = getattr(d, "last_recovery_s", None)
         out["rank_restarts"] = self.rank_restarts

@@ -20,8 +20,9 @@ pytest.importorskip("ray")
 PORT = 19010
 CONFIG = {"max_batch_size": 4, "max_context": 512, "max_tokens_limit": 256,
           "default_max_tokens": 24, "grpc_port": PORT, "max_queued_requests": 16}
-PROMPTS = ["Write a haiku about the sea.", "Name three fruits.", "What is 7 times 8?",
-           "Say hello in French."]
+PROMPTS = ["Write a long story about a dragon.", "Explain in detail how a computer works.",
+           "Describe the history of Rome.", "List twenty animals and describe each one."]
+MAX_TOKENS = 128  # long enough that every stream is still running when the worker dies
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def plain():
     from eagle2.api import Eagle2
 
     model = Eagle2.load(max_batch=4, max_context=512, dtype="float32", device="cpu")
-    outs = model.generate(PROMPTS, SamplingParams(max_tokens=48), mode="vanilla")
+    outs = model.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), mode="vanilla")
     return {p: r.token_ids for p, r in zip(PROMPTS, outs, strict=True)}
 
 
@@ -73,7 +74,7 @@ def test_kill_draft_worker_mid_stream_keeps_every_greedy_output(client, service,
 
     def worker(prompt):
         ids, first = [], True
-        for msg in client.stream(prompt, max_tokens=48):
+        for msg in client.stream(prompt, max_tokens=MAX_TOKENS):
             ids.extend(msg.token_ids)
             if first:
                 first = False
@@ -89,6 +90,7 @@ def test_kill_draft_worker_mid_stream_keeps_every_greedy_output(client, service,
     for t in threads:
         t.join()
     assert results == plain  # lossless through the fault: plain decoding took over
+    assert service.engine_stats.remote().result()["draft_fallback_sequences"] >= 1
     assert health(client) == health_pb2.HealthCheckResponse.SERVING
 
     deadline = killed + 180
@@ -102,7 +104,7 @@ def test_kill_draft_worker_mid_stream_keeps_every_greedy_output(client, service,
     print(f"\ndraft worker kill -9 -> speculation back: {recovery:.1f} s "
           f"(engine: lost -> reconnected {stats['draft_last_recovery_s']:.1f} s)")
     calls = stats["draft_rpc_calls"]
-    out = client.generate(PROMPTS[0], max_tokens=48)
+    out = client.generate(PROMPTS[0], max_tokens=MAX_TOKENS)
     assert list(out.token_ids) == plain[PROMPTS[0]]
     assert service.engine_stats.remote().result()["draft_rpc_calls"] > calls  # resumed
     assert RemoteDrafter(stats["draft_address"], timeout_s=10).health().pid != pid
@@ -122,7 +124,7 @@ def test_kill_tp_rank_mid_stream_gives_unavailable_then_recovers(client, service
     assert "retry" in details and "pid" not in details and "127.0.0.1" not in details
     while True:  # clients retry UNAVAILABLE
         try:
-            out = client.generate(PROMPTS[1], max_tokens=48)
+            out = client.generate(PROMPTS[1], max_tokens=MAX_TOKENS)
             break
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.UNAVAILABLE
