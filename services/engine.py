@@ -29,6 +29,7 @@ from ray import serve
 from eagle2.config import SamplingParams
 from eagle2.engine import Engine, Event, Request
 from services.config import ServiceConfig
+from services.metrics import EngineMetrics
 from services.tp_runner import ShardedRunner
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class TargetEngine:
         self.rank_restarts = 0
         self.last_rank_recovery_s: float | None = None
         self.last_progress = time.monotonic()  # last finished step, or idle
+        self.metrics = EngineMetrics()
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -161,6 +163,7 @@ class TargetEngine:
         block = not self.engine.has_work()
         if block:
             self.last_progress = time.monotonic()
+            self.metrics.step(0, 0, [])
         try:
             while True:
                 cmd, arg = self.inbox.get(block=block, timeout=None if block else 0)
@@ -178,6 +181,10 @@ class TargetEngine:
         self.last_progress = time.monotonic()
         for ev in events:
             self._send(ev.seq_id, _event_dict(ev))
+        d = self.drafter
+        self.metrics.step(len(self.engine.seqs), len(self.engine.waiting),
+                          [len(ev.token_ids) for ev in events if ev.num_steps > 1])  # 1: prefill
+        self.metrics.drafter(getattr(d, "fallbacks", 0), getattr(d, "reconnects", 0))
 
     def _step_failed(self, e: Exception) -> None:
         """End every running request with an error event and start over with a clean engine
@@ -211,6 +218,7 @@ class TargetEngine:
             finally:
                 self.rebuilding = False
             self.rank_restarts += 1
+            self.metrics.rank_restarts.inc()
             self.last_rank_recovery_s = time.monotonic() - t0
             log.warning("tensor-parallel ranks rebuilt in %.1f s", self.last_rank_recovery_s)
         self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context)

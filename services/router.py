@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from dataclasses import asdict
 
@@ -30,6 +31,7 @@ from eagle2.target import embedded_model_dir
 from eagle2.text import TextStream, encode_prompt
 from services import convert
 from services.config import ServiceConfig
+from services.metrics import RouterMetrics
 from services.protos import MalformedRequest, eagle2_pb2
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class Router:
         self.eos_ids = sorted({self.tokenizer.eos_token_id, *(eos if isinstance(eos, list)
                                                               else [eos])} - {None})
         self.admitted = 0
+        self.metrics = RouterMetrics()
 
     # ----- request handling ------------------------------------------------------------------
     def _check_call(self, request, grpc_context) -> None:
@@ -125,6 +128,7 @@ class Router:
 
     async def _stream(self, request, grpc_context):
         """Yields GenerateStreamResponse messages; the last one carries the totals."""
+        t_last = time.monotonic()
         self._check_call(request, grpc_context)
         ids, params, mode = await self._prepare(request)
         if self.admitted >= self.cfg.max_queued_requests:
@@ -138,10 +142,14 @@ class Router:
         label = request.request_id[:64] or seq_id
         text = TextStream(self.tokenizer, tuple(params["stop"]))
         gen = self.engine.options(stream=True).generate.remote(seq_id, ids, params, mode)
+        self.metrics.prompt_tokens.inc(len(ids))
+        first = True
         try:
             async for ev in gen:
                 if "error" in ev:
                     raise RequestError(grpc.StatusCode[ev["error"]], ev["message"])
+                self._observe(first, t_last, len(ev["token_ids"]))
+                first, t_last = False, time.monotonic()
                 delta = text.add(ev["token_ids"], final=ev["finished"])
                 done = ev["finished"] or text.stopped
                 msg = eagle2_pb2.GenerateStreamResponse(text_delta=delta,
@@ -166,13 +174,29 @@ class Router:
             gen.cancel()  # no-op when finished; stops the engine's work when the client left
             self.admitted -= 1
 
+    def _observe(self, first: bool, since: float, num_tokens: int) -> None:
+        gap = time.monotonic() - since
+        if num_tokens:
+            self.metrics.generation_tokens.inc(num_tokens)
+        if first:
+            self.metrics.ttft.observe(gap)
+        for _ in range(min(num_tokens, 64)):  # one observation per token of a multi-token step
+            self.metrics.itl.observe(gap / num_tokens)
+
     async def GenerateStream(self, request, grpc_context):
         try:
             async for msg in self._stream(request, grpc_context):
                 yield msg
+        except asyncio.CancelledError:
+            self.metrics.finished("CANCELLED")
+            raise
         except Exception as e:
-            set_status(grpc_context, to_request_error(e))
+            err = to_request_error(e)
+            self.metrics.finished(err.code.name)
+            set_status(grpc_context, err)
             yield eagle2_pb2.GenerateStreamResponse()  # carries the status through the proxy
+            return
+        self.metrics.finished("OK")
 
     async def Generate(self, request, grpc_context):
         out = eagle2_pb2.GenerateResponse()
@@ -184,9 +208,15 @@ class Router:
                     out.finish_reason = msg.finish_reason
                     out.usage.CopyFrom(msg.usage)
                     out.stats.CopyFrom(msg.stats)
+        except asyncio.CancelledError:
+            self.metrics.finished("CANCELLED")
+            raise
         except Exception as e:
-            set_status(grpc_context, to_request_error(e))
+            err = to_request_error(e)
+            self.metrics.finished(err.code.name)
+            set_status(grpc_context, err)
             return eagle2_pb2.GenerateResponse()
+        self.metrics.finished("OK")
         return out
 
     async def ModelInfo(self, request, grpc_context):

@@ -18,6 +18,7 @@ from eagle2.config import SamplingParams
 pytest.importorskip("ray")
 
 PORT = 19010
+METRICS_PORT = 19091
 CONFIG = {"max_batch_size": 4, "max_context": 512, "max_tokens_limit": 256,
           "default_max_tokens": 24, "grpc_port": PORT, "max_queued_requests": 16}
 PROMPTS = ["Write a long story about a dragon.", "Explain in detail how a computer works.",
@@ -32,7 +33,7 @@ def service():
 
     from services.cli_serve import start
 
-    handle = start(CONFIG, http_port=18010)
+    handle = start(CONFIG, http_port=18010, metrics_port=METRICS_PORT)
     yield handle
     serve.shutdown()
     ray.shutdown()
@@ -137,3 +138,50 @@ def test_kill_tp_rank_mid_stream_gives_unavailable_then_recovers(client, service
     assert service.rank_pids.remote().result()[0] != pid
     print(f"\nTP rank kill -9 -> next request served: {recovery:.1f} s "
           f"(rank rebuild {stats['last_rank_recovery_s']:.1f} s)")
+
+
+def scrape() -> dict[str, float]:
+    """Ray's Prometheus endpoint: {'name{labels}': value} of the eagle2 series."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read()
+    out = {}
+    for line in text.decode().splitlines():
+        if line.startswith("ray_eagle2_"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def total(series: dict[str, float], name: str, **labels) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in series.items()
+               if k.split("{")[0] == name and all(w in k for w in want))
+
+
+def test_metrics_are_exported_on_rays_prometheus_endpoint(client):
+    with pytest.raises(grpc.RpcError):
+        client.generate("Hi", max_tokens=0)
+    client.generate(PROMPTS[2], max_tokens=16)
+    wanted = {  # after the fault tests above: their fallback and rank restart are counted
+        "ray_eagle2_requests_total": {"status": "OK"},
+        "ray_eagle2_time_to_first_token_seconds_count": {},
+        "ray_eagle2_inter_token_latency_seconds_count": {},
+        "ray_eagle2_generation_tokens_total": {},
+        "ray_eagle2_spec_decode_acceptance_length_count": {},
+        "ray_eagle2_spec_decode_num_accepted_tokens_per_pos_total": {"position": "0"},
+        "ray_eagle2_draft_worker_fallbacks_total": {},
+        "ray_eagle2_draft_worker_reconnects_total": {},
+        "ray_eagle2_tp_rank_restarts_total": {},
+    }
+    deadline = time.monotonic() + 90  # Ray exports every few seconds
+    while True:
+        series = scrape()
+        missing = [n for n, labels in wanted.items() if total(series, n, **labels) <= 0]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, (missing, sorted(series)[:40])
+    assert total(series, "ray_eagle2_requests_total", status="INVALID_ARGUMENT") >= 1
+    assert total(series, "ray_eagle2_requests_total", status="UNAVAILABLE") >= 1
+    assert "ray_eagle2_num_requests_running" in {k.split("{")[0] for k in series}
