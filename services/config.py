@@ -62,6 +62,10 @@ class ServiceConfig(BaseModel):
     max_chat_messages: int = Field(256, ge=1)
     max_stop_sequences: int = Field(16, ge=0)
     max_stop_bytes: int = Field(256, ge=1)  # each stop string
+    # API keys (services/auth.py): a file with one key per line and/or an environment
+    # variable with comma-separated keys, read by the router. None set = no authentication.
+    api_keys_file: str | None = None
+    api_keys_env: str | None = "EAGLE2_API_KEYS"
     # Draft worker: its gRPC server binds here (127.0.0.1 = same node only; set "0.0.0.0" or
     # the node IP only when engine and worker run on different nodes of a private network).
     draft_bind_host: str = "127.0.0.1"

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoTokenizer
 from eagle2.config import MODES
 from eagle2.target import embedded_model_dir
 from eagle2.text import TextStream, encode_prompt
-from services import convert
+from services import auth, convert
 from services.config import ServiceConfig
 from services.metrics import RouterMetrics
 from services.protos import MalformedRequest, eagle2_pb2
@@ -84,10 +84,17 @@ class Router:
                                                               else [eos])} - {None})
         self.admitted = 0
         self.metrics = RouterMetrics()
+        self.api_keys = auth.load_keys(cfg.api_keys_file, cfg.api_keys_env)
+        if not self.api_keys:
+            log.warning("no API keys configured: anyone who reaches the gRPC port can call it")
 
     # ----- request handling ------------------------------------------------------------------
     def _check_call(self, request, grpc_context) -> None:
-        """The application named in the metadata, and a well-formed body."""
+        """Credentials, the application named in the metadata, and a well-formed body."""
+        try:
+            auth.check(grpc_context.invocation_metadata() if grpc_context else [], self.api_keys)
+        except auth.AuthError as e:
+            raise RequestError(grpc.StatusCode[e.code_name], e.message) from None
         app = grpc_context.application() if grpc_context is not None else None
         if app is not None and app != self.cfg.app_name:
             # Serve routes every call to the only application, whatever it names.

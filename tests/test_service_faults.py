@@ -1,7 +1,8 @@
 """Faults with real processes: kill -9 the draft worker mid-stream, kill -9 a tensor-parallel
 rank. Every accepted greedy request either ends with exactly the target's plain greedy output
 or with UNAVAILABLE and a message (never a truncated OK stream); the service recovers on its
-own and the recovery times are printed (run with -s to see them)."""
+own and the recovery times are printed (run with -s to see them). The same deployment checks
+the metrics export and API-key authentication."""
 
 from __future__ import annotations
 
@@ -26,14 +27,20 @@ PROMPTS = ["Write a long story about a dragon.", "Explain in detail how a comput
 MAX_TOKENS = 128  # long enough that every stream is still running when the worker dies
 
 
+API_KEY = "test-key-0123456789"
+
+
 @pytest.fixture(scope="module")
-def service():
+def service(tmp_path_factory):
     import ray
     from ray import serve
 
     from services.cli_serve import start
 
-    handle = start(CONFIG, http_port=18010, metrics_port=METRICS_PORT)
+    keys = tmp_path_factory.mktemp("auth") / "api_keys"
+    keys.write_text(f"# one key per line\n{API_KEY}\n")
+    handle = start({**CONFIG, "api_keys_file": str(keys)}, http_port=18010,
+                   metrics_port=METRICS_PORT)
     yield handle
     serve.shutdown()
     ray.shutdown()
@@ -43,7 +50,7 @@ def service():
 def client(service):
     from services.client import Eagle2Client
 
-    with Eagle2Client(f"localhost:{PORT}", timeout_s=300) as c:
+    with Eagle2Client(f"localhost:{PORT}", timeout_s=300, api_key=API_KEY) as c:
         yield c
 
 
@@ -185,3 +192,23 @@ def test_metrics_are_exported_on_rays_prometheus_endpoint(client):
     assert total(series, "ray_eagle2_requests_total", status="INVALID_ARGUMENT") >= 1
     assert total(series, "ray_eagle2_requests_total", status="UNAVAILABLE") >= 1
     assert "ray_eagle2_num_requests_running" in {k.split("{")[0] for k in series}
+
+
+@pytest.mark.parametrize("key, code", [
+    (None, grpc.StatusCode.UNAUTHENTICATED),
+    ("wrong-key", grpc.StatusCode.PERMISSION_DENIED),
+])
+def test_api_keys_are_required(client, key, code):
+    from grpc_health.v1 import health_pb2
+
+    from services.client import Eagle2Client
+
+    with Eagle2Client(f"localhost:{PORT}", timeout_s=60, api_key=key) as c:
+        for call in (lambda: c.generate("Hi", max_tokens=2),
+                     lambda: list(c.stream("Hi", max_tokens=2)), c.model_info):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == code
+            assert API_KEY not in err.value.details()
+        assert health(c) == health_pb2.HealthCheckResponse.SERVING  # probes need no key
+    assert client.generate("Hi", max_tokens=2).token_ids

@@ -126,3 +126,25 @@ def test_draft_worker_loss_falls_back_to_plain_decoding_and_reconnects():
     assert second.servicer.draft_requests >= 1  # speculation resumed on the new worker
     drafter.close()
     second.kill()
+
+
+def test_api_keys_from_file_and_env(tmp_path, monkeypatch):
+    from services import auth
+
+    path = tmp_path / "keys"
+    path.write_text("# comment\nalpha\n\n")
+    monkeypatch.setenv("TEST_KEYS", "beta, gamma")
+    digests = auth.load_keys(str(path), "TEST_KEYS")
+    assert len(digests) == 3
+    for key in ("alpha", "beta", "gamma"):
+        auth.check([("authorization", f"Bearer {key}")], digests)
+    for metadata, code in (([], "UNAUTHENTICATED"), ([("authorization", "alpha")],
+                                                     "UNAUTHENTICATED"),
+                           ([("authorization", "Bearer delta")], "PERMISSION_DENIED")):
+        with pytest.raises(auth.AuthError) as err:
+            auth.check(metadata, digests)
+        assert err.value.code_name == code and "alpha" not in err.value.message
+    auth.check([], [])  # no keys configured: open
+    path.write_text("# none\n")
+    with pytest.raises(ValueError, match="no keys"):
+        auth.load_keys(str(path), None)
