@@ -66,8 +66,8 @@ class ServiceConfig(BaseModel):
     # variable with comma-separated keys, read by the router. None set = no authentication.
     api_keys_file: str | None = None
     api_keys_env: str | None = "EAGLE2_API_KEYS"
-    # Draft worker: its gRPC server binds here (127.0.0.1 = same node only; set "0.0.0.0" or
-    # the node IP only when engine and worker run on different nodes of a private network).
+    # Draft worker: its gRPC server binds here. 127.0.0.1 = engine and worker on one node;
+    # "node" = the node's IP in the Ray cluster, for multi-node clusters on a private network.
     draft_bind_host: str = "127.0.0.1"
     # A Draft call slower than this counts as a stalled worker: plain decoding takes over.
     draft_timeout_s: float = Field(10.0, gt=0)

@@ -116,13 +116,12 @@ class DraftWorker:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         drafter, desc = build_drafter(cfg, max_slots=cfg.max_batch_size * 2)
         self.servicer = DraftServicer(drafter, desc)
-        self.server, port = start_server(self.servicer, cfg.draft_grpc_port,
-                                         cfg.draft_bind_host)
         host = cfg.draft_bind_host
-        if host in ("0.0.0.0", "::", "[::]"):
+        if host == "node":
             import ray
 
             host = ray.util.get_node_ip_address()
+        self.server, port = start_server(self.servicer, cfg.draft_grpc_port, host)
         self._address = f"{host}:{port}"
         log.info("draft worker (pid %d) serving DraftService on %s", os.getpid(), self._address)
 
