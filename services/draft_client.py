@@ -110,11 +110,11 @@ class ResilientDrafter:
         if spec:
             rows = torch.tensor(spec)
             t0 = time.perf_counter()
+            self.held.update(seq_ids[b] for b in spec)  # the worker may hold state from now
             try:
                 tree = remote.draft([seq_ids[b] for b in spec], features[rows], tokens[rows],
                                     counts[rows], config)
                 parts.append((spec, tree))
-                self.held.update(seq_ids[b] for b in spec)
                 self.calls += 1
                 self.rpc_s += time.perf_counter() - t0
             except grpc.RpcError as e:
