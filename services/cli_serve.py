@@ -24,6 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Ray's Prometheus endpoint on this node (default: a free port); "
                         "it listens on all interfaces: firewall it (deploy/DEPLOY.md)")
+    p.add_argument("--drain-s", type=float, default=30.0,
+                   help="on Ctrl-C / SIGTERM: seconds running requests get to finish")
     p.add_argument("--draft-placement", choices=["worker", "inprocess"], default=None)
     p.add_argument("--mode", default=None, help="default speculation mode")
 
@@ -78,7 +80,7 @@ def run(args) -> int:
     conf = config_from_args(args)
     if not 1 <= args.http_port <= 65535:
         raise ValueError(f"--http-port must be in 1..65535, got {args.http_port}")
-    start(conf, http_port=args.http_port, metrics_port=args.metrics_port)
+    handle = start(conf, http_port=args.http_port, metrics_port=args.metrics_port)
     port = conf.get("grpc_port", 9000)
     print(json.dumps({"status": "serving", "grpc": f"localhost:{port}",
                       "config": conf}), flush=True)
@@ -86,11 +88,31 @@ def run(args) -> int:
           file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    # A second Ctrl-C / SIGTERM while draining: stop at once.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    shutdown(handle, args.drain_s)
+    return 0
+
+
+def shutdown(handle, drain_s: float) -> None:
+    """Refuse new requests, let running ones finish (at most drain_s), then stop Serve and
+    Ray. If the replicas are already gone (Ctrl-C reaches the whole process group), skip on."""
+    import time
+
+    import ray
     from ray import serve
 
-    serve.shutdown()
-    return 0
+    print("eagle2: draining (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + drain_s
+    try:
+        while handle.drain.remote().result(timeout_s=2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    except Exception:  # router unreachable: nothing left to drain
+        pass
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -83,6 +83,7 @@ class Router:
         self.eos_ids = sorted({self.tokenizer.eos_token_id, *(eos if isinstance(eos, list)
                                                               else [eos])} - {None})
         self.admitted = 0
+        self.draining = False
         self.metrics = RouterMetrics()
         self.api_keys = auth.load_keys(cfg.api_keys_file, cfg.api_keys_env)
         if not self.api_keys:
@@ -138,6 +139,9 @@ class Router:
         t_last = time.monotonic()
         self._check_call(request, grpc_context)
         ids, params, mode = await self._prepare(request)
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               "the server is shutting down; retry on another replica")
         if self.admitted >= self.cfg.max_queued_requests:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server busy: {self.admitted} requests admitted "
@@ -251,7 +255,37 @@ class Router:
             return status(status=status.NOT_SERVING)
         return status(status=status.SERVING if health["serving"] else status.NOT_SERVING)
 
-    # ----- for benchmarks and tests (through a Serve handle) ---------------------------------
+    # ----- OpenAI-compatible HTTP (Serve's HTTP proxy; services/openai_http.py) --------------
+    async def __call__(self, request):
+        from services import openai_http
+
+        return await openai_http.handle(self, request)
+
+    def http_auth_error(self, call) -> RequestError | None:
+        try:
+            auth.check(call.invocation_metadata(), self.api_keys)
+        except auth.AuthError as e:
+            return RequestError(grpc.StatusCode[e.code_name], e.message)
+        return None
+
+    async def http_stream(self, request, call):
+        """_stream's messages, or one (code, message) tuple when the request fails."""
+        try:
+            async for msg in self._stream(request, call):
+                yield msg
+        except Exception as e:
+            err = to_request_error(e)
+            self.metrics.finished(err.code.name)
+            yield err.code, err.message
+            return
+        self.metrics.finished("OK")
+
+    # ----- shutdown, benchmarks and tests (through a Serve handle) ---------------------------
+    async def drain(self) -> int:
+        """Refuse new requests (UNAVAILABLE) and say how many are still running."""
+        self.draining = True
+        return self.admitted
+
     async def engine_stats(self) -> dict:
         return await self.engine.stats.remote()
 

@@ -278,3 +278,53 @@ def test_high_bits_of_the_seed_take_effect(client):
 
 def test_model_info_names_no_internal_address(client):
     assert ":" not in client.model_info().draft
+
+
+# ----- OpenAI-compatible HTTP on Serve's HTTP proxy ----------------------------------------------
+@pytest.fixture(scope="module")
+def openai_client(service):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url="http://127.0.0.1:18000/eagle2/v1", api_key="none",
+                         max_retries=0, timeout=120)
+
+
+def test_openai_chat_completions_equal_grpc(openai_client, client):
+    messages = [{"role": "user", "content": PROMPTS[6]}]
+    expected = client.generate(messages, max_tokens=20)
+    out = openai_client.chat.completions.create(model="eagle2", messages=messages,
+                                                max_tokens=20)
+    assert out.choices[0].message.content == expected.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    chunks = list(openai_client.chat.completions.create(model="eagle2", messages=messages,
+                                                        max_tokens=20, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_completions_models_and_errors(openai_client, client):
+    import openai
+
+    expected = client.generate(PROMPTS[2], max_tokens=12, raw=True)
+    out = openai_client.completions.create(model="eagle2", prompt=PROMPTS[2], max_tokens=12)
+    assert out.choices[0].text == expected.text
+    streamed = openai_client.completions.create(model="eagle2", prompt=PROMPTS[2],
+                                                max_tokens=12, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+    assert [m.id for m in openai_client.models.list()] == ["smollm2-135m-instruct"]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        openai_client.chat.completions.create(model="eagle2", max_tokens=0,
+                                              messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        openai_client.chat.completions.create(model="eagle2", max_tokens=4,
+                                              messages=[{"role": "wizard", "content": "Hi"}])
+
+
+def test_short_soak_is_clean(client):
+    from services.soak import Soak
+
+    soak = Soak(client, max_tokens=12, seed=1)
+    soak.run(seconds=20, concurrency=3)
+    out = soak.summary(healthy=True)
+    assert out["ok"], out
+    assert out["requests"] >= 6
