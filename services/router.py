@@ -53,8 +53,16 @@ def to_request_error(e: BaseException) -> RequestError:
     if isinstance(e, ValueError):
         return RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import (
+        BackPressureError,
+        DeploymentUnavailableError,
+        ReplicaUnavailableError,
+    )
 
-    if isinstance(e, (RayActorError, ActorDiedError, ActorUnavailableError)):
+    if isinstance(e, BackPressureError):
+        return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy; retry later")
+    if isinstance(e, (RayActorError, ActorDiedError, ActorUnavailableError,
+                      DeploymentUnavailableError, ReplicaUnavailableError)):
         log.warning("engine replica unavailable: %s", type(e).__name__)
         return RequestError(grpc.StatusCode.UNAVAILABLE,
                             "the engine replica failed; retry the request")

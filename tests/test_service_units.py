@@ -148,3 +148,21 @@ def test_api_keys_from_file_and_env(tmp_path, monkeypatch):
     path.write_text("# none\n")
     with pytest.raises(ValueError, match="no keys"):
         auth.load_keys(str(path), None)
+
+
+def test_exceptions_map_to_statuses_without_internal_details():
+    import grpc
+    from ray.exceptions import ActorDiedError
+    from ray.serve.exceptions import BackPressureError
+
+    from services.router import to_request_error
+
+    cases = [(ValueError("max_tokens must be ..."), grpc.StatusCode.INVALID_ARGUMENT),
+             (BackPressureError(num_queued_requests=3, max_queued_requests=2),
+              grpc.StatusCode.RESOURCE_EXHAUSTED),
+             (ActorDiedError(), grpc.StatusCode.UNAVAILABLE),
+             (KeyError("actor 5f3a at 10.0.0.7:41234 pid 999"), grpc.StatusCode.INTERNAL)]
+    for exc, code in cases:
+        err = to_request_error(exc)
+        assert err.code == code
+        assert "10.0.0.7" not in err.message and "pid" not in err.message
