@@ -51,8 +51,11 @@ def test_ctrl_c_stops_everything_within_20_s(tmp_path):
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         start_new_session=True)
     try:
-        line = proc.stdout.readline()  # {"status": "serving", ...} once deployed
+        for line in proc.stdout:  # Ray logs to stdout too; then {"status": "serving", ...}
+            if line.startswith('{"status"'):
+                break
         assert json.loads(line)["status"] == "serving", line
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe empty
         with Eagle2Client(f"localhost:{PORT}", timeout_s=60) as client:
             stream = client.stream("Tell me a story.", max_tokens=200, mode="vanilla")
             assert next(stream).token_ids
