@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Ray's Prometheus endpoint on this node (default: a free port); "
                         "it listens on all interfaces: firewall it (deploy/DEPLOY.md)")
-    p.add_argument("--drain-s", type=float, default=30.0,
+    p.add_argument("--drain-s", type=float, default=10.0,
                    help="on Ctrl-C / SIGTERM: seconds running requests get to finish")
     p.add_argument("--draft-placement", choices=["worker", "inprocess"], default=None)
     p.add_argument("--mode", default=None, help="default speculation mode")
@@ -99,7 +99,8 @@ def run(args) -> int:
 
 def shutdown(handle, drain_s: float) -> None:
     """Refuse new requests, let running ones finish (at most drain_s), then stop Serve and
-    Ray. If the replicas are already gone (Ctrl-C reaches the whole process group), skip on."""
+    Ray (at most 5 s more). If the replicas are already gone (Ctrl-C reaches the whole
+    process group), skip on."""
     import time
 
     import ray
@@ -112,7 +113,9 @@ def shutdown(handle, drain_s: float) -> None:
             time.sleep(0.2)
     except Exception:  # router unreachable: nothing left to drain
         pass
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
+    # Serve's shutdown waits for its controller, which a Ctrl-C to the whole process group
+    # may already have stopped: give it a few seconds, then stop Ray's processes regardless.
+    stopper = threading.Thread(target=serve.shutdown, daemon=True)
+    stopper.start()
+    stopper.join(timeout=5)
+    ray.shutdown()

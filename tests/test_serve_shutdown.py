@@ -47,7 +47,7 @@ def test_ctrl_c_stops_everything_within_20_s(tmp_path):
     env = {**os.environ, key: value, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "eagle2.cli", "serve", "--config", str(config), "--port",
-         str(PORT), "--http-port", "18020", "--drain-s", "10"],
+         str(PORT), "--http-port", "18020", "--drain-s", "5"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         start_new_session=True)
     try:
