@@ -101,9 +101,9 @@ class ResilientDrafter:
 
     # ----- DrafterLike ------------------------------------------------------------------------
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
-              counts: torch.Tensor, config: TreeConfig) -> DraftTree:
+              counts: torch.Tensor, config: TreeConfig, *options) -> DraftTree:
         """features [B, A, H], tokens [B, A], counts [B] -> B trees (one-node trees for the
-        sequences without a worker)."""
+        sequences without a worker). options: passed on to RemoteDrafter.draft as they are."""
         remote = self.remote
         spec = [b for b, s in enumerate(seq_ids) if remote is not None and s not in self.plain]
         parts: list[tuple[list[int], DraftTree]] = []
@@ -113,7 +113,7 @@ class ResilientDrafter:
             self.held.update(seq_ids[b] for b in spec)  # the worker may hold state from now
             try:
                 tree = remote.draft([seq_ids[b] for b in spec], features[rows], tokens[rows],
-                                    counts[rows], config)
+                                    counts[rows], config, *options)
                 parts.append((spec, tree))
                 self.calls += 1
                 self.rpc_s += time.perf_counter() - t0
