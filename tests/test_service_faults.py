@@ -172,27 +172,27 @@ def test_metrics_are_exported_on_rays_prometheus_endpoint(client):
     with pytest.raises(grpc.RpcError):
         client.generate("Hi", max_tokens=0)
     client.generate(PROMPTS[2], max_tokens=16)
-    wanted = {  # after the fault tests above: their fallback and rank restart are counted
-        "ray_eagle2_requests_total": {"status": "OK"},
-        "ray_eagle2_time_to_first_token_seconds_count": {},
-        "ray_eagle2_inter_token_latency_seconds_count": {},
-        "ray_eagle2_generation_tokens_total": {},
-        "ray_eagle2_spec_decode_acceptance_length_count": {},
-        "ray_eagle2_spec_decode_num_accepted_tokens_per_pos_total": {"position": "0"},
-        "ray_eagle2_draft_worker_fallbacks_total": {},
-        "ray_eagle2_draft_worker_reconnects_total": {},
-        "ray_eagle2_tp_rank_restarts_total": {},
-    }
+    wanted = [  # after the fault tests above: their fallback and rank restart are counted
+        ("ray_eagle2_requests_total", {"status": "OK"}),
+        ("ray_eagle2_requests_total", {"status": "INVALID_ARGUMENT"}),
+        ("ray_eagle2_requests_total", {"status": "UNAVAILABLE"}),
+        ("ray_eagle2_time_to_first_token_seconds_count", {}),
+        ("ray_eagle2_inter_token_latency_seconds_count", {}),
+        ("ray_eagle2_generation_tokens_total", {}),
+        ("ray_eagle2_spec_decode_acceptance_length_count", {}),
+        ("ray_eagle2_spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"}),
+        ("ray_eagle2_draft_worker_fallbacks_total", {}),
+        ("ray_eagle2_draft_worker_reconnects_total", {}),
+        ("ray_eagle2_tp_rank_restarts_total", {}),
+    ]
     deadline = time.monotonic() + 90  # Ray exports every few seconds
     while True:
         series = scrape()
-        missing = [n for n, labels in wanted.items() if total(series, n, **labels) <= 0]
+        missing = [(n, labels) for n, labels in wanted if total(series, n, **labels) <= 0]
         if not missing or time.monotonic() > deadline:
             break
         time.sleep(2)
     assert not missing, (missing, sorted(series)[:40])
-    assert total(series, "ray_eagle2_requests_total", status="INVALID_ARGUMENT") >= 1
-    assert total(series, "ray_eagle2_requests_total", status="UNAVAILABLE") >= 1
     assert "ray_eagle2_num_requests_running" in {k.split("{")[0] for k in series}
 
 
