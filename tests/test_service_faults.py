@@ -130,6 +130,9 @@ def test_kill_tp_rank_mid_stream_gives_unavailable_then_recovers(client, service
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     details = err.value.details()
     assert "retry" in details and "pid" not in details and "127.0.0.1" not in details
+    from grpc_health.v1 import health_pb2
+
+    assert health(client) == health_pb2.HealthCheckResponse.NOT_SERVING  # rebuilding (~7 s)
     while True:  # clients retry UNAVAILABLE
         try:
             stream = client.stream(PROMPTS[1], max_tokens=MAX_TOKENS)
