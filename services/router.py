@@ -90,6 +90,10 @@ class Router:
         eos = self.model_config.eos_token_id
         self.eos_ids = sorted({self.tokenizer.eos_token_id, *(eos if isinstance(eos, list)
                                                               else [eos])} - {None})
+        try:  # the name Serve deployed this application under (what clients must send)
+            self.app_name = serve.get_replica_context().app_name
+        except Exception:  # outside a replica (unit tests)
+            self.app_name = cfg.app_name
         self.admitted = 0
         self.draining = False
         self.metrics = RouterMetrics()
@@ -105,10 +109,10 @@ class Router:
         except auth.AuthError as e:
             raise RequestError(grpc.StatusCode[e.code_name], e.message) from None
         app = grpc_context.application() if grpc_context is not None else None
-        if app is not None and app != self.cfg.app_name:
+        if app is not None and app != self.app_name:
             # Serve routes every call to the only application, whatever it names.
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"application {app[:64]!r} not "
-                               f"found; this server serves {self.cfg.app_name!r}")
+                               f"found; this server serves {self.app_name!r}")
         if isinstance(request, MalformedRequest):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"malformed request body ({request.num_bytes} bytes): not an "
