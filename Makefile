@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-0.1.0
 
-.PHONY: install serve generate test test-slow lint bench clean-cache
+.PHONY: install serve generate test test-slow lint bench clean-cache gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,3 +35,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/eagle2 bench --suite mt_bench --num-prompts 40 --max-tokens 256
+
+# Straight from the checkout, no install (the lent GPU image has torch and transformers):
+# random Llama-3-8B / 70B-layer shapes in bf16, one JSON under runs/gpu-check (< 8 min, H200).
+gpu-check:
+	PYTHONPATH=. $(PY) -m eagle2.gpu_check --out runs/gpu-check

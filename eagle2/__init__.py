@@ -2,7 +2,24 @@
 
 The algorithm package: no Ray, no gRPC. `services/` adapts it to Ray Serve and gRPC.
 Names are imported lazily so that light submodules (prompts, planner) load without torch.
+
+OpenMP threads that spin while they wait collapse as soon as another process wants a core
+(docs/DESIGN.md, "CPU performance"): every entry point imports this package before torch, so
+passive waiting is put into the environment here, where the OpenMP runtime that torch loads
+still reads it. An explicit OMP_WAIT_POLICY is kept.
 """
+
+import os as _os
+import sys as _sys
+
+if "OMP_WAIT_POLICY" not in _os.environ:
+    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    if "torch" in _sys.modules:
+        import warnings as _warnings
+
+        _warnings.warn("torch was imported before eagle2, so its OpenMP threads spin while they "
+                       "wait and slow down sharply beside other busy processes; import eagle2 "
+                       "first or set OMP_WAIT_POLICY=PASSIVE", RuntimeWarning, stacklevel=2)
 
 __version__ = "0.1.0"
 __all__ = ["Completion", "Eagle2", "SamplingParams", "TreeConfig"]

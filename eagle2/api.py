@@ -19,7 +19,7 @@ from eagle2.drafter import Drafter
 from eagle2.engine import Engine, Event, Request
 from eagle2.head import DraftHead, load_head, new_head
 from eagle2.runner import LocalRunner
-from eagle2.target import EMBEDDED_NAME, TargetModel
+from eagle2.target import EMBEDDED_NAME, TargetModel, cost_cache_path
 from eagle2.text import TextStream, encode_prompt
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ class Eagle2:
             drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
                               max_len=self.max_context)
         runner = LocalRunner(target, max_batch, self.max_context + Engine.tree_margin)
-        self.engine = Engine(runner, drafter, max_batch=max_batch, max_context=self.max_context)
+        self.engine = Engine(runner, drafter, max_batch=max_batch, max_context=self.max_context,
+                             costs=cost_cache_path(target))
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None,

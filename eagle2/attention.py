@@ -1,7 +1,9 @@
-"""Llama decoder layers over a preallocated, slotted KV cache with tree attention (BRIEF §4-§5).
+"""Llama decoder layers over a preallocated, slotted KV cache with tree attention.
+
+See docs/DESIGN.md "Verification, KV cache and batching".
 
 The target and the draft head both run through `decoder_layer`: it calls the Hugging Face
-layer's own sub-modules (projections, norms, MLP), so a model sharded by DeepSpeed AutoTP
+layer's own sub-modules (projections, norms, MLP), so a tensor-parallel model (`eagle2.tp`)
 works unchanged (its o_proj/down_proj all-reduce inside), but the attention and the cache are
 ours. We do not go through the HF model's 4D-mask path: a tree step needs per-request cache
 lengths, writes at arbitrary positions and a commit by gather, which are simpler and faster to
@@ -77,6 +79,7 @@ class StepInputs:
     cos: torch.Tensor  # [B, N, Dh]
     sin: torch.Tensor  # [B, N, Dh]
     contiguous: bool  # slots == arange(B): read the cache through a view, not a copy
+    write_start: int | None = None  # contiguous and one common write offset: slice writes
 
 
 def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
@@ -107,7 +110,10 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     contiguous = bool(
         num_b > 0 and torch.equal(slots, torch.arange(num_b, device=slots.device))
     )
-    return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous)
+    write_start = None
+    if contiguous and bool((base == base[0]).all()):
+        write_start = int(base[0]) + num_t - num_n
+    return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, write_start)
 
 
 def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache: KVCache,

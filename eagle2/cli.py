@@ -18,7 +18,9 @@ from eagle2.config import MODES
 COMMANDS = {
     "generate": ("eagle2.cli", "generate a completion in-process"),
     "bench": ("eagle2.bench.run", "benchmark speculative modes against plain decoding"),
+    "bench-forward": ("eagle2.bench.forward", "the target forward's cost curve vs the roofline"),
     "train-head": ("eagle2.train.run", "train an EAGLE draft head for a target"),
+    "calibrate": ("eagle2.bench.calibrate", "fit a head's value calibration on held-out prompts"),
     "plan": ("eagle2.plan", "plan GPU placement and memory for a model"),
     "serve": ("services.cli_serve", "start Ray Serve with the gRPC service (port 9000)"),
     "client": ("services.client", "call a running service over gRPC"),
@@ -41,12 +43,15 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. the root")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None, help="draft tree branching")
+    p.add_argument("--budget", choices=("auto", "fixed"), default="auto",
+                   help="auto: the sizes are maxima and the engine keeps what pays each step "
+                        "on this machine; fixed: exactly these sizes")
 
 
 def tree_from_args(args):
     from eagle2.config import TreeConfig
 
-    fields = {"mode": args.mode}
+    fields = {"mode": args.mode, "budget": getattr(args, "budget", "auto")}
     for name in ("total_tokens", "depth"):
         if getattr(args, name, None) is not None:
             fields[name] = getattr(args, name)

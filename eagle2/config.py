@@ -11,29 +11,32 @@ import math
 from dataclasses import dataclass
 
 MODES = ("eagle2", "static", "chain", "vanilla")
+BUDGETS = ("auto", "fixed")
 
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Draft-tree budget (BRIEF §3).
+    """Draft-tree budget (docs/DESIGN.md "Draft tree").
 
     mode: "eagle2" (dynamic tree: expand by path value, rerank globally), "static" (the
     EAGLE-1 default tree, cut to total_tokens), "chain" (top_k = 1) or "vanilla" (no drafting).
     total_tokens: tree size N verified by the target in one forward, root included.
     depth: number of expansion steps after the root step (draft levels = depth + 1).
     top_k: children proposed per expanded node and nodes expanded per level.
+    budget: "auto" (the default): the three sizes above are maxima; each step the engine
+    keeps the nodes whose calibrated value pays for their verification cost on this machine
+    at the current batch, and stops drafting while speculation does not pay
+    (`eagle2.budget`). "fixed": exactly these sizes every step (for ablations).
     draft_window: the head attends to at most this many past positions (sliding window), so
     that prompts longer than the head's training context keep drafting instead of failing.
     """
 
     mode: str = "eagle2"
-    # defaults: a small tree, as CPUs need (the tuner's pick for the first shipped head on a
-    # 2-core CPU; for the current head it picks 3/1/1, benchmarks/tuner-cpu.json). GPUs want
-    # far larger trees (48-60 tokens): run the bench's tuner on the hardware at hand.
-    total_tokens: int = 7
-    depth: int = 1
-    top_k: int = 6
+    total_tokens: int = 32
+    depth: int = 6
+    top_k: int = 8
     draft_window: int = 2048
+    budget: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -46,6 +49,8 @@ class TreeConfig:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if self.depth < 1:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"unknown tree budget {self.budget!r}; use one of {BUDGETS}")
         if self.draft_window < 16:
             raise ValueError(f"draft_window must be >= 16, got {self.draft_window}")
 

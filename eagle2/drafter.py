@@ -1,4 +1,4 @@
-"""Drafting with the EAGLE head (BRIEF §3 steps 1-2): head update, root step, expansion.
+"""Drafting with the EAGLE head (docs/DESIGN.md "Draft tree"): head update, root step, expansion.
 
 One call per decoding step and batch: the head first runs over the newly accepted positions,
 fed the target's *true* features (pair t = (feature[t], token[t+1]) at position t), which
@@ -37,10 +37,13 @@ class Drafter:
 
     def __init__(self, head: DraftHead, embed: nn.Embedding, lm_head: nn.Module,
                  max_slots: int, max_len: int, tree_margin: int = 256,
-                 keep_candidates: bool = False):
+                 keep_candidates: bool = False, calibrated: bool = True):
         """keep_candidates: keep every expansion's full candidate list (before the rerank)
-        in `last_candidates`, for tools that replay acceptance (the bench's tuner)."""
+        in `last_candidates`, for tools that replay acceptance (the bench's tuner).
+        calibrated: tree values through the head's calibration when it has one (False: raw
+        path values, what `eagle2 calibrate` fits on)."""
         self.head = head
+        self.calibration = head.calibration if calibrated else None
         self.keep_candidates = keep_candidates
         self.last_candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self.embed = embed
@@ -99,11 +102,13 @@ class Drafter:
 
     @torch.inference_mode()
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
-              counts: torch.Tensor, config: TreeConfig) -> DraftTree:
+              counts: torch.Tensor, config: TreeConfig, min_gain: float = 0.0) -> DraftTree:
         """Append the new pairs and draft one tree per sequence.
 
         features: [B, A, H] target features of the newly committed positions; tokens: [B, A]
         the token after each of them (the last one is the root); counts: [B] valid entries.
+        min_gain: the dynamic tree stops expanding once the best frontier values (summed over
+        the batch, calibrated) fall below it: deeper nodes could not pay for the expansion.
         """
         num_b, num_a = tokens.shape
         assert features.shape[:2] == (num_b, num_a), "features and tokens disagree"
@@ -128,7 +133,11 @@ class Drafter:
             return self._expand_static(slots, root, last, config)
         if config.mode == "chain":  # one child per level: a chain of depth + 1 drafts
             config = replace(config, top_k=1)
-        return self._expand_dynamic(slots, root, last, config)
+        return self._expand_dynamic(slots, root, last, config, min_gain)
+
+    def values(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw path values -> acceptance estimates (the head's calibration, if any)."""
+        return raw if self.calibration is None else self.calibration(raw)
 
     def _first_level(self, last: torch.Tensor, k: int) -> _Level:
         scores, tokens = self._log_probs(last, k)  # [B, K]
@@ -146,12 +155,16 @@ class Drafter:
         return self._run(slots, level.tokens, level.features, positions, tree_mask, window), \
             tree_mask
 
-    def _expand_dynamic(self, slots, root, last, config: TreeConfig) -> DraftTree:
+    def _expand_dynamic(self, slots, root, last, config: TreeConfig,
+                        min_gain: float = 0.0) -> DraftTree:
         k = config.top_k
         level = self._first_level(last, k)
         cands = [(level.tokens, level.scores, torch.full_like(level.tokens, -1), 1)]
         num_cands = k
         for depth in range(1, config.depth + 1):
+            best_next = self.values(level.scores.max(dim=1).values.exp())  # [B] bound
+            if min_gain > 0 and float(best_next.sum()) < min_gain:
+                break
             out, mask = self._feed(slots, level, depth, config.draft_window)
             logp, toks = self._log_probs(out, k)  # [B, M, K]
             num_b, num_m = level.tokens.shape
@@ -207,5 +220,10 @@ class Drafter:
         scores = torch.cat([c[1] for c in cands], 1)
         parents = torch.cat([c[2] for c in cands], 1)
         depths = torch.cat([torch.full_like(c[0], c[3]) for c in cands], 1)
-        return build_tree(root, tokens, parents, scores, depths, num_nodes)
+        tree = build_tree(root, tokens, parents, scores, depths, num_nodes)
+        if self.calibration is None:
+            return tree
+        values = torch.where(tree.values > 0, self.values(tree.values), 0.0)
+        values[:, 0] = 1.0  # the root is the target's own token
+        return replace(tree, values=values)
 

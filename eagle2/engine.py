@@ -1,4 +1,6 @@
-"""The batched speculative decoding loop (BRIEF §4-§5): prefill, draft, verify, commit.
+"""The batched speculative decoding loop: prefill, draft, verify, commit.
+
+See docs/DESIGN.md "Verification, KV cache and batching".
 
 Continuous batching: requests join between steps (their prompts are prefilled together) and
 leave when finished. Target-cache slots are kept compact (a finished request's slot takes the
@@ -14,23 +16,25 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from eagle2.attention import causal_mask
+from eagle2.budget import CostModel, SpeculationGate, choose_num_nodes, measure_draft_levels
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.runner import TargetRunner
-from eagle2.tree import DraftTree, root_only
-from eagle2.verify import Verified, children_lists, verify_greedy, verify_sampling
+from eagle2.tree import DraftTree, prune_tree, root_only
+from eagle2.verify import Verified
 
 
 class DrafterLike(Protocol):
     """What the engine needs from a drafter (in-process `Drafter` or a remote draft worker)."""
 
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
-              counts: torch.Tensor, config: TreeConfig) -> DraftTree: ...
+              counts: torch.Tensor, config: TreeConfig, min_gain: float = 0.0) -> DraftTree: ...
 
     def release(self, seq_id: str) -> None: ...
 
@@ -64,6 +68,9 @@ class EngineStats:
     other_s: float = 0.0
     steps: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    auto_steps: int = 0  # steps with auto-budget requests
+    skipped_drafts: int = 0  # of those, steps decoded plainly because speculation did not pay
+    nodes_chosen: Counter = field(default_factory=Counter)  # auto budget: tree size -> steps
 
 
 @dataclass
@@ -75,6 +82,11 @@ class _Seq:
     output: list[int] = field(default_factory=list)
     num_steps: int = 1  # target forwards that produced output (prefill counted)
     accepted_at_depth: Counter = field(default_factory=Counter)
+    drafted: bool = False  # the drafter consumed the pending pairs this step
+
+    @property
+    def auto(self) -> bool:
+        return self.req.tree.mode != "vanilla" and self.req.tree.budget == "auto"
 
 
 class Engine:
@@ -83,8 +95,12 @@ class Engine:
     tree_margin = 130  # cache entries past max_context for the tree being verified
 
     def __init__(self, runner: TargetRunner, drafter: DrafterLike | None, max_batch: int = 8,
-                 max_context: int = 2048, tree_margin: int | None = None):
-        """runner: a target with max_batch cache slots of max_context + tree_margin entries."""
+                 max_context: int = 2048, tree_margin: int | None = None,
+                 costs: CostModel | Path | None = None):
+        """runner: a target with max_batch cache slots of max_context + tree_margin entries.
+        costs: this machine's forward and draft costs (auto budgets): a CostModel, a cache
+        file (read, or measured once and written there), or None (measured, kept in memory).
+        Measured at the first auto-budget step unless `costs` is touched before."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.runner, self.drafter = runner, drafter
@@ -93,6 +109,9 @@ class Engine:
         self.seqs: list[_Seq] = []  # index = cache slot
         self.waiting: list[Request] = []
         self.stats = EngineStats()
+        self._costs = costs
+        self.gate = SpeculationGate()
+        self._rate = 0.0  # tokens/s predicted for the last speculative step
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -136,8 +155,11 @@ class Engine:
         if not self.seqs:
             return []
         t0 = time.perf_counter()
-        tree = self._draft()
+        draft_auto = self.gate.should_draft() if any(s.auto for s in self.seqs) else True
+        tree = self._draft(draft_auto)
         t1 = time.perf_counter()
+        if any(s.auto for s in self.seqs):
+            tree = self._choose_budget(tree, draft_auto)
         verified, features = self._verify(tree)
         t2 = time.perf_counter()
         events = self._advance(verified, features)
@@ -148,19 +170,70 @@ class Engine:
         self.stats.steps += 1
         return events
 
-    def _draft(self) -> DraftTree:
-        groups: dict[TreeConfig, list[int]] = {}
+    @property
+    def costs(self) -> CostModel:
+        """The target's forward costs (measured or read once; draft costs may follow)."""
+        if not isinstance(self._costs, CostModel):
+            prefix = min(256, self.max_context // 2)
+            if isinstance(self._costs, Path):
+                self._cost_path = self._costs
+                self._costs = CostModel.cached(self.runner, self.max_batch, self._costs, prefix)
+            else:
+                self._costs = CostModel.measure(self.runner, self.max_batch, prefix=prefix)
+        return self._costs
+
+    def _draft_costs(self) -> CostModel:
+        """The costs with the drafter's per-level time (measured once, on first need)."""
+        costs = self.costs
+        if not costs.draft_level_s and self.drafter is not None and self.seqs:
+            feats = self.seqs[0].pending_feats
+            levels = measure_draft_levels(self.drafter, costs.batches, feats.shape[-1],
+                                          feats.dtype)
+            self._costs = costs = replace(costs, draft_level_s=levels)
+            if getattr(self, "_cost_path", None) is not None:
+                costs.save(self._cost_path)
+        return costs
+
+    def _min_gain(self, num_b: int) -> float:
+        """Expected accepted tokens one more tree level must promise to be worth drafting."""
+        costs = self._draft_costs()
+        rate = max(self._rate, num_b / costs(num_b, 1))
+        return rate * costs.draft_level(num_b)
+
+    def _choose_budget(self, tree: DraftTree, drafted: bool) -> DraftTree:
+        """Cut the auto-budget trees to the size that pays best this step (eagle2.budget)."""
+        self.stats.auto_steps += 1
+        auto = torch.tensor([s.auto for s in self.seqs])
+        if not drafted:
+            self.stats.skipped_drafts += 1
+            return tree
+        costs = self._draft_costs()
+        draft_s = (int(tree.depths.max()) + 1) * costs.draft_level(len(self.seqs))
+        fixed = tree.num_nodes[~auto]
+        choice = choose_num_nodes(tree.values[auto], costs, draft_s,
+                                  int(fixed.max()) if len(fixed) else 1)
+        self.gate.record(choice.pays)
+        self._rate = choice.rate
+        self.stats.nodes_chosen[choice.num_nodes] += 1
+        keep = torch.where(auto, choice.num_nodes, tree.num_nodes)
+        return prune_tree(tree, keep)
+
+    def _draft(self, draft_auto: bool = True) -> DraftTree:
+        """One tree per sequence; auto-budget ones get the one-node tree if not draft_auto."""
+        groups: dict[TreeConfig | None, list[int]] = {}
         for i, s in enumerate(self.seqs):
-            groups.setdefault(s.req.tree, []).append(i)
+            s.drafted = s.req.tree.mode != "vanilla" and (draft_auto or not s.auto)
+            groups.setdefault(s.req.tree if s.drafted else None, []).append(i)
         parts: list[tuple[list[int], DraftTree]] = []
         for config, idx in groups.items():
             feats, toks, counts = _pad([self.seqs[i] for i in idx])
-            if config.mode == "vanilla":
+            if config is None:
                 rows = torch.arange(len(idx))
                 parts.append((idx, root_only(toks[rows, counts - 1])))
             else:
                 ids = [self.seqs[i].req.seq_id for i in idx]
-                parts.append((idx, self.drafter.draft(ids, feats, toks, counts, config)))
+                gain = self._min_gain(len(self.seqs)) if config.budget == "auto" else 0.0
+                parts.append((idx, self.drafter.draft(ids, feats, toks, counts, config, gain)))
         if len(parts) == 1:
             return parts[0][1]
         order = [i for idx, _ in parts for i in idx]
@@ -170,33 +243,18 @@ class Engine:
         return tree.select(inverse)
 
     def _verify(self, tree: DraftTree) -> tuple[Verified, torch.Tensor]:
+        """One target forward over all trees and acceptance, where the logits are (the runner).
+        -> (Verified, accepted nodes' features [B, A, H])."""
         dev = self.runner.device
         num_b = tree.batch_size
         slots = torch.arange(num_b, device=dev)
         positions = self.runner.lengths[:num_b, None] + tree.depths.to(dev)
-        features, logits = self.runner.forward(tree.tokens.to(dev), positions,
-                                               tree.tree_mask.to(dev), slots)  # [B, N, V]
         self.stats.batch_sizes.append(num_b)
-        greedy = verify_greedy(tree, logits) if any(
-            s.req.params.greedy for s in self.seqs) else None
-        nodes, tokens = [], []
-        parents = tree.parents.tolist()
-        tree_tokens = tree.tokens.tolist()
-        for b, s in enumerate(self.seqs):
-            if s.req.params.greedy:
-                nodes.append(greedy.nodes[b])
-                tokens.append(greedy.tokens[b])
-            else:
-                n = int(tree.num_nodes[b])
-                kids = children_lists(parents[b], n)
-                kept, toks = verify_sampling(tree_tokens[b], kids, logits[b], s.req.params,
-                                             s.generator)
-                nodes.append(kept)
-                tokens.append(toks)
-        return Verified(nodes, tokens), features
+        return self.runner.verify_step(tree, positions, slots, [s.req.params for s in self.seqs],
+                                       [s.generator for s in self.seqs])
 
     def _advance(self, verified: Verified, features: torch.Tensor) -> list[Event]:
-        """Commit the accepted paths; their features [B, N, H] feed the next draft."""
+        """Commit the accepted paths; their features [B, A, H] feed the next draft."""
         dev = self.runner.device
         width = max(len(n) for n in verified.nodes)
         node_idx = torch.tensor([n + [0] * (width - len(n)) for n in verified.nodes], device=dev)
@@ -206,8 +264,12 @@ class Engine:
         events = []
         for b, s in enumerate(self.seqs):
             n = len(verified.nodes[b])
-            s.pending_feats = features[b, node_idx[b, :n]]
-            s.pending_tokens = torch.tensor(verified.tokens[b], device=dev)
+            new_feats = features[b, :n].to(dev)
+            new_tokens = torch.tensor(verified.tokens[b], device=dev)
+            if s.auto and not s.drafted:  # the drafter has not seen the pending pairs yet
+                new_feats = torch.cat([s.pending_feats, new_feats])
+                new_tokens = torch.cat([s.pending_tokens.to(dev), new_tokens])
+            s.pending_feats, s.pending_tokens = new_feats, new_tokens
             s.num_steps += 1
             s.accepted_at_depth[n - 1] += 1
             events.append(self._emit(s, verified.tokens[b]))
@@ -254,6 +316,7 @@ class Engine:
         t0 = time.perf_counter()
         room = self.max_batch - len(self.seqs)
         batch, self.waiting = self.waiting[:room], self.waiting[room:]
+        self.gate.reopen()  # a new batch: probe speculation again at its first step
         dev = self.runner.device
         lengths = torch.tensor([len(r.prompt_ids) for r in batch], device=dev)
         width = int(lengths.max())
@@ -264,17 +327,15 @@ class Engine:
         slots = torch.arange(first, first + len(batch), device=dev)
         self.runner.set_lengths(slots, torch.zeros_like(slots))
         positions = torch.arange(width, device=dev).expand(len(batch), width)
-        features, last_logits = self.runner.forward(tokens, positions, causal_mask(lengths, width),
-                                                    slots, logit_index=lengths - 1)  # [B, V]
+        gens = [_generator(r.params) for r in batch]
+        features, first = self.runner.prefill_step(
+            tokens, positions, causal_mask(lengths, width), slots, lengths - 1,
+            [r.params for r in batch], gens)  # features [B, S, H]
         self.runner.set_lengths(slots, lengths)
         events = []
-        for b, r in enumerate(batch):
-            gen = torch.Generator()
-            gen.manual_seed(fold_seed(r.params.seed) if r.params.seed is not None else
-                            int(torch.randint(0, 2**32, ())))
-            tok = _first_token(last_logits[b], r.params, gen)
+        for b, (r, gen, tok) in enumerate(zip(batch, gens, first, strict=True)):
             n = len(r.prompt_ids)
-            s = _Seq(r, gen, features[b, :n],
+            s = _Seq(r, gen, features[b, :n].to(dev),
                      torch.tensor(list(r.prompt_ids[1:]) + [tok], device=dev))
             self.seqs.append(s)
             events.append(self._emit(s, [tok]))
@@ -292,11 +353,12 @@ def fold_seed(seed: int) -> int:
     return low ^ ((high * 0x9E3779B1) & 0xFFFFFFFF)  # odd multiplier: a bijection of high
 
 
-def _first_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    if params.greedy:
-        return int(logits.argmax())
-    _, toks = verify_sampling([0], [[]], logits[None], params, gen)
-    return toks[0]
+def _generator(params: SamplingParams) -> torch.Generator:
+    """The request's own CPU generator: seeded by the request (all 64 bits), else at random."""
+    gen = torch.Generator()
+    gen.manual_seed(fold_seed(params.seed) if params.seed is not None else
+                    int(torch.randint(0, 2**32, ())))
+    return gen
 
 
 def _pad(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

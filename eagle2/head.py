@@ -1,4 +1,4 @@
-"""The EAGLE-1/2 draft head (BRIEF §2) and its published checkpoint layout.
+"""The EAGLE-1/2 draft head (docs/DESIGN.md "Draft head") and its published checkpoint layout.
 
 Input at position t: concat(embed(token[t+1]), feature[t]) (embedding first) -> fc (2H -> H)
 -> one Llama decoder layer without input_layernorm and without a final norm -> a predicted
@@ -23,6 +23,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from eagle2.attention import KVCache, StepInputs, causal_mask, decoder_layer, step_inputs
+from eagle2.calibration import FILE_NAME as CALIBRATION_FILE
+from eagle2.calibration import Calibration
 
 IGNORED_KEYS = ("embed_tokens.weight",)
 
@@ -40,6 +42,7 @@ class DraftHead(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()  # skipped in EAGLE heads; not in the file
         self.rotary = LlamaRotaryEmbedding(config=config)
         self.register_buffer("d2t", torch.empty(0, dtype=torch.long), persistent=False)
+        self.calibration: Calibration | None = None  # `calibration.json` beside the weights
 
     @property
     def bias(self) -> bool:
@@ -140,6 +143,8 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.float32,
                          f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     if d2t is not None:
         head.d2t = d2t.long()
+    if (path / CALIBRATION_FILE).exists():
+        head.calibration = Calibration.load(path / CALIBRATION_FILE)
     return head.to(device=device, dtype=dtype).eval()
 
 

@@ -1,5 +1,8 @@
 """Where the target runs: in this process (`LocalRunner`) or sharded across tensor-parallel
 ranks (`services` drives the same interface over Ray actors). The engine only talks to this.
+
+Verification runs where the logits are (docs/DESIGN.md "Verification"): `verify_step` and
+`prefill_step` return token ids, node indices and features only, never logits [B, N, V].
 """
 
 from __future__ import annotations
@@ -8,7 +11,10 @@ from typing import Protocol
 
 import torch
 
+from eagle2.config import SamplingParams
 from eagle2.target import TargetModel
+from eagle2.tree import DraftTree
+from eagle2.verify import Verified, first_tokens, verify_batch
 
 
 class TargetRunner(Protocol):
@@ -25,6 +31,20 @@ class TargetRunner(Protocol):
         """-> (features [B, N, H], fp32 logits [B, N, V], or [B, V] at logit_index [B])."""
         ...
 
+    def verify_step(self, tree: DraftTree, positions: torch.Tensor, slots: torch.Tensor,
+                    params: list[SamplingParams], generators: list[torch.Generator | None]
+                    ) -> tuple[Verified, torch.Tensor]:
+        """One forward over the trees + acceptance. -> (Verified, accepted features [B, A, H],
+        row b valid up to len(nodes[b])). Sampled rows advance their generator."""
+        ...
+
+    def prefill_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                     slots: torch.Tensor, last_idx: torch.Tensor, params: list[SamplingParams],
+                     generators: list[torch.Generator | None]
+                     ) -> tuple[torch.Tensor, list[int]]:
+        """Prompt forward. -> (features [B, S, H], the first new token of each request)."""
+        ...
+
     def commit(self, slots: torch.Tensor, node_idx: torch.Tensor, kept: torch.Tensor) -> None: ...
 
     def copy_slot(self, src: int, dst: int) -> None: ...
@@ -36,7 +56,7 @@ class LocalRunner:
     """The whole target and its KV cache in this process."""
 
     def __init__(self, target: TargetModel, num_slots: int, max_len: int):
-        self.target = target
+        self.target = target.fuse()  # fused layers where the model allows (eagle2.fused)
         self.vocab_size = target.vocab_size
         self.device = target.device
         self.cache = target.allocate_cache(num_slots, max_len)
@@ -52,6 +72,23 @@ class LocalRunner:
             return feats, self.target.logits(feats[rows, logit_index])
         return feats, self.target.logits(feats)
 
+    def forward_features(self, tokens, positions, tree_mask, slots) -> torch.Tensor:
+        """The forward without lm_head: features [B, N, H] (what a TP rank other than 0 runs:
+        it takes part in the all-reduces, rank 0 verifies)."""
+        return self.target.forward(tokens, positions, tree_mask, self.cache, slots).features
+
+    def verify_step(self, tree, positions, slots, params, generators):
+        dev = self.device
+        tree = DraftTree(*(t.to(dev) for t in tree._fields()))  # greedy acceptance on the device
+        features, logits = self.forward(tree.tokens, positions.to(dev), tree.tree_mask,
+                                        slots.to(dev))  # [B, N, V]
+        verified = verify_batch(tree, logits, params, generators)
+        return verified, accepted_features(features, verified.nodes)
+
+    def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
+        features, last_logits = self.forward(tokens, positions, mask, slots, last_idx)  # [B, V]
+        return features, first_tokens(last_logits, params, generators)
+
     def commit(self, slots, node_idx, kept) -> None:
         self.cache.commit(slots, node_idx, kept)
 
@@ -61,3 +98,12 @@ class LocalRunner:
     def set_lengths(self, slots, values) -> None:
         dev = self.cache.lengths.device
         self.cache.lengths[slots.to(dev)] = values.to(dev)
+
+
+def accepted_features(features: torch.Tensor, nodes: list[list[int]]) -> torch.Tensor:
+    """features [B, N, H] -> [B, A, H] of the accepted nodes, A = the longest path, 0-padded.
+    E.g. nodes [[0, 2], [0]] -> rows [f[0, 0], f[0, 2]] and [f[1, 0], 0]."""
+    width = max(len(n) for n in nodes)
+    idx = torch.tensor([n + [0] * (width - len(n)) for n in nodes], device=features.device)
+    rows = torch.arange(features.shape[0], device=features.device)[:, None]
+    return features[rows, idx]  # [B, A, H]

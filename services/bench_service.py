@@ -48,7 +48,9 @@ DEFAULT_PROMPTS = [
 ]
 
 STAT_SCALARS = ("draft_s", "verify_s", "prefill_s", "other_s", "steps",
-                "draft_rpc_calls", "draft_rpc_s")
+                "draft_rpc_calls", "draft_rpc_s", "rank_bytes_out", "rank_bytes_in",
+                "draft_bytes_out", "draft_bytes_in")
+TRAFFIC = ("rank_bytes_out", "rank_bytes_in", "draft_bytes_out", "draft_bytes_in")
 
 
 def add_arguments(p) -> None:
@@ -60,6 +62,8 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the interleaved concurrency-1 comparison")
     p.add_argument("--mode", default="eagle2", choices=["eagle2", "static", "chain", "vanilla"])
+    p.add_argument("--tree-tokens", type=int, default=None,
+                   help="total_tokens of the draft tree (default: the service's)")
     p.add_argument("--port", type=int, default=19100, help="gRPC port of the Serve proxy")
     p.add_argument("--http-port", type=int, default=None,
                    help="Serve's HTTP port (default: --port + 80; unused, but must be free)")
@@ -131,8 +135,19 @@ def summarize(requests: list[dict], wall_s: float | None = None,
             "draft_outside_rpc_ms_per_step": _ms(delta["draft_s"] - rpc_s, steps)
             if rpc_s is not None and delta.get("draft_s") is not None else None,
         }
+        eng.update(traffic_per_step(delta, steps))
         out["engine"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in eng.items()}
     return out
+
+
+def traffic_per_step(delta: dict, steps: int) -> dict:
+    """Bytes per engine step (decode steps; prefill traffic included) between the engine and
+    its TP ranks and draft worker; "bytes_per_step" is their sum."""
+    per = {f"{k}_per_step": round(delta[k] / steps) if steps and delta.get(k) is not None
+           else None for k in TRAFFIC}
+    known = [v for v in per.values() if v is not None]
+    per["bytes_per_step"] = sum(known) if known else None
+    return per
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -270,7 +285,9 @@ def run(args) -> int:
             "max_tokens_limit": min(1024, args.max_context - 1),
             "default_max_tokens": min(args.max_tokens, args.max_context - 1),
             "grpc_port": args.port, "max_queued_requests": 64,
-            "target": args.target, "draft": args.draft, "tree": {"mode": args.mode}}
+            "target": args.target, "draft": args.draft,
+            "tree": {"mode": args.mode, **({"total_tokens": args.tree_tokens, "depth": 5,
+                                            "top_k": 8} if args.tree_tokens else {})}}
     names = {"worker": "eagle2", "inprocess": "eagle2-ip"}
     apps = {names[pl]: {**base, "draft_placement": pl, "app_name": names[pl]}
             for pl in ("worker", "inprocess")}
@@ -403,6 +420,12 @@ def format_summary(report: dict) -> str:
         lines.append(f"service, draft {pl:<9} {s['tokens_per_s']} tok/s "
                      f"(x{c1['service_over_inproc'][pl]} of in-process; "
                      f"ids match: {c1['token_ids_match_inproc'][pl]})")
+    for pl in ("worker", "inprocess"):
+        e = c1[f"service_{pl}"].get("engine") or {}
+        lines.append(f"bytes/step, draft {pl:<9} {e.get('bytes_per_step')} (ranks out "
+                     f"{e.get('rank_bytes_out_per_step')} in {e.get('rank_bytes_in_per_step')}; "
+                     f"draft out {e.get('draft_bytes_out_per_step')} in "
+                     f"{e.get('draft_bytes_in_per_step')})")
     lines += ["== draft hop (engine draft time per step) ==",
               f"worker (gRPC) {hop['worker_draft_ms_per_step']} ms/step "
               f"(RPC {hop['worker_rpc_ms_per_call']} ms/call, outside RPC "
@@ -413,5 +436,6 @@ def format_summary(report: dict) -> str:
     for r in report.get("concurrency_sweep", []):
         lines.append(f"{r['placement']:<9} c={r['concurrency']}: {r['tokens_per_s']} tok/s "
                      f"(x{r['speedup_over_c1']} of c=1), batch mean "
-                     f"{r['engine']['batch_size_mean']} max {r['engine']['batch_size_max']}")
+                     f"{r['engine']['batch_size_mean']} max {r['engine']['batch_size_max']}, "
+                     f"{r['engine'].get('bytes_per_step')} bytes/step")
     return "\n".join(lines)

@@ -13,19 +13,21 @@ from eagle2.config import TreeConfig
 
 
 class TreeSettings(BaseModel):
-    """Draft-tree budget. Defaults: `eagle2.config.TreeConfig`'s small CPU tree; GPU
-    deployments set their own (deploy/*.yaml), ideally what `eagle2 bench`'s tuner picks."""
+    """Draft-tree budget, as `eagle2.config.TreeConfig`: with budget "auto" (the default) the
+    sizes are maxima and the engine cuts each step's trees to what pays on this hardware at
+    the current batch (from the forward costs it measures at start-up, cached per machine)."""
 
     model_config = ConfigDict(extra="forbid")
     mode: Literal["eagle2", "static", "chain", "vanilla"] = "eagle2"
-    total_tokens: int = Field(7, ge=2, le=128)
-    depth: int = Field(1, ge=1, le=16)
-    top_k: int = Field(6, ge=1, le=32)
+    total_tokens: int = Field(32, ge=2, le=128)
+    depth: int = Field(6, ge=1, le=16)
+    top_k: int = Field(8, ge=1, le=32)
     draft_window: int = Field(2048, ge=16)
+    budget: Literal["auto", "fixed"] = "auto"
 
     def to_core(self, mode: str | None = None) -> TreeConfig:
         return TreeConfig(mode or self.mode, self.total_tokens, self.depth, self.top_k,
-                          self.draft_window)
+                          self.draft_window, self.budget)
 
 
 class ServiceConfig(BaseModel):
@@ -41,6 +43,12 @@ class ServiceConfig(BaseModel):
     tp_size: int = Field(1, ge=1, le=64)
     # GPUs: each TP rank and the draft worker ask for one when true.
     use_gpu: bool = False
+    # Engine replicas (each with its own tp_size ranks and draft worker); `eagle2 plan
+    # --layouts` ranks replicas x tp for a node, e.g. 2 x tp4 on 8 GPUs.
+    num_replicas: int = Field(1, ge=1, le=64)
+    # The draft worker's GPU share: 1.0 = a GPU of its own; below 1 it shares a GPU with a TP
+    # rank, and every rank then asks for 1 - draft_gpu_fraction (Ray packs the fractions).
+    draft_gpu_fraction: float = Field(1.0, gt=0, le=1)
     # CPUs reserved per TP rank (its placement-group bundle); also its torch threads.
     cpus_per_rank: float = Field(1.0, gt=0)
     # "worker": the head runs in its own deployment, reached over gRPC; "inprocess": in the
@@ -84,3 +92,9 @@ class ServiceConfig(BaseModel):
 
     def device(self) -> str:
         return "cuda" if self.use_gpu else "cpu"
+
+    def gpu_per_rank(self) -> float:
+        """Ray GPU share of one TP rank: 1, or what the draft worker leaves when it shares."""
+        if not self.use_gpu:
+            return 0.0
+        return 1.0 if self.draft_gpu_fraction >= 1.0 else round(1.0 - self.draft_gpu_fraction, 4)

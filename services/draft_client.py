@@ -44,13 +44,16 @@ class RemoteDrafter:
         self.timeout_s = timeout_s
         self.calls = 0
         self.rpc_s = 0.0  # wall time of Draft calls, worker compute included
+        self.bytes_sent = 0  # serialized DraftRequests
+        self.bytes_received = 0  # serialized DraftResponses
 
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
-              counts: torch.Tensor, config: TreeConfig) -> DraftTree:
+              counts: torch.Tensor, config: TreeConfig, min_gain: float = 0.0) -> DraftTree:
         req = draft_pb2.DraftRequest(
             seq_ids=seq_ids, features=convert.tensor_to_proto(features),
             tokens=convert.tensor_to_proto(tokens.long()),
-            counts=convert.tensor_to_proto(counts.long()), tree=convert.tree_to_spec(config))
+            counts=convert.tensor_to_proto(counts.long()), tree=convert.tree_to_spec(config),
+            min_gain=min_gain)
         t0 = time.perf_counter()
         try:
             resp = self.stub.Draft(req, timeout=self.timeout_s)
@@ -60,6 +63,8 @@ class RemoteDrafter:
             raise
         self.rpc_s += time.perf_counter() - t0
         self.calls += 1
+        self.bytes_sent += req.ByteSize()
+        self.bytes_received += resp.ByteSize()
         return convert.draft_tree_from_proto(resp)
 
     def release(self, seq_id: str) -> None:

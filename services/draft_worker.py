@@ -75,7 +75,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             counts = convert.tensor_from_proto(request.counts)
             t0 = time.perf_counter()
             with self.lock:
-                tree = self.drafter.draft(list(request.seq_ids), feats, tokens, counts, tree_cfg)
+                tree = self.drafter.draft(list(request.seq_ids), feats, tokens, counts, tree_cfg,
+                                          request.min_gain)
                 self.draft_requests += 1
                 self.busy_s += time.perf_counter() - t0
             return convert.draft_tree_to_proto(tree)

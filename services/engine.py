@@ -42,8 +42,10 @@ class TargetEngine:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         self.engine = Engine(self._new_runner(), self.drafter, cfg.max_batch_size,
-                             cfg.max_context)
+                             cfg.max_context, costs=_cost_path(cfg))
         self.tree = cfg.tree.to_core()
+        if self.drafter is not None and self.tree.budget == "auto":
+            _ = self.engine.costs  # measured (or read) before serving, not at the first request
         self.inbox: queue.Queue = queue.Queue()
         self.outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.rebuilding = False
@@ -59,7 +61,8 @@ class TargetEngine:
         return ShardedRunner(cfg.tp_size, cfg.max_batch_size,
                              cfg.max_context + Engine.tree_margin, target=cfg.target,
                              dtype=None if cfg.dtype == "auto" else cfg.dtype,
-                             use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank)
+                             use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank,
+                             gpu_per_rank=cfg.gpu_per_rank())
 
     @staticmethod
     async def _make_drafter(cfg: ServiceConfig, draft_worker):
@@ -120,6 +123,7 @@ class TargetEngine:
         out["rank_restarts"] = self.rank_restarts
         out["last_rank_recovery_s"] = self.last_rank_recovery_s
         out["loop_alive"] = self.thread.is_alive()
+        out.update(traffic_stats(self.engine.runner, getattr(d, "remote", None) or d))
         return out
 
     def rank_pids(self) -> list[int]:
@@ -221,7 +225,8 @@ class TargetEngine:
             self.metrics.rank_restarts.inc()
             self.last_rank_recovery_s = time.monotonic() - t0
             log.warning("tensor-parallel ranks rebuilt in %.1f s", self.last_rank_recovery_s)
-        self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context)
+        self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context,
+                             costs=_cost_path(self.cfg))  # cached: not measured again
 
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":
@@ -244,7 +249,26 @@ class TargetEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
 
+def traffic_stats(runner, drafter) -> dict:
+    """Bytes moved between processes so far: engine <-> TP ranks (tensors in the calls, the
+    same inputs counted once per rank) and engine <-> draft worker (serialized protobuf)."""
+    traffic = getattr(runner, "traffic", {})
+    return {"rank_bytes_out": traffic.get("bytes_out"), "rank_bytes_in": traffic.get("bytes_in"),
+            "draft_bytes_out": getattr(drafter, "bytes_sent", None),
+            "draft_bytes_in": getattr(drafter, "bytes_received", None)}
+
+
 def _event_dict(ev: Event) -> dict:
     return {"token_ids": ev.token_ids, "finished": ev.finished,
             "finish_reason": ev.finish_reason, "num_steps": ev.num_steps,
             "accepted_at_depth": ev.accepted_at_depth, "time": time.time()}
+
+
+def _cost_path(cfg: ServiceConfig):
+    """This machine's measured forward costs for this deployment's target and layout."""
+    from eagle2.kernels import machine_key
+    from eagle2.target import cache_root
+
+    key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{cfg.dtype}|{cfg.use_gpu}|"
+                      f"{cfg.cpus_per_rank}")
+    return cache_root() / "costs" / f"{key}.json"

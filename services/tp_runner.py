@@ -1,19 +1,27 @@
-"""The tensor-parallel target on Ray (BRIEF §1, §8): one `TPRank` actor per rank.
+"""The tensor-parallel target on Ray: one `TPRank` actor per rank.
+
+See docs/DESIGN.md "Tensor parallelism".
 
 `ShardedRunner` is the engine's `TargetRunner` on the driver side:
   1. reserve a placement group of tp_size bundles on one node (STRICT_PACK), one per rank
      ({"GPU": 1, "CPU": c} on a GPU cluster, {"CPU": c} on CPUs);
   2. start one `TPRank` per bundle; rank 0 names the rendezvous (its node IP + a free port);
-  3. every rank loads the whole target, joins the process group, keeps its AutoTP shard
-     (`eagle2.tp`) and allocates its own KV cache (its share of the KV heads);
+  3. every rank joins the process group, reads only its own slices of the checkpoint
+     (`eagle2.tp.load_rank`) and allocates its own KV cache (its share of the KV heads);
   4. every runner call is sent to all ranks with the same inputs and waited for (lockstep:
      the all-reduces inside the model need every rank); rank 0's result is returned.
-Committed lengths are mirrored on the driver so that the engine reads them without a call.
+Verification runs on rank 0, where the logits are: `verify_step` and `prefill_step` return
+token ids, node indices and accepted features only; a sampled request's generator state goes
+to rank 0 with the step and comes back advanced, so results equal in-process verification.
+Committed lengths are mirrored on the driver so that the engine reads them without a call;
+`traffic` counts the tensor bytes sent to and received from the ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+from collections import Counter
 from pathlib import Path
 
 import ray
@@ -22,8 +30,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from eagle2.runner import LocalRunner
-from eagle2.target import TargetModel, embedded_model_dir, pick_device, pick_dtype
-from eagle2.tp import check_tp_size, init_tp, shard_target
+from eagle2.target import embedded_model_dir, pick_device, pick_dtype
+from eagle2.tp import check_tp_size, init_tp, load_rank
 
 
 class TPRank:
@@ -46,12 +54,11 @@ class TPRank:
         return ray.util.get_node_ip_address(), port
 
     def start(self, master_addr: str, master_port: int) -> dict:
-        """Load the target on CPU, join the group, keep this rank's shard on the device."""
+        """Join the group, read this rank's shard of the target straight to the device."""
         dtype = pick_dtype(self.dtype, self.device)
-        target = TargetModel.load(self.target_spec, dtype=dtype, device="cpu")
-        check_tp_size(target.config, self.tp_size)  # every rank fails here alike, before joining
+        _check_target(self.target_spec, self.tp_size)  # every rank fails alike, before joining
         init_tp(self.rank, self.tp_size, master_addr, master_port)
-        target = shard_target(target, self.tp_size, device=str(self.device))
+        target = load_rank(self.target_spec, self.tp_size, self.rank, dtype, str(self.device))
         self.runner = LocalRunner(target, self.num_slots, self.max_len)
         return {"vocab_size": target.vocab_size, "device": str(target.device),
                 "dtype": str(target.dtype), "local_kv_heads": target.local_kv_heads()}
@@ -63,6 +70,29 @@ class TPRank:
             tokens.to(dev), positions.to(dev), tree_mask.to(dev), slots.to(dev),
             None if logit_index is None else logit_index.to(dev))
         return (features.cpu(), logits.cpu()) if self.rank == 0 else None
+
+    def verify_step(self, tree, positions, slots, params, gen_states):
+        """Every rank runs the forward; rank 0 verifies and returns (Verified, accepted
+        features [B, A, H] on CPU, advanced generator states), the others None."""
+        dev = self.runner.device
+        if self.rank != 0:
+            self.runner.forward_features(tree.tokens.to(dev), positions.to(dev),
+                                         tree.tree_mask.to(dev), slots.to(dev))
+            return None
+        gens = _generators(gen_states)
+        verified, feats = self.runner.verify_step(tree, positions, slots, params, gens)
+        return verified, feats.cpu(), _states(gens)
+
+    def prefill_step(self, tokens, positions, mask, slots, last_idx, params, gen_states):
+        """Rank 0: (features [B, S, H] on CPU, first tokens, generator states); others None."""
+        dev = self.runner.device
+        args = (tokens.to(dev), positions.to(dev), mask.to(dev), slots.to(dev))
+        if self.rank != 0:
+            self.runner.forward_features(*args)
+            return None
+        gens = _generators(gen_states)
+        feats, first = self.runner.prefill_step(*args, last_idx.to(dev), params, gens)
+        return feats.cpu(), first, _states(gens)
 
     def commit(self, slots, node_idx, kept) -> None:
         dev = self.runner.device
@@ -84,12 +114,14 @@ class ShardedRunner:
     def __init__(self, tp_size: int, num_slots: int, max_len: int, target: str | None = None,
                  dtype: str | None = None, use_gpu: bool = False, cpus_per_rank: float = 1.0,
                  placement: PlacementGroup | None = None, first_bundle: int = 0,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, gpu_per_rank: float = 1.0):
         """target: a model directory, a .gguf file or None (the embedded SmolLM2); dtype: None
         = fp32 on CPU, bf16 on GPU. num_slots, max_len: each rank's KV cache, as LocalRunner.
         placement: use these bundles (first_bundle ..) of an existing placement group, e.g. a
         Serve replica's, instead of reserving one (then it is not removed on shutdown).
         timeout_s: how long one lockstep call (or the start) may take before TimeoutError.
+        gpu_per_rank: each rank's Ray GPU share when use_gpu (below 1 when a draft worker
+        shares the GPUs; a rank still gets one device of its own).
         """
         _check_target(target, tp_size)
         self.tp_size, self.timeout_s = tp_size, timeout_s
@@ -97,7 +129,7 @@ class ShardedRunner:
         self._lengths = torch.zeros(num_slots, dtype=torch.long)  # [slots] mirror of the ranks'
         self._own_placement = placement is None
         if placement is None:
-            bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if use_gpu else {})}
+            bundle = {"CPU": cpus_per_rank, **({"GPU": gpu_per_rank} if use_gpu else {})}
             placement = placement_group([dict(bundle) for _ in range(tp_size)],
                                         strategy="STRICT_PACK")
         self.placement = placement
@@ -107,7 +139,7 @@ class ShardedRunner:
             self._gather([placement.ready()])
             actor_cls = ray.remote(TPRank)
             self.actors = [actor_cls.options(
-                num_cpus=cpus_per_rank, num_gpus=1 if use_gpu else 0,
+                num_cpus=cpus_per_rank, num_gpus=gpu_per_rank if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=first_bundle + rank),
             ).remote(rank, tp_size, target, dtype, num_slots, max_len,
@@ -120,6 +152,7 @@ class ShardedRunner:
             raise
         self.info = infos[0]  # vocab_size, device, dtype and local_kv_heads of rank 0
         self.vocab_size = infos[0]["vocab_size"]
+        self.traffic: Counter = Counter()  # bytes_out (to ranks), bytes_in (from rank 0), calls
 
     # ----- TargetRunner -----------------------------------------------------------------------
     @property
@@ -127,7 +160,23 @@ class ShardedRunner:
         return self._lengths
 
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
+        """(features, logits) from rank 0: logits cross the process boundary, so the engine
+        uses verify_step / prefill_step; this stays for tests and tools."""
         return self._all("forward", tokens, positions, tree_mask, slots, logit_index)[0]
+
+    def verify_step(self, tree, positions, slots, params, generators):
+        sampled = [None if p.greedy else g for p, g in zip(params, generators, strict=True)]
+        verified, feats, states = self._all("verify_step", tree, positions, slots, params,
+                                            _states(sampled))[0]
+        _restore(generators, states)
+        return verified, feats
+
+    def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
+        sampled = [None if p.greedy else g for p, g in zip(params, generators, strict=True)]
+        feats, first, states = self._all("prefill_step", tokens, positions, mask, slots,
+                                         last_idx, params, _states(sampled))[0]
+        _restore(generators, states)
+        return feats, first
 
     # Cache updates return nothing, so they are sent without waiting: each rank runs its calls
     # in the order sent, and the next waiting call (the next forward) checks them for errors.
@@ -163,11 +212,15 @@ class ShardedRunner:
         if not self.actors:
             raise RuntimeError("this ShardedRunner is shut down")
         refs = [getattr(actor, method).remote(*args) for actor in self.actors]
+        self.traffic["bytes_out"] += payload_bytes(args) * len(self.actors)
+        self.traffic["calls"] += 1
         if not wait:
             self._unchecked += refs
             return []
         earlier, self._unchecked = self._unchecked, []
-        return self._gather(earlier + refs)[len(earlier):]
+        results = self._gather(earlier + refs)[len(earlier):]
+        self.traffic["bytes_in"] += payload_bytes(results)
+        return results
 
     def _gather(self, refs: list) -> list:
         """ray.get, but a failed rank raises at once (its peers would wait in an all-reduce)."""
@@ -178,6 +231,46 @@ class ShardedRunner:
                 raise TimeoutError(f"tensor-parallel call still running after {self.timeout_s} s")
             ray.get(done)
         return ray.get(refs)
+
+
+def payload_bytes(obj) -> int:
+    """Bytes of the tensors (and ints, 8 each) in a call's arguments or results: what crosses
+    the process boundary, give or take pickling headers."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(payload_bytes(x) for x in obj.values())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(payload_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, (int, float)):
+        return 8
+    if isinstance(obj, str):
+        return len(obj)
+    return 0
+
+
+def _states(generators: list) -> list:
+    """Generator states (5 KB each) of the sampled requests; None for greedy ones."""
+    return [None if g is None else g.get_state() for g in generators]
+
+
+def _generators(states: list) -> list:
+    out = []
+    for state in states:
+        gen = None
+        if state is not None:
+            gen = torch.Generator()
+            gen.set_state(state)
+        out.append(gen)
+    return out
+
+
+def _restore(generators: list, states: list) -> None:
+    for gen, state in zip(generators, states, strict=True):
+        if state is not None:
+            gen.set_state(state)
 
 
 def _check_target(target: str | None, tp_size: int) -> None:

@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random Llama targets (fp32) and the embedded SmolLM2."""
+# ruff: noqa: I001  (eagle2 is imported before torch on purpose)
 
 from __future__ import annotations
 
+import eagle2  # noqa: F401  (first: passive OpenMP waiting before torch loads)
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

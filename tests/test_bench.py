@@ -133,7 +133,8 @@ def test_replay_matches_the_engine_step_by_step(one_thread):
     for depth, k, n in ((2, 2, 5), (3, 3, 8), (1, 4, 4)):
         engine = make_engine(target, head_seed=0, max_batch=1)
         engine.add(Request("s", tuple(prompt), SamplingParams(max_tokens=40, ignore_eos=True),
-                           TreeConfig("eagle2", total_tokens=n, depth=depth, top_k=k)))
+                           TreeConfig("eagle2", total_tokens=n, depth=depth, top_k=k,
+                                      budget="fixed")))
         produced, output = [], []
         while engine.has_work():
             for ev in engine.step():
@@ -194,7 +195,8 @@ def test_bench_rejects_bad_arguments():
     from eagle2.cli import main
 
     assert main(["bench", "--modes", "vanilla,turbo"]) == 2
-    assert main(["bench", "--tree", "auto", "--depth", "3"]) == 2
+    assert main(["bench", "--tree", "tuned", "--depth", "3"]) == 2
+    assert main(["bench", "--batch", "2", "--modes", "vanilla,hf"]) == 2
     assert main(["bench", "--suite", "gsm8k"]) == 2
 
 
@@ -241,5 +243,5 @@ def test_shards_merge_into_one_report(tmp_path):
 def test_shard_needs_a_fixed_tree():
     from eagle2.cli import main
 
-    assert main(["bench", "--shard", "0/2"]) == 2
+    assert main(["bench", "--shard", "0/2", "--tree", "tuned"]) == 2
     assert main(["bench", "--shard", "2/2", "--total-tokens", "4"]) == 2

@@ -54,3 +54,15 @@ def test_draft_hop_difference():
                     {"draft_ms_per_step": 10.0, "verify_ms_per_step": 39.0})
     assert hop["grpc_hop_ms_per_step"] == 2.5 and hop["worker_over_inprocess"] == 1.25
     assert hop["draft_worker_busy_s"] is None
+
+
+def test_traffic_per_step_divides_by_steps_and_sums():
+    from services.bench_service import traffic_per_step
+
+    delta = {"rank_bytes_out": 1000, "rank_bytes_in": 3000, "draft_bytes_out": None,
+             "draft_bytes_in": None}
+    per = traffic_per_step(delta, 10)
+    assert per == {"rank_bytes_out_per_step": 100, "rank_bytes_in_per_step": 300,
+                   "draft_bytes_out_per_step": None, "draft_bytes_in_per_step": None,
+                   "bytes_per_step": 400}
+    assert traffic_per_step(delta, 0)["bytes_per_step"] is None

@@ -31,6 +31,7 @@ def test_serve_config_resolves_to_the_app_builder_and_typed_config():
     assert builder is build_app
     cfg = ServiceConfig(**app["args"])
     assert cfg.tp_size == 4 and cfg.use_gpu and cfg.draft_placement == "worker"
+    assert cfg.num_replicas == 2 and cfg.gpu_per_rank() == 0.9  # the draft shares a GPU
     assert cfg.target.startswith("/mnt/models/") and cfg.draft.startswith("/mnt/models/")
     assert isinstance(build_app(app["args"]), Application)  # builds the graph, deploys nothing
     grpc = conf["grpc_options"]
@@ -40,17 +41,19 @@ def test_serve_config_resolves_to_the_app_builder_and_typed_config():
         assert callable(getattr(importlib.import_module(module), name))
 
 
-def test_serve_config_layout_is_one_the_planner_accepts():
-    import argparse
-
+def test_serve_config_layout_is_the_planners_first_choice():
+    """replicas x tp and the draft worker's GPU share are what `eagle2 plan --layouts` ranks
+    first for Llama-3-70B on 8 x 80 GiB, for the config's batch size and tree."""
     from eagle2 import plan
-    from eagle2.plan import run
 
-    p = argparse.ArgumentParser()
-    plan.add_arguments(p)
-    args = p.parse_args(["--model", "llama-3-70b", "--gpus", "8", "--gpu-mem", "80", "--tp",
-                         str(serve_config()["applications"][0]["args"]["tp_size"])])
-    assert run(args) == 0
+    args = serve_config()["applications"][0]["args"]
+    model = plan.PRESETS["llama-3-70b"]
+    work = plan.Workload(max_batch=args["max_batch_size"],
+                         tree_tokens=args["tree"]["total_tokens"], depth=args["tree"]["depth"])
+    best = plan.node_layouts(model, plan.eagle_head_for(model), 8, plan.Hardware(80.0), work)[0]
+    assert (best.replicas, best.tp_size, best.draft) == (
+        args["num_replicas"], args["tp_size"], "shared")
+    assert best.draft_gpu_fraction == args["draft_gpu_fraction"] and best.idle_gpus == 0
 
 
 def test_rayservice_carries_the_same_serve_config_and_enough_gpus():
@@ -62,7 +65,8 @@ def test_rayservice_carries_the_same_serve_config_and_enough_gpus():
     groups = spec["rayClusterConfig"]["workerGroupSpecs"]
     gpus = [int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
             for g in groups for c in g["template"]["spec"]["containers"]]
-    assert max(gpus) >= args["tp_size"] + 1  # the TP ranks plus the draft worker's GPU
+    # every replica's ranks; the draft workers share their GPUs (draft_gpu_fraction < 1)
+    assert max(gpus) >= args["tp_size"] * args["num_replicas"]
     head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert {"name": "serve-grpc", "containerPort": 9000} in head["ports"]
     worker = groups[0]["template"]["spec"]["containers"][0]
@@ -116,7 +120,7 @@ def test_head_in_published_llama3_70b_layout_loads(tmp_path):
     engine = Engine(LocalRunner(target, 2, 256 + Engine.tree_margin), drafter, 2, 256)
     prompts = random_prompts(2, vocab, seed=1)
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
-    tree = TreeConfig("eagle2", total_tokens=10, depth=3, top_k=3)
+    tree = TreeConfig("eagle2", total_tokens=10, depth=3, top_k=3, budget="fixed")
     assert run(engine, prompts, greedy, tree) == run(make_engine(target, None), prompts, greedy,
                                                      TreeConfig("vanilla"))
 

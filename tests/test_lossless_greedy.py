@@ -1,4 +1,7 @@
-"""Greedy speculative output equals plain greedy decoding, token for token (BRIEF §4)."""
+"""Greedy speculative output equals plain greedy decoding, token for token.
+
+See docs/DESIGN.md "Verification".
+"""
 
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ from eagle2.config import SamplingParams, TreeConfig
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 TREES = {
-    "eagle2": TreeConfig("eagle2", total_tokens=16, depth=4, top_k=4),
-    "static": TreeConfig("static", total_tokens=26),
-    "chain": TreeConfig("chain", depth=5),
+    "eagle2": TreeConfig("eagle2", total_tokens=16, depth=4, top_k=4, budget="fixed"),
+    "static": TreeConfig("static", total_tokens=26, budget="fixed"),
+    "chain": TreeConfig("chain", depth=5, budget="fixed"),
 }
 
 
@@ -98,7 +101,8 @@ def test_generation_runs_past_the_draft_window():
     """A window shorter than the prompt keeps drafting (and stays lossless)."""
     target = tiny_target(vocab=48, seed=8)
     prompts = random_prompts(2, 48, seed=4, lo=60, hi=80)
-    tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3, draft_window=16)
+    tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3, draft_window=16,
+                      budget="fixed")
     vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
     assert run(make_engine(target, 0), prompts, GREEDY, tree) == vanilla
 

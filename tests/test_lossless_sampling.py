@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import make_engine, run, tiny_target
 
-import eagle2.engine
+import eagle2.verify
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.verify import verify_sampling
 
@@ -25,7 +25,7 @@ VOCAB = 8
 PROMPT = [1, 4, 6, 2]
 NUM_SAMPLES = 4000
 SEED_BASE = 20000
-TREE = TreeConfig("eagle2", total_tokens=6, depth=2, top_k=3)
+TREE = TreeConfig("eagle2", total_tokens=6, depth=2, top_k=3, budget="fixed")
 
 
 def processed(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
@@ -105,7 +105,7 @@ def test_wrong_bonus_distribution_is_caught(target, monkeypatch):
         return verify_sampling(tree_tokens, children, *args, bonus_from_raw=len(children) > 1,
                                **kwargs)
 
-    monkeypatch.setattr(eagle2.engine, "verify_sampling", buggy)
+    monkeypatch.setattr(eagle2.verify, "verify_sampling", buggy)  # where the runner calls it
     params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=3, ignore_eos=True)
     probs = exact_joint(target, 0.7, 0.95)
     counts, _ = sample_counts(target, params)

@@ -1,4 +1,7 @@
-"""Head training (BRIEF §6): data shards, the loop, checkpoints and resume, the saved layout."""
+"""Head training: data shards, the loop, checkpoints and resume, the saved layout.
+
+See docs/DESIGN.md "Training a head".
+"""
 
 from __future__ import annotations
 
@@ -168,7 +171,7 @@ def test_trained_reduced_vocab_head_is_lossless(tiny, tmp_path):
                      max_context=256)
     prompts = random_prompts(6, VOCAB, seed=7)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3)
+    tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3, budget="fixed")
     assert run(engine, prompts, params, tree) == run(vanilla, prompts, params,
                                                      TreeConfig("vanilla"))
 

@@ -1,1 +1,1 @@
-"""Benchmarks: the prompt suites and the speedup / tau measurements of BRIEF §7."""
+"""Benchmarks: the prompt suites and the speedup / tau measurements of docs/DESIGN.md "Metrics"."""

@@ -1,4 +1,4 @@
-"""Tree-budget auto-tuner (BRIEF §3: "the budget must be chosen by measuring").
+"""Tree-budget auto-tuner (docs/DESIGN.md "Draft tree": "the budget must be chosen by measuring").
 
 Three measurements on this hardware, then a pure choice:
 
@@ -127,13 +127,14 @@ class TuneResult:
 
     def tree(self) -> TreeConfig:
         b = self.best
-        return TreeConfig("eagle2", total_tokens=b.total_tokens, depth=b.depth, top_k=b.top_k)
+        return TreeConfig("eagle2", total_tokens=b.total_tokens, depth=b.depth, top_k=b.top_k,
+                          budget="fixed")
 
     def chain(self) -> TreeConfig:
         """The best chain (top_k 1, every candidate verified) for the chain mode."""
         chains = [c for c in self.ranked if c.top_k == 1 and c.total_tokens >= c.depth + 2]
         depth = chains[0].depth if chains else self.best.depth
-        return TreeConfig("chain", total_tokens=depth + 2, depth=depth, top_k=1)
+        return TreeConfig("chain", total_tokens=depth + 2, depth=depth, top_k=1, budget="fixed")
 
     def to_json(self, top: int = 15) -> dict:
         t = self.table
@@ -238,13 +239,13 @@ def measure_draft(drafter: Drafter, feats: torch.Tensor, ids: list[int], depths,
     sid = "tune-draft"
     base = len(ids) - 3
     drafter.draft([sid], feats[None, :base], torch.tensor([ids[1:base + 1]]),
-                  torch.tensor([base]), TreeConfig(depth=1, top_k=1))
+                  torch.tensor([base]), TreeConfig(depth=1, top_k=1, budget="fixed"))
     new_f, new_t = feats[None, base:base + 2], torch.tensor([ids[base + 1:base + 3]])
 
     def call(depth: int, k: int) -> None:
         drafter.rewind(sid, base)
         drafter.draft([sid], new_f, new_t, torch.tensor([2]),
-                      TreeConfig(total_tokens=24, depth=depth, top_k=k))
+                      TreeConfig(total_tokens=24, depth=depth, top_k=k, budget="fixed"))
 
     lo, hi = min(depths), max(depths)
     call(hi, max(top_ks))  # warm-up
@@ -288,7 +289,7 @@ def replay_sequence(drafter: Drafter, seq_id: str, ids: list[int],
                 drafter.rewind(seq_id, done)
             drafter.draft([seq_id], feats[None, done:pos], torch.tensor([ids[done + 1:pos + 1]]),
                           torch.tensor([pos - done]),
-                          TreeConfig(total_tokens=2, depth=max(depths), top_k=k))
+                          TreeConfig(total_tokens=2, depth=max(depths), top_k=k, budget="fixed"))
             cands = [(t[0].tolist(), s[0].tolist(), p[0].tolist(), lvl)
                      for t, s, p, lvl in drafter.last_candidates]
             for (d, n), acc in replay_accepted(cands, ids[pos + 1:pos + 1 + reach], depths,

@@ -1,4 +1,4 @@
-"""Benchmark metrics, `results.json`, the chart and the summary table (BRIEF §7).
+"""Benchmark metrics, `results.json`, the chart and the summary table (docs/DESIGN.md "Metrics").
 
 Definitions (stated once, saved into results.json under "definitions"):
 - a *step* is one target forward pass that produced output, as `Completion.num_steps` counts

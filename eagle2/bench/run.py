@@ -1,11 +1,16 @@
-"""`eagle2 bench`: tau, tokens/s and speedup of each mode against plain decoding (BRIEF §7).
+"""`eagle2 bench`: tau, tokens/s and speedup of each mode against plain decoding.
 
-Batch size 1 (a latency benchmark). For each prompt every mode runs once, the order rotating
-from prompt to prompt, so that load noise from other processes hits all modes alike. Modes:
-vanilla (our engine, no drafting: the speedup baseline), eagle2 (dynamic tree), static (the
-EAGLE-1 tree cut to the same total_tokens), chain (top_k 1), hf (Hugging Face
-`model.generate` on the same target module: an outside baseline). The tree budget comes from
-the auto-tuner (`--tree auto`, the default) or from --total-tokens/--depth/--tree-top-k.
+See docs/DESIGN.md "Metrics".
+
+Batch size 1 by default (a latency benchmark; `--batch B` runs B prompts together). For each
+prompt (group) every mode runs once, the order rotating from prompt to prompt, so that load
+noise from other processes hits all modes alike. Modes: vanilla (our engine, no drafting: the
+speedup baseline), eagle2 (dynamic tree), static (the EAGLE-1 tree), chain (top_k 1), hf
+(Hugging Face `model.generate` on the same target module: an outside baseline, batch 1).
+Trees (`--tree`): "budget" (the default) is what users get, the engine's cost-aware budget
+(`eagle2.budget`) over the default maxima; "fixed" takes --total-tokens/--depth/--tree-top-k
+every step (static gets the same total_tokens: the ablation at equal budget); "tuned" runs
+the older offline tuner first and uses its fixed pick.
 Greedy runs check that every speculative mode's tokens equal vanilla's (`lossless`).
 Metric definitions: `eagle2.bench.report`.
 """
@@ -27,6 +32,7 @@ from eagle2.config import SamplingParams, TreeConfig
 from eagle2.tree import static_shape
 
 from . import report
+from .load import busy_processes
 from .report import PromptRun
 
 ALL_MODES = ("vanilla", "eagle2", "static", "chain", "hf")
@@ -45,8 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="T > 0: prompt i is sampled with seed+i")
     p.add_argument("--modes", default=",".join(ALL_MODES),
                    help=f"comma list of {', '.join(ALL_MODES)}")
-    p.add_argument("--tree", choices=("auto", "fixed"), default=None,
-                   help="auto: run the tree-budget tuner first (default unless a size is given)")
+    p.add_argument("--tree", choices=("budget", "fixed", "tuned"), default=None,
+                   help="budget: the engine's cost-aware tree (default unless a size is "
+                        "given); fixed: the given sizes every step; tuned: the offline tuner")
+    p.add_argument("--batch", type=int, default=1,
+                   help="prompts generated together (continuous batching); hf needs 1")
     p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. the root")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None, help="draft tree branching")
@@ -54,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", action="store_true", help="one short untimed run per mode first")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's); 1 suffers least on a shared machine")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="run N busy-loop processes beside the benchmark (killed at the end), to "
+                        "measure speculation on a machine that is not quiet")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only prompts i with i %% N == I (one process per core; needs a "
                         "fixed tree), then combine the shards' folders with --merge")
@@ -74,16 +86,16 @@ def parse_list(values: list[str], allowed: tuple[str, ...], what: str) -> list[s
 
 def tree_source(args) -> str:
     explicit = any(getattr(args, f) is not None for f in ("total_tokens", "depth", "tree_top_k"))
-    if args.tree == "auto" and explicit:
-        raise ValueError("--tree auto picks the tree itself; drop --total-tokens/--depth/"
-                         "--tree-top-k or use --tree fixed")
-    return args.tree or ("fixed" if explicit else "auto")
+    if args.tree in ("budget", "tuned") and explicit:
+        raise ValueError(f"--tree {args.tree} picks the tree itself; drop --total-tokens/"
+                         "--depth/--tree-top-k or use --tree fixed")
+    return args.tree or ("fixed" if explicit else "budget")
 
 
 def fixed_tree(args) -> TreeConfig:
     fields = {k: v for k, v in (("total_tokens", args.total_tokens), ("depth", args.depth),
                                 ("top_k", args.tree_top_k)) if v is not None}
-    return TreeConfig("eagle2", **fields)
+    return TreeConfig("eagle2", **fields, budget="fixed")
 
 
 def mode_trees(modes: list[str], tree: TreeConfig, chain: TreeConfig) -> dict[str, TreeConfig]:
@@ -107,14 +119,24 @@ def draft_levels(tree: TreeConfig | None) -> int | None:
 
 
 # ----- one generation ---------------------------------------------------------------------------
-def run_engine(llm, tree: TreeConfig, ids: list[int], params: SamplingParams,
-               prompt_id: str) -> PromptRun:
-    before = asdict(llm.engine.stats)
-    out = llm.generate_ids([llm.request(ids, params, tree)])[0]
-    after = asdict(llm.engine.stats)
-    phase = {p: after[f] - before[f] for p, f in PHASE_FIELDS.items()}
-    return PromptRun(prompt_id, len(ids), out.token_ids, out.num_steps, out.wall_s,
-                     out.finish_reason, dict(out.accepted_at_depth), phase)
+def run_engine(llm, tree: TreeConfig, group: list[tuple[list[int], SamplingParams, str]]
+               ) -> list[PromptRun]:
+    """Generate a group of prompts together. Wall and phase times are the group's, shared out
+    in proportion to each prompt's new tokens (so that sums over prompts stay right)."""
+    before = {f: getattr(llm.engine.stats, f) for f in PHASE_FIELDS.values()}
+    t0 = time.perf_counter()
+    outs = llm.generate_ids([llm.request(ids, params, tree) for ids, params, _ in group])
+    wall = time.perf_counter() - t0
+    phase = {p: getattr(llm.engine.stats, f) - before[f] for p, f in PHASE_FIELDS.items()}
+    total = max(sum(len(o.token_ids) for o in outs), 1)
+    runs = []
+    for (ids, _, prompt_id), out in zip(group, outs, strict=True):
+        share = len(out.token_ids) / total if len(group) > 1 else 1.0
+        runs.append(PromptRun(prompt_id, len(ids), out.token_ids, out.num_steps,
+                              wall * share if len(group) > 1 else out.wall_s,
+                              out.finish_reason, dict(out.accepted_at_depth),
+                              {p: v * share for p, v in phase.items()}))
+    return runs
 
 
 @torch.inference_mode()
@@ -141,11 +163,11 @@ def run_hf(llm, ids: list[int], params: SamplingParams, prompt_id: str) -> Promp
     return PromptRun(prompt_id, len(ids), new, len(new), wall, reason)
 
 
-def run_mode(llm, mode: str, trees: dict, ids: list[int], params: SamplingParams,
-             prompt_id: str) -> PromptRun:
+def run_mode(llm, mode: str, trees: dict, group: list[tuple[list[int], SamplingParams, str]]
+             ) -> list[PromptRun]:
     if mode == "hf":
-        return run_hf(llm, ids, params, prompt_id)
-    return run_engine(llm, trees[mode], ids, params, prompt_id)
+        return [run_hf(llm, ids, params, prompt_id) for ids, params, prompt_id in group]
+    return run_engine(llm, trees[mode], group)
 
 
 # ----- the benchmark ----------------------------------------------------------------------------
@@ -171,9 +193,11 @@ def run(args) -> int:
     modes = parse_list([args.modes], ALL_MODES, "mode")
     source = tree_source(args)
     shard = parse_shard(args.shard)
-    if shard[1] > 1 and source == "auto":
-        raise ValueError("--shard needs one tree for all shards: give --total-tokens/--depth/"
-                         "--tree-top-k (e.g. the tree an unsharded run's tuner picked)")
+    if shard[1] > 1 and source == "tuned":
+        raise ValueError("--shard needs one tree for all shards: use --tree budget or give "
+                         "--total-tokens/--depth/--tree-top-k (e.g. the tuner's pick)")
+    if args.batch < 1 or (args.batch > 1 and "hf" in modes):
+        raise ValueError(f"--batch must be >= 1 and 1 with mode hf, got {args.batch}")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.threads is not None and args.threads < 1:
@@ -187,7 +211,8 @@ def run(args) -> int:
     try:  # the thread count is process-wide: put it back for in-process callers (tests)
         if args.threads:
             torch.set_num_threads(args.threads)
-        return _bench(args, prompts, modes, source, sampling)
+        with busy_processes(args.background_load):
+            return _bench(args, prompts, modes, source, sampling)
     finally:
         torch.set_num_threads(threads)
 
@@ -202,26 +227,31 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
         print(f"warning: load average {load_start[0]} on {os.cpu_count()} CPUs: timings will be "
               f"noisy (with --threads 1 torch suffers less from oversubscription)",
               file=sys.stderr)
-    llm = Eagle2.load(args.target, args.draft, dtype=args.dtype, device=args.device, max_batch=1)
+    llm = Eagle2.load(args.target, args.draft, dtype=args.dtype, device=args.device,
+                      max_batch=args.batch)
     trees, tuned = _trees(llm, args, modes, source)
     greedy = args.temperature == 0
     if args.warmup:
         first = llm.encode(next(iter(prompts.values()))[0][1].user_message)
         for mode in modes:
-            run_mode(llm, mode, trees, first, SamplingParams(**{**sampling, "max_tokens": 8},
-                                                             seed=args.seed), "warmup")
-    runs = _loop(llm, prompts, modes, trees, sampling, None if greedy else args.seed)
+            run_mode(llm, mode, trees, [(first, SamplingParams(
+                **{**sampling, "max_tokens": 8}, seed=args.seed), "warmup")])
+    runs = _loop(llm, prompts, modes, trees, sampling, None if greedy else args.seed, args.batch)
     config = {
         "suites": list(prompts), "num_prompts": args.num_prompts, **sampling,
         "seed": args.seed, "modes": modes,
         "order": "per prompt every mode, order rotating by one each prompt",
-        "batch_size": 1, "warmup": args.warmup, "target": llm.target.name,
+        "batch_size": args.batch, "warmup": args.warmup, "background_load": args.background_load,
+        "target": llm.target.name,
         "draft": _head_name(args, llm), "tree_source": source,
         "trees": {m: {**asdict(t), "num_nodes": tree_nodes(t)} for m, t in trees.items()},
     }
     if args.shard:
         config["shard"] = args.shard
     machine, wall_s = _machine(llm, load_start), time.perf_counter() - t_start
+    stats = llm.engine.stats  # what the cost-aware budget did over the whole run
+    machine["budget"] = {"auto_steps": stats.auto_steps, "skipped_drafts": stats.skipped_drafts,
+                         "nodes_chosen": dict(sorted(stats.nodes_chosen.items()))}
     report.write_json(out_dir / "runs.json", {
         "config": config, "machine": machine, "wall_s": wall_s,
         "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
@@ -301,7 +331,10 @@ def _prompt_order(prompt_id: str) -> tuple:
 def _trees(llm, args, modes: list[str], source: str):
     """-> ({mode: TreeConfig}, TuneResult or None)."""
     tuned = None
-    if source == "auto" and set(modes) & {"eagle2", "static", "chain"}:
+    if source == "budget":
+        tree = TreeConfig()
+        chain = TreeConfig("chain", total_tokens=tree.depth + 2, depth=tree.depth, top_k=1)
+    elif source == "tuned" and set(modes) & {"eagle2", "static", "chain"}:
         from .autotune import tune
 
         print("tuning the tree budget on this machine ...", file=sys.stderr)
@@ -310,13 +343,14 @@ def _trees(llm, args, modes: list[str], source: str):
         tree, chain = tuned.tree(), tuned.chain()
     else:
         tree = fixed_tree(args)
-        chain = TreeConfig("chain", total_tokens=tree.depth + 2, depth=tree.depth, top_k=1)
+        chain = TreeConfig("chain", total_tokens=tree.depth + 2, depth=tree.depth, top_k=1,
+                           budget="fixed")
     return mode_trees(modes, tree, chain), tuned
 
 
 def _loop(llm, prompts: dict, modes: list[str], trees: dict, sampling: dict,
-          seed: int | None) -> dict[str, dict[str, list[PromptRun]]]:
-    """Every prompt in every mode, the mode order rotating by one from prompt to prompt."""
+          seed: int | None, batch: int = 1) -> dict[str, dict[str, list[PromptRun]]]:
+    """Every prompt group in every mode, the mode order rotating by one from group to group."""
     from tqdm import tqdm
 
     runs: dict[str, dict[str, list[PromptRun]]] = {s: {m: [] for m in modes} for s in prompts}
@@ -324,14 +358,14 @@ def _loop(llm, prompts: dict, modes: list[str], trees: dict, sampling: dict,
     turn = 0
     with tqdm(total=total, desc="bench", unit="gen", file=sys.stderr) as bar:
         for suite, suite_prompts in prompts.items():
-            for i, prompt in suite_prompts:
-                ids = llm.encode(prompt.user_message)
-                params = SamplingParams(**sampling, seed=None if seed is None else seed + i)
+            for start in range(0, len(suite_prompts), batch):
+                group = [(llm.encode(prompt.user_message),
+                          SamplingParams(**sampling, seed=None if seed is None else seed + i),
+                          prompt.prompt_id) for i, prompt in suite_prompts[start:start + batch]]
                 for mode in modes[turn % len(modes):] + modes[:turn % len(modes)]:
-                    bar.set_postfix_str(f"{suite} {prompt.prompt_id} {mode}")
-                    runs[suite][mode].append(run_mode(llm, mode, trees, ids, params,
-                                                      prompt.prompt_id))
-                    bar.update(1)
+                    bar.set_postfix_str(f"{suite} {group[0][2]} {mode}")
+                    runs[suite][mode].extend(run_mode(llm, mode, trees, group))
+                    bar.update(len(group))
                 turn += 1
     return runs
 

@@ -1,1 +1,4 @@
-"""Training an EAGLE draft head (BRIEF §6): prompts, target features, the training loop."""
+"""Training an EAGLE draft head: prompts, target features, the training loop.
+
+See docs/DESIGN.md "Training a head".
+"""

@@ -1,4 +1,6 @@
-"""The head's training loop (BRIEF §6): feature regression + a small next-token term.
+"""The head's training loop: feature regression + a small next-token term.
+
+See docs/DESIGN.md "Training a head".
 
 At position t the head gets (feature[t] + noise, embed(token[t+1])) and predicts
 feature[t+1]. Loss on masked positions (answer tokens, see `data`):

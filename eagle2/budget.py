@@ -1,0 +1,221 @@
+"""The cost-aware tree budget (docs/DESIGN.md, "Choosing the tree size each step").
+
+EAGLE-2 ranks draft nodes by value, the product of draft probabilities along the path; after
+calibration (`eagle2.calibration`) a node's value estimates the probability that verification
+accepts it, so the expected number of accepted draft tokens of a tree is the sum of its nodes'
+values. A bigger tree accepts more but costs more to verify, and what it costs depends on the
+hardware and on the batch: `CostModel` holds the target's forward time c(B, N) measured on
+this machine. Each step the engine keeps, for every request, its best n - 1 nodes, with the n
+that maximises
+
+    tokens per second = sum_b (1 + E_b(n)) / (draft time + c(B, n))
+
+and when even the best n does not beat plain decoding (B / c(B, 1)), it stops drafting for a
+while (`SpeculationGate`) and decodes plainly, probing again later: at large batches, where
+verification is no longer cheap, speculation switches itself off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BATCHES = (1, 2, 4, 8, 16)
+NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _interp(xs: tuple[int, ...], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys); linear extrapolation past the last point."""
+    if len(xs) == 1:
+        return ys[0] * max(x, 1) / xs[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Forward time in seconds of B requests x N tree tokens, measured on a grid."""
+
+    batches: tuple[int, ...]  # ascending
+    nodes: tuple[int, ...]  # ascending
+    seconds: tuple[tuple[float, ...], ...]  # [len(batches)][len(nodes)]
+    prefix: int = 0  # committed cache entries per request when measured
+    # seconds of one draft-head call (one tree level of DRAFT_PROBE_TOP_K nodes) per batch
+    # size; empty until measured. Times come from here, never from the step just run, so the
+    # tree chosen for a seeded sampling request is the same on every run on this machine.
+    draft_level_s: tuple[float, ...] = ()
+
+    def __call__(self, num_b: int, num_n: int) -> float:
+        per_batch = [_interp(self.nodes, list(row), num_n) for row in self.seconds]
+        return _interp(self.batches, per_batch, num_b)
+
+    def draft_level(self, num_b: int) -> float:
+        return _interp(self.batches, list(self.draft_level_s), num_b) if self.draft_level_s \
+            else 0.0
+
+    def to_json(self) -> dict:
+        return {"batches": list(self.batches), "nodes": list(self.nodes),
+                "seconds": [list(r) for r in self.seconds], "prefix": self.prefix,
+                "draft_level_s": list(self.draft_level_s)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostModel:
+        return cls(tuple(data["batches"]), tuple(data["nodes"]),
+                   tuple(tuple(r) for r in data["seconds"]), data.get("prefix", 0),
+                   tuple(data.get("draft_level_s", ())))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json()))
+        tmp.replace(path)
+
+    @classmethod
+    def measure(cls, runner, max_batch: int, max_nodes: int = 32, prefix: int = 256,
+                repeats: int = 3) -> CostModel:
+        """Time runner.forward (logits included) over the grid; best of `repeats` per cell.
+
+        Runs on cache slots [0, B): each slot's length is raised to at least `prefix` for the
+        measurement, so the tokens land in scratch entries past anything committed, and put
+        back after. Safe between engine steps."""
+        batches = tuple(b for b in BATCHES if b <= max_batch) or (1,)
+        nodes = tuple(n for n in NODES if n <= max_nodes)
+        dev = runner.device
+        slots = torch.arange(batches[-1], device=dev)
+        old = runner.lengths[: batches[-1]].clone()
+        start = torch.clamp(old, min=prefix)
+        seconds = []
+        try:
+            runner.set_lengths(slots, start)
+            for num_b in batches:
+                row = []
+                for num_n in nodes:
+                    tokens = torch.zeros(num_b, num_n, dtype=torch.long, device=dev)
+                    positions = (start[:num_b, None].to(dev) +
+                                 torch.arange(num_n, device=dev)).expand(num_b, num_n)
+                    mask = torch.ones(num_n, num_n, dtype=torch.bool, device=dev).tril()
+                    mask = mask.expand(num_b, num_n, num_n)
+                    best = float("inf")
+                    for i in range(repeats + 1):  # the first run warms up
+                        t0 = time.perf_counter()
+                        runner.forward(tokens, positions, mask, slots[:num_b])
+                        if i:
+                            best = min(best, time.perf_counter() - t0)
+                    row.append(best)
+                # more tokens never cost less: a smaller time measured for a larger tree is noise
+                seconds.append(tuple(max(row[: i + 1]) for i in range(len(row))))
+        finally:
+            runner.set_lengths(slots, old)
+        return cls(batches, nodes, tuple(seconds), prefix)
+
+    @classmethod
+    def cached(cls, runner, max_batch: int, path: Path, prefix: int = 256,
+               refresh: bool = False) -> CostModel:
+        """From `path` (written by an earlier start or by `eagle2 bench-forward`), else
+        measured and saved there."""
+        if path.exists() and not refresh:
+            model = cls.from_json(json.loads(path.read_text()))
+            if model.batches[-1] >= min(max_batch, BATCHES[-1]):
+                return model
+        model = cls.measure(runner, max_batch, prefix=prefix)
+        model.save(path)
+        return model
+
+
+DRAFT_PROBE_TOP_K = 8
+
+
+def measure_draft_levels(drafter, batches: tuple[int, ...], hidden: int, dtype: torch.dtype,
+                         repeats: int = 3) -> tuple[float, ...]:
+    """Seconds per draft-head call at each batch size: a depth-2 tree of top_k 8 from one new
+    position per sequence (three head calls), best of `repeats`, on throwaway sequences."""
+    from eagle2.config import TreeConfig
+
+    tree = TreeConfig("eagle2", total_tokens=16, depth=2, top_k=DRAFT_PROBE_TOP_K,
+                      budget="fixed")
+    out = []
+    for num_b in batches:
+        ids = [f"__cost_probe_{i}" for i in range(num_b)]
+        feats = torch.zeros(num_b, 1, hidden, dtype=dtype)
+        toks = torch.zeros(num_b, 1, dtype=torch.long)
+        best = float("inf")
+        try:
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                drafter.draft(ids, feats, toks, torch.ones(num_b, dtype=torch.long), tree)
+                if i:
+                    best = min(best, (time.perf_counter() - t0) / 3)
+        finally:
+            for sid in ids:
+                drafter.release(sid)
+        out.append(best)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    num_nodes: int  # N kept per auto-budget tree (root included)
+    expected_tokens: float  # sum over requests of 1 + expected accepted drafts at N
+    rate: float  # predicted tokens per second of this step at N
+    plain_rate: float  # predicted tokens per second of a plain step
+
+    @property
+    def pays(self) -> bool:
+        return self.num_nodes > 1 and self.rate > self.plain_rate
+
+
+def choose_num_nodes(values: torch.Tensor, costs: CostModel, draft_s: float,
+                     min_nodes: int = 1) -> BudgetChoice:
+    # draft_s: the draft time of this step, predicted from the cost model
+    """values: [B, N] calibrated acceptance estimates of each tree's nodes (node 0 = root,
+    padding 0). -> the N that maximises predicted tokens per second this step.
+
+    min_nodes: trees that cannot be cut (fixed budgets) make every forward at least this big.
+    E.g. one tree with values [1, .9, .5, .1], c(1, n) = .05, .052, .055, .07 s, draft .01 s:
+    n = 3 gives (1 + 1.4) / .065 = 36.9 tokens/s, the best; plain gives 1 / .05 = 20.
+    """
+    num_b, num_n = values.shape
+    drafts = values[:, 1:].float().clamp(0, 1)
+    best = drafts.sort(dim=1, descending=True).values.cumsum(dim=1)  # [B, N - 1]
+    expected = torch.cat([torch.zeros(1), best.sum(0)]) + num_b  # [N] by tree size n = i + 1
+    sizes = range(max(min_nodes, 1), num_n + 1)
+    rates = [(float(expected[n - 1]) / (draft_s + costs(num_b, n)), n) for n in sizes]
+    rate, n = max(rates)
+    plain = num_b / costs(num_b, max(min_nodes, 1))
+    return BudgetChoice(n, float(expected[n - 1]), rate, plain)
+
+
+@dataclass
+class SpeculationGate:
+    """Stop drafting while it does not pay; probe again after a back-off that doubles (up to
+    `max_backoff` steps) each time the probe does not pay either, and resets when it does or
+    when new requests join the batch."""
+
+    max_backoff: int = 32
+    backoff: int = 0  # steps to skip after the current streak
+    skip_left: int = 0
+    history: list[bool] = field(default_factory=list)  # recent verdicts, for stats
+
+    def should_draft(self) -> bool:
+        if self.skip_left > 0:
+            self.skip_left -= 1
+            return False
+        return True
+
+    def reopen(self) -> None:
+        """Probe again at the next step (the batch changed: what paid or not may differ)."""
+        self.backoff = self.skip_left = 0
+
+    def record(self, pays: bool) -> None:
+        self.history = [*self.history[-63:], pays]
+        if pays:
+            self.backoff = 0
+        else:
+            self.backoff = min(max(2 * self.backoff, 2), self.max_backoff)
+            self.skip_left = self.backoff

@@ -1,0 +1,104 @@
+"""Calibrated node values (docs/DESIGN.md, "Choosing the tree size each step").
+
+A draft node's raw value is the product of the head's probabilities along its path. It ranks
+nodes well but is not itself the probability that verification accepts the node: a small
+head is over- or under-confident by depth and context. `Calibration` maps raw values to
+measured acceptance rates: bins of log(raw value), the rate of accepted nodes in each bin, made
+non-decreasing by pool-adjacent-violators (so the map keeps the ranking and a child
+never outranks its parent). It is fitted by `eagle2 calibrate` on prompts the head was not
+trained on and shipped beside the head as `calibration.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FILE_NAME = "calibration.json"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    edges: tuple[float, ...]  # ascending log-value bin edges (len K - 1)
+    rates: tuple[float, ...]  # acceptance rate per bin, non-decreasing (len K)
+    num_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.rates) != len(self.edges) + 1:
+            raise ValueError(f"calibration needs len(rates) == len(edges) + 1, got "
+                             f"{len(self.rates)} and {len(self.edges)}")
+        if any(b < a for a, b in zip(self.rates, self.rates[1:], strict=False)):
+            raise ValueError("calibration rates must be non-decreasing")
+
+    def __call__(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw path values (probabilities) [...] -> calibrated acceptance estimates [...]."""
+        logv = raw.float().clamp(min=1e-30).log()
+        edges = torch.tensor(self.edges, device=raw.device)
+        rates = torch.tensor(self.rates, device=raw.device)
+        return torch.where(raw > 0, rates[torch.bucketize(logv, edges)], 0.0)
+
+    @classmethod
+    def fit(cls, raw: torch.Tensor, accepted: torch.Tensor, num_bins: int = 20,
+            min_count: int = 20) -> Calibration:
+        """raw [M] path values, accepted [M] bool -> monotone rates per bin.
+
+        Edges: quantiles of all values (num_bins / 2 bins) and of the accepted ones (num_bins
+        bins), so that resolution goes where acceptance happens (most nodes are hopeless);
+        bins with fewer than min_count samples merge into the next one."""
+        if raw.numel() < 2 * min_count:
+            raise ValueError(f"need at least {2 * min_count} samples to calibrate, "
+                             f"got {raw.numel()}")
+        logv = raw.float().clamp(min=1e-30).log()
+        acc = accepted.bool()
+        cuts = [torch.quantile(logv, torch.linspace(0, 1, max(num_bins // 2, 2) + 1)[1:-1])]
+        if int(acc.sum()) >= min_count:
+            cuts.append(torch.quantile(logv[acc], torch.linspace(0, 1, num_bins + 1)[1:-1]))
+        edges = torch.unique(torch.cat(cuts))  # sorted
+        while True:
+            bins = torch.bucketize(logv, edges)
+            counts = torch.bincount(bins, minlength=len(edges) + 1)
+            small = (counts < min_count).nonzero().flatten()
+            if len(small) == 0 or len(edges) == 0:
+                break
+            i = int(small[0])  # merge bin i with its right neighbour (or left for the last)
+            edges = torch.cat([edges[: min(i, len(edges) - 1)], edges[min(i, len(edges) - 1) + 1:]])
+        sums = torch.bincount(bins, weights=acc.float(), minlength=len(edges) + 1)
+        rates = _pool_adjacent_violators(sums.tolist(), counts.tolist())
+        return cls(tuple(edges.tolist()), tuple(rates), int(raw.numel()))
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"edges": self.edges, "rates": self.rates,
+                                    "num_samples": self.num_samples}, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        data = json.loads(path.read_text())
+        return cls(tuple(data["edges"]), tuple(data["rates"]), data.get("num_samples", 0))
+
+
+def _pool_adjacent_violators(sums: list[float], counts: list[int]) -> list[float]:
+    """Non-decreasing rates per bin: merge neighbouring bins whose rates fall (weighted mean)."""
+    blocks: list[list[float]] = []  # [sum, count, number of bins]
+    for s, c in zip(sums, counts, strict=True):
+        blocks.append([s, c, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s2, c2, n2 = blocks.pop()
+            blocks[-1][0] += s2
+            blocks[-1][1] += c2
+            blocks[-1][2] += n2
+    return [b[0] / b[1] for b in blocks for _ in range(int(b[2]))]
+
+
+def accepted_nodes(tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor,
+                   num_nodes: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool: the node lies on the target's greedy path (its token and every
+    ancestor's equal the target's argmax at their parents). target_argmax: [B, N]."""
+    num_n = tokens.shape[1]
+    parent_pred = torch.gather(target_argmax, 1, parents.clamp(min=0))
+    match = (tokens == parent_pred) | (parents < 0)  # the root always "matches"
+    valid = torch.arange(num_n, device=tokens.device)[None, :] < num_nodes[:, None]
+    bad_ancestor = (tree_mask & ~match[:, None, :]).any(-1)  # [B, N]
+    return valid & ~bad_ancestor & (parents >= 0)

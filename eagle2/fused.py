@@ -1,0 +1,120 @@
+"""The target's decoder layers with fused projections (docs/DESIGN.md, "CPU performance").
+
+The same arithmetic as `attention.decoder_layer`, in fewer and larger operations:
+  - q|k|v in one matrix [(Hq + 2 KVH) Dh, H] and gate|up in one [2 I, H]; the HF modules'
+    weights become views into these (no second copy), so HF `generate` and training still
+    see the same parameters;
+  - rotary applied to q and k together, RMSNorm as one `F.rms_norm` call;
+  - every matrix multiplied through `kernels.BlockedWeight` (the block size measured per row
+    count on this machine);
+  - the new K/V written with one slice copy when all requests start at the same cache length.
+Used for plain `nn.Linear` weights without bias (the unsharded target); anything else (a
+sharded or biased model) keeps the module path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle2.attention import KVCache, StepInputs
+from eagle2.kernels import BlockedWeight, BlockPlan
+
+
+def can_fuse(layers: nn.ModuleList) -> bool:
+    """True when every projection is a plain bias-free nn.Linear (not sharded, not quantized)."""
+    def plain(m: nn.Module) -> bool:  # hooks could be a sharded model's all-reduce
+        return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks
+                and not m._forward_pre_hooks)
+
+    return all(
+        all(plain(getattr(layer.self_attn, p)) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        and all(plain(getattr(layer.mlp, p)) for p in ("gate_proj", "up_proj", "down_proj"))
+        and getattr(layer.mlp, "act_fn", None) is not None
+        for layer in layers
+    )
+
+
+def _fuse_into(modules: list[nn.Linear]) -> torch.Tensor:
+    """Concatenate the modules' weights along the outputs; make theirs views of the result."""
+    fused = torch.cat([m.weight.detach() for m in modules], dim=0).contiguous()
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+@dataclass
+class FusedLayer:
+    qkv: BlockedWeight  # [(Hq + 2 KVH) Dh, H]
+    o: BlockedWeight  # [H, Hq Dh]
+    gate_up: BlockedWeight  # [2 I, H]
+    down: BlockedWeight  # [H, I]
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    eps: float
+    act: nn.Module
+
+    @classmethod
+    def from_hf(cls, layer: nn.Module, plan: BlockPlan) -> FusedLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _fuse_into([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = _fuse_into([mlp.gate_proj, mlp.up_proj])
+        norm = layer.input_layernorm
+        return cls(BlockedWeight(qkv, plan), BlockedWeight(attn.o_proj.weight.detach(), plan),
+                   BlockedWeight(gate_up, plan), BlockedWeight(mlp.down_proj.weight.detach(), plan),
+                   norm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                   norm.variance_epsilon, mlp.act_fn)
+
+    def weights(self) -> list[torch.Tensor]:
+        return [w.weight for w in (self.qkv, self.o, self.gate_up, self.down)]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [B, Hx, N, Dh] with cos/sin [B, 1, N, Dh] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
+                inp: StepInputs, head_dim: int, num_q_heads: int) -> torch.Tensor:
+    """One decoder layer on x [B, N, H] that writes its K/V into the cache."""
+    num_b, num_n, _ = x.shape
+    num_kv = cache.k.shape[2]
+    qkv = lw.qkv(_rms_norm(x, lw.input_norm, lw.eps))  # [B, N, (Hq + 2 KVH) Dh]
+    qkv = qkv.view(num_b, num_n, num_q_heads + 2 * num_kv, head_dim).transpose(1, 2)
+    qk = _rotate(qkv[:, : num_q_heads + num_kv], inp.cos[:, None], inp.sin[:, None])
+    q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]  # [B, Hq, N, Dh], [B, KVH, N, Dh]
+    v = qkv[:, num_q_heads + num_kv:]
+    s_used = inp.mask.shape[-1]
+    if inp.write_start is not None:  # contiguous slots, all at one length: slice copies
+        end = inp.write_start + num_n
+        cache.k[layer_idx, :num_b, :, inp.write_start:end] = k
+        cache.v[layer_idx, :num_b, :, inp.write_start:end] = v
+    else:
+        slot_idx = inp.slots[:, None]  # [B, 1]
+        cache.k[layer_idx][slot_idx, :, inp.write_pos] = k.transpose(1, 2).to(cache.k.dtype)
+        cache.v[layer_idx][slot_idx, :, inp.write_pos] = v.transpose(1, 2).to(cache.v.dtype)
+    if inp.contiguous:
+        keys = cache.k[layer_idx, :num_b, :, :s_used]  # [B, KVH, S, Dh] (a view)
+        values = cache.v[layer_idx, :num_b, :, :s_used]
+    else:
+        keys = cache.k[layer_idx][inp.slots, :, :s_used]  # a copy
+        values = cache.v[layer_idx][inp.slots, :, :s_used]
+    out = F.scaled_dot_product_attention(
+        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=inp.mask,
+        enable_gqa=num_q_heads != num_kv,
+    )  # [B, Hq, N, Dh]
+    x = x + lw.o(out.transpose(1, 2).reshape(num_b, num_n, -1))
+    gate, up = lw.gate_up(_rms_norm(x, lw.post_norm, lw.eps)).chunk(2, dim=-1)
+    return x + lw.down(lw.act(gate) * up)

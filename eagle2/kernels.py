@@ -1,0 +1,129 @@
+"""Linear kernels chosen per row count by measuring (docs/DESIGN.md, "CPU performance").
+
+A decode or verification step multiplies M = B x N rows (a handful) by every weight matrix, so
+it streams the weights from memory once: time = bytes / bandwidth at best. On CPUs the BLAS
+kernel for M > 1 rows often packs the whole weight before multiplying, which streams it two or
+three times: 2-8 rows then cost up to twice one row. Splitting a weight into row blocks that
+fit the core's L2 cache keeps the packing in cache, so a few rows cost about what one does.
+The best block size depends on the CPU and on M, so `measure_plan` times each candidate on the
+model's own weights and `BlockPlan` picks per row count; the result is cached per machine
+(`~/.cache/eagle2/kernels/`). Blocking splits the output features only: every output element
+is the same dot product, so the choice changes speed, not the model.
+E.g. SmolLM2-135M's gate|up weight [3072, 576] (7 MB) in blocks of 256 rows = 12 blocks of
+590 KB, each multiplied by x [M, 576] and concatenated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # M is rounded up to one of these for the lookup
+BLOCK_BYTES = (0, 256 << 10, 512 << 10, 1 << 20, 2 << 20)  # 0: the whole weight, one call
+
+
+@dataclass
+class BlockPlan:
+    """Block size in bytes per row bucket (0 = no blocking); buckets beyond the last use it."""
+
+    block_bytes: dict[int, int] = field(default_factory=dict)
+
+    def for_rows(self, num_rows: int) -> int:
+        for bucket in ROW_BUCKETS:
+            if num_rows <= bucket:
+                return self.block_bytes.get(bucket, 0)
+        return self.block_bytes.get(ROW_BUCKETS[-1], 0)
+
+
+class BlockedWeight:
+    """A weight [O, K] and its row blocks (views, no copies), multiplied as the plan says."""
+
+    def __init__(self, weight: torch.Tensor, plan: BlockPlan):
+        self.weight, self.plan = weight, plan
+        self._blocks: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def blocks(self, block_bytes: int) -> tuple[torch.Tensor, ...]:
+        if block_bytes not in self._blocks:
+            rows = max(16, block_bytes // (self.weight.shape[1] * self.weight.element_size()))
+            self._blocks[block_bytes] = tuple(self.weight.split(rows, 0))
+        return self._blocks[block_bytes]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., O]."""
+        num_rows = x.numel() // x.shape[-1]
+        block_bytes = self.plan.for_rows(num_rows) if x.device.type == "cpu" else 0
+        if block_bytes == 0 or block_bytes >= self.weight.numel() * self.weight.element_size():
+            return F.linear(x, self.weight)
+        return torch.cat([F.linear(x, w) for w in self.blocks(block_bytes)], dim=-1)
+
+
+def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = ROW_BUCKETS,
+                 candidates: Sequence[int] = BLOCK_BYTES,
+                 repeats: int = 3) -> tuple[BlockPlan, dict]:
+    """Time one pass over `weights` per (row bucket, block size); keep the fastest per bucket.
+
+    -> (plan, {bucket: {block_bytes: ms}}). Best of `repeats` after one warm-up pass."""
+    dtype, device = weights[0].dtype, weights[0].device
+    timings: dict[int, dict[int, float]] = {}
+    plan = BlockPlan()
+    with torch.inference_mode():
+        for rows in row_buckets:
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=device)
+                  for w in weights}
+            timings[rows] = {}
+            for block in candidates:
+                blocked = [BlockedWeight(w, BlockPlan({b: block for b in ROW_BUCKETS}))
+                           for w in weights]
+                best = float("inf")
+                for i in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    for bw in blocked:
+                        bw(xs[bw.weight.shape[1]])
+                    if i:
+                        best = min(best, time.perf_counter() - t0)
+                timings[rows][block] = round(best * 1e3, 3)
+            plan.block_bytes[rows] = min(timings[rows], key=timings[rows].get)
+    return plan, timings
+
+
+def machine_key(extra: str = "") -> str:
+    """Which CPU, how many threads, which torch: what the fastest kernel depends on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
+                   cpu)
+        flags = next((ln.split(":", 1)[1] for ln in lines if ln.startswith("flags")), "")
+        cpu += "|" + ",".join(sorted(f for f in flags.split() if f.startswith(("avx", "amx"))))
+    except OSError:
+        pass
+    text = f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{extra}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
+                refresh: bool = False) -> BlockPlan:
+    """The plan for these weights on this machine: from the cache, else measured and saved."""
+    shapes = sorted({tuple(w.shape) for w in weights})
+    key = machine_key(f"{name}|{shapes}|{weights[0].dtype}")
+    path = cache_dir / f"{key}.json"
+    if path.exists() and not refresh:
+        data = json.loads(path.read_text())
+        return BlockPlan({int(k): v for k, v in data["block_bytes"].items()})
+    plan, timings = measure_plan(weights)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"name": name, "shapes": shapes, "threads": torch.get_num_threads(),
+                               "block_bytes": plan.block_bytes, "timings_ms": timings}, indent=1))
+    tmp.replace(path)
+    return plan

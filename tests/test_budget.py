@@ -1,0 +1,239 @@
+"""The cost-aware tree budget: choice, pruning, calibration, the gate, and losslessness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_engine, random_prompts, run, tiny_target
+
+from eagle2.budget import CostModel, SpeculationGate, choose_num_nodes
+from eagle2.calibration import Calibration, _pool_adjacent_violators, accepted_nodes
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.tree import build_tree, finish_tree, prune_tree
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+AUTO = TreeConfig("eagle2", total_tokens=16, depth=4, top_k=4)  # budget "auto"
+
+
+def flat_costs(per_token: float = 0.0, base: float = 0.01) -> CostModel:
+    """c(B, N) = base + per_token x B x N seconds; a draft level costs base / 1000 x B."""
+    nodes, batches = (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16)
+    return CostModel(batches, nodes, tuple(tuple(base + per_token * b * n for n in nodes)
+                                           for b in batches),
+                     draft_level_s=tuple(base / 1000 * b for b in batches))
+
+
+# ----- choosing N ---------------------------------------------------------------------------
+def test_choose_num_nodes_worked_example():
+    costs = CostModel((1,), (1, 2, 3, 4), ((0.05, 0.052, 0.055, 0.07),))
+    choice = choose_num_nodes(torch.tensor([[1.0, 0.9, 0.5, 0.1]]), costs, draft_s=0.01)
+    assert choice.num_nodes == 3
+    assert choice.expected_tokens == pytest.approx(2.4)
+    assert choice.rate == pytest.approx(2.4 / 0.065)
+    assert choice.plain_rate == pytest.approx(1 / 0.05) and choice.pays
+
+
+def test_choose_num_nodes_plain_when_drafts_are_hopeless():
+    costs = CostModel((1,), (1, 8), ((0.05, 0.2),))
+    choice = choose_num_nodes(torch.tensor([[1.0, 0.05, 0.01, 0.0]]), costs, draft_s=0.02)
+    assert choice.num_nodes == 1 and not choice.pays
+
+
+def test_choose_num_nodes_respects_fixed_minimum_and_batch():
+    costs = flat_costs(0.001)
+    values = torch.tensor([[1.0, 0.9, 0.8, 0.0], [1.0, 0.2, 0.1, 0.0]])
+    choice = choose_num_nodes(values, costs, 0.0, min_nodes=4)
+    assert choice.num_nodes == 4
+
+
+def test_cost_model_interpolates_and_round_trips():
+    m = CostModel((1, 4), (1, 4), ((1.0, 4.0), (2.0, 8.0)))
+    assert m(1, 2) == pytest.approx(2.0) and m(4, 4) == pytest.approx(8.0)
+    assert m(2, 1) == pytest.approx(1 + 1 / 3)  # between batches 1 and 4
+    assert m(1, 8) == pytest.approx(8.0)  # linear past the last point
+    assert CostModel.from_json(m.to_json()) == m
+
+
+def test_cost_model_measures_a_runner_without_touching_committed_entries():
+    target = tiny_target()
+    engine = make_engine(target, 0, max_batch=2, max_context=64)
+    engine.runner.cache.lengths[:] = torch.tensor([5, 0])
+    before = engine.runner.cache.k[:, 0, :, :5].clone()
+    m = CostModel.measure(engine.runner, max_batch=2, max_nodes=4, prefix=16, repeats=1)
+    assert m.batches == (1, 2) and m.nodes == (1, 2, 3, 4)
+    assert all(row[i] <= row[i + 1] for row in m.seconds for i in range(3))
+    assert engine.runner.cache.lengths.tolist() == [5, 0]
+    assert torch.equal(engine.runner.cache.k[:, 0, :, :5], before)
+
+
+def test_gate_backs_off_and_resets():
+    gate = SpeculationGate(max_backoff=8)
+    verdicts = []
+    for pays in (False, False, False, False, True):
+        while not gate.should_draft():
+            verdicts.append("skip")
+        gate.record(pays)
+        verdicts.append(pays)
+    assert verdicts == [False, "skip", "skip", False] + ["skip"] * 4 + [False] + ["skip"] * 8 \
+        + [False] + ["skip"] * 8 + [True]
+    assert gate.should_draft() and gate.backoff == 0
+    gate.record(False)
+    gate.reopen()
+    assert gate.should_draft()
+
+
+# ----- pruning -------------------------------------------------------------------------------
+def slow_prune(tree, keep: int):
+    """List-based reference: root + the best keep - 1 nodes by value (ties: lower index)."""
+    out = []
+    for b in range(tree.batch_size):
+        n = int(tree.num_nodes[b])
+        vals = tree.values[b, :n].tolist()
+        order = sorted(range(1, n), key=lambda i: (-vals[i], i))[: max(keep, 1) - 1]
+        kept = [0] + sorted(order)
+        pos = {old: new for new, old in enumerate(kept)}
+        parents = [-1] + [pos[int(tree.parents[b, i])] for i in kept[1:]]
+        out.append(([int(tree.tokens[b, i]) for i in kept], parents))
+    return out
+
+
+def test_prune_matches_slow_reference_on_random_trees():
+    g = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        num_b, k = 3, 3
+        # two levels of candidates: k at depth 1, k * k at depth 2
+        s1 = -torch.rand(num_b, k, generator=g) * 3
+        s2 = (s1[:, :, None] - torch.rand(num_b, k, k, generator=g) * 3).reshape(num_b, -1)
+        if trial % 5 == 0:
+            s2[:, :2] = s1[:, :1]  # ties between a parent and its children
+        toks = torch.randint(0, 50, (num_b, k + k * k), generator=g)
+        parents = torch.cat([torch.full((num_b, k), -1), torch.arange(k).repeat_interleave(k)
+                             .expand(num_b, -1)], 1)
+        depths = torch.cat([torch.ones(num_b, k), torch.full((num_b, k * k), 2)], 1).long()
+        tree = build_tree(torch.tensor([7, 8, 9]), toks, parents, torch.cat([s1, s2], 1),
+                          depths, num_nodes=10)
+        keep = 1 + trial % 10
+        pruned = prune_tree(tree, torch.full((num_b,), keep))
+        ref = slow_prune(tree, keep)
+        for b in range(num_b):
+            n = int(pruned.num_nodes[b])
+            assert (pruned.tokens[b, :n].tolist(), pruned.parents[b, :n].tolist()) == ref[b]
+        assert pruned.size == min(keep, 10)
+        # the mask and paths are rebuilt: every kept node sees exactly its ancestors
+        for b in range(num_b):
+            for i in range(1, int(pruned.num_nodes[b])):
+                p = int(pruned.parents[b, i])
+                assert pruned.tree_mask[b, i, p] and pruned.depths[b, i] == pruned.depths[b, p] + 1
+
+
+def test_prune_keeps_per_tree_sizes_and_padding():
+    a = finish_tree(torch.tensor([[5, 6, 8, 7]]), torch.tensor([[-1, 0, 0, 1]]),
+                    torch.tensor([[0, 1, 1, 2]]), values=torch.tensor([[1.0, 0.9, 0.4, 0.3]]))
+    b = finish_tree(torch.tensor([[3, 4]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]),
+                    values=torch.tensor([[1.0, 0.5]]))
+    pruned = prune_tree(type(a).concat([a, b]), torch.tensor([3, 3]))
+    assert pruned.tokens.tolist() == [[5, 6, 8], [3, 4, 0]]
+    assert pruned.parents.tolist() == [[-1, 0, 0], [-1, 0, -1]]
+    assert pruned.num_nodes.tolist() == [3, 2]
+    assert pruned.values[0].tolist() == pytest.approx([1.0, 0.9, 0.4])
+
+
+# ----- calibration ---------------------------------------------------------------------------
+def test_pool_adjacent_violators_hand_made():
+    # rates 0/2, 1/2, 0/2, 2/2: bins 2 and 3 fall, so they pool to 1/4 each
+    assert _pool_adjacent_violators([0, 1, 0, 2], [2, 2, 2, 2]) == [0.0, 0.25, 0.25, 1.0]
+
+
+def test_calibration_fit_is_monotone_and_tracks_the_true_rate():
+    g = torch.Generator().manual_seed(0)
+    raw = torch.rand(20000, generator=g) ** 3  # most values small, as in real trees
+    true_rate = raw.sqrt()  # acceptance is higher than the raw value says
+    acc = torch.rand(20000, generator=g) < true_rate
+    cal = Calibration.fit(raw, acc, num_bins=20)
+    assert list(cal.rates) == sorted(cal.rates) and len(cal.rates) >= 15
+    probe = torch.tensor([0.001, 0.05, 0.3, 0.8])
+    torch.testing.assert_close(cal(probe), probe.sqrt(), atol=0.08, rtol=0)
+    assert cal(torch.tensor([0.0])).item() == 0.0
+    with pytest.raises(ValueError, match="non-decreasing"):
+        Calibration((0.0,), (0.5, 0.4))
+    with pytest.raises(ValueError, match="at least"):
+        Calibration.fit(raw[:10], acc[:10])
+
+
+def test_accepted_nodes_follow_the_greedy_path():
+    # root 0 -> 1 (tok 4) -> 3 (tok 6); root -> 2 (tok 5); target argmax: root 4, node1 7
+    tree = finish_tree(torch.tensor([[9, 4, 5, 6]]), torch.tensor([[-1, 0, 0, 1]]),
+                       torch.tensor([[0, 1, 1, 2]]))
+    argmax = torch.tensor([[4, 7, 0, 0]])
+    acc = accepted_nodes(tree.tokens, tree.parents, tree.tree_mask, tree.num_nodes, argmax)
+    assert acc.tolist() == [[False, True, False, False]]
+    argmax = torch.tensor([[4, 6, 0, 0]])
+    acc = accepted_nodes(tree.tokens, tree.parents, tree.tree_mask, tree.num_nodes, argmax)
+    assert acc.tolist() == [[False, True, False, True]]
+
+
+# ----- the engine with auto budgets stays lossless -------------------------------------------
+# a forward of 100 s whatever its size: drafting time is negligible and every node pays;
+# 50 ms per token: no tree pays, so the engine decodes plainly and probes now and then
+@pytest.mark.parametrize("costs, expect_skips", [(flat_costs(0.0, base=100.0), False),
+                                                 (flat_costs(0.05), True)])
+def test_auto_budget_greedy_equals_vanilla(costs, expect_skips):
+    target = tiny_target(seed=1)
+    prompts = random_prompts(4, 64, seed=5)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    engine = make_engine(target, 0)
+    engine._costs = costs
+    assert run(engine, prompts, GREEDY, AUTO) == vanilla
+    stats = engine.stats
+    assert stats.auto_steps > 0
+    assert (stats.skipped_drafts > 0) == expect_skips
+    if not expect_skips:  # free verification: always the biggest tree
+        assert set(stats.nodes_chosen) == {AUTO.total_tokens}
+
+
+def test_auto_budget_alone_and_in_a_batch_with_fixed_trees():
+    target = tiny_target(seed=2)
+    prompts = random_prompts(3, 64, seed=6)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    engine = make_engine(target, 1)
+    engine._costs = flat_costs(0.0005)
+    from eagle2.engine import Request
+
+    fixed = TreeConfig("eagle2", total_tokens=6, depth=2, top_k=2, budget="fixed")
+    for i, (p, tree) in enumerate(zip(prompts, (AUTO, fixed, TreeConfig("chain", depth=3)),
+                                      strict=True)):
+        engine.add(Request(f"s{i}", tuple(p), GREEDY, tree))
+    out = {f"s{i}": [] for i in range(3)}
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+    assert [out[f"s{i}"] for i in range(3)] == vanilla
+
+
+def test_min_gain_stops_the_expansion():
+    target = tiny_target(seed=3)
+    engine = make_engine(target, 0)
+    drafter = engine.drafter
+    drafter.keep_candidates = True  # one entry per drafted level
+    feats = torch.randn(1, 3, target.config.hidden_size)
+    toks = torch.tensor([[1, 2, 3]])
+    drafter.draft(["a"], feats, toks, torch.tensor([3]), AUTO)
+    assert len(drafter.last_candidates) == AUTO.depth + 1
+    drafter.rewind("a", 0)
+    shallow = drafter.draft(["a"], feats, toks, torch.tensor([3]), AUTO, min_gain=math.inf)
+    assert len(drafter.last_candidates) == 1  # the root step only: no expansion paid
+    assert int(shallow.depths.max()) == 1
+
+
+def test_sampling_with_auto_budget_is_reproducible_and_mixes_with_greedy():
+    target = tiny_target(seed=4)
+    prompts = random_prompts(3, 64, seed=7)
+    params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        engine = make_engine(target, 0)
+        engine._costs = flat_costs(0.0005)
+        outs.append(run(engine, prompts, params, AUTO, seeds=[1, 2, 3]))
+    assert outs[0] == outs[1]

@@ -1,0 +1,76 @@
+"""Fused layers and blocked linears compute the same model as the module path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_engine, random_prompts, run, tiny_target
+
+from eagle2.bench.load import busy_processes
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.kernels import ROW_BUCKETS, BlockedWeight, BlockPlan, measure_plan
+
+
+@pytest.mark.parametrize("block_bytes", [0, 1024, 4096, 1 << 20])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_blocked_weight_equals_linear(block_bytes, rows):
+    torch.manual_seed(0)
+    w = torch.randn(200, 48)
+    x = torch.randn(2, rows, 48)
+    blocked = BlockedWeight(w, BlockPlan({b: block_bytes for b in ROW_BUCKETS}))
+    torch.testing.assert_close(blocked(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    if block_bytes:
+        assert len(blocked.blocks(block_bytes)) > 1 or block_bytes >= w.numel() * 4
+
+
+def test_measure_plan_picks_one_candidate_per_bucket():
+    plan, timings = measure_plan([torch.randn(256, 64), torch.randn(64, 128)],
+                                 row_buckets=(1, 4), candidates=(0, 4096), repeats=1)
+    assert set(plan.block_bytes) == {1, 4} and set(timings[1]) == {0, 4096}
+    assert plan.for_rows(3) == plan.block_bytes[4] and plan.for_rows(100) == 0
+
+
+def test_fused_forward_equals_module_forward():
+    target = tiny_target(seed=7)
+    slow = make_engine(tiny_target(seed=7), None)  # LocalRunner fuses; undo it below
+    slow.runner.target.fused = None
+    slow.runner.target.head_proj = None
+    fast = make_engine(target, None)
+    fast.runner.target.plan.block_bytes.update({b: 2048 for b in ROW_BUCKETS})  # blocked too
+    assert fast.runner.target.fused is not None
+    prompts = random_prompts(3, 64, seed=2)
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    pos = torch.arange(5)[None]
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None]
+    feats_a, logits_a = slow.runner.forward(tokens, pos, mask, torch.tensor([0]))
+    feats_b, logits_b = fast.runner.forward(tokens, pos, mask, torch.tensor([0]))
+    torch.testing.assert_close(feats_b, feats_a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits_b, logits_a, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(fast.runner.cache.k[:, 0, :, :5], slow.runner.cache.k[:, 0, :, :5],
+                               rtol=1e-4, atol=1e-4)
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert run(fast, prompts, greedy, TreeConfig("vanilla")) == \
+        run(slow, prompts, greedy, TreeConfig("vanilla"))
+
+
+def test_fusing_keeps_the_hf_module_working():
+    target = tiny_target(seed=8)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = target.hf(ids).logits
+    target.fuse()
+    q = target.layers[0].self_attn.q_proj.weight
+    assert q.data_ptr() == target.fused[0].qkv.weight.data_ptr()  # a view, not a copy
+    torch.testing.assert_close(target.hf(ids).logits, before)
+
+
+def test_background_load_processes_are_killed():
+    import os
+
+    with busy_processes(2, max_seconds=60) as pids:
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, 0)  # alive
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
