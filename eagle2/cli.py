@@ -1,4 +1,4 @@
-"""The `eagle2` command line: generate, bench, train-head, plan, serve, client.
+"""The `eagle2` command line: generate, bench, train-head, plan, serve, client, soak.
 
 `serve` and `client` live in `services/` (Ray Serve and gRPC); they are imported only when
 those commands run, so the algorithm package itself never imports Ray or gRPC.
@@ -25,6 +25,7 @@ COMMANDS = {
     "serve": ("services.cli_serve", "start Ray Serve with the gRPC service (port 9000)"),
     "client": ("services.client", "call a running service over gRPC"),
     "bench-service": ("services.bench_service", "benchmark the service against in-process"),
+    "soak": ("services.soak", "run a bounded mixed load against the service, with a verdict"),
 }
 
 

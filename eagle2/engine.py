@@ -356,10 +356,20 @@ class Engine:
         return events
 
 
+def fold_seed(seed: int) -> int:
+    """A 64-bit seed folded into the 32 bits that torch's CPU generator (mt19937) keeps, so
+    that seeds differing only in their high bits give different samples. Seeds in
+    [0, 2**32) are kept as they are. E.g. 1 -> 1, 1 + 2**32 -> 1 ^ 0x9E3779B1."""
+    seed &= (1 << 64) - 1  # negative int64 seeds: their two's complement
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    return low ^ ((high * 0x9E3779B1) & 0xFFFFFFFF)  # odd multiplier: a bijection of high
+
+
 def _generator(params: SamplingParams) -> torch.Generator:
-    """The request's own CPU generator: seeded by the request, else at random."""
+    """The request's own CPU generator: seeded by the request (all 64 bits), else at random."""
     gen = torch.Generator()
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ())))
+    gen.manual_seed(fold_seed(params.seed) if params.seed is not None else
+                    int(torch.randint(0, 2**32, ())))
     return gen
 
 

@@ -362,7 +362,7 @@ def run(args) -> int:
         try:
             from services.draft_client import RemoteDrafter
 
-            addr = report["draft"]["worker"].removeprefix("worker@")
+            addr = handles[names["worker"]].engine_stats.remote().result()["draft_address"]
             h = RemoteDrafter(addr, timeout_s=10).health()
             report["draft_hop"]["draft_worker_health"] = {
                 "draft_requests": h.draft_requests, "pid": h.pid, "head": h.head}

@@ -21,6 +21,11 @@ def add_arguments(p) -> None:
     p.add_argument("--http-port", type=int, default=8000,
                    help="port of Ray Serve's HTTP proxy on 127.0.0.1 (Serve always starts one; "
                         "the service itself speaks gRPC only)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Ray's Prometheus endpoint on this node (default: a free port); "
+                        "it listens on all interfaces: firewall it (deploy/DEPLOY.md)")
+    p.add_argument("--drain-s", type=float, default=10.0,
+                   help="on Ctrl-C / SIGTERM: seconds running requests get to finish")
     p.add_argument("--draft-placement", choices=["worker", "inprocess"], default=None)
     p.add_argument("--mode", default=None, help="default speculation mode")
 
@@ -43,8 +48,10 @@ def config_from_args(args) -> dict:
     return conf
 
 
-def start(conf: dict, blocking: bool = False, http_port: int = 8000):
-    """Start Ray (if needed) and Serve with the gRPC proxy; deploy; return the Serve handle."""
+def start(conf: dict, blocking: bool = False, http_port: int = 8000,
+          metrics_port: int | None = None):
+    """Start Ray (if needed) and Serve with the gRPC proxy; deploy; return the Serve handle.
+    metrics_port: Ray's Prometheus endpoint (services/metrics.py), None = Ray's choice."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -55,7 +62,9 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000):
     cfg = ServiceConfig(**conf)
     if not ray.is_initialized():
         # logical CPUs: rank actors, the draft worker and the replicas share real cores
+        extra = {} if metrics_port is None else {"_metrics_export_port": metrics_port}
         ray.init(num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size, include_dashboard=False,
+                 **extra,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                                # idle OpenMP threads must not spin on cores
                                                # the next process in the step needs
@@ -71,7 +80,7 @@ def run(args) -> int:
     conf = config_from_args(args)
     if not 1 <= args.http_port <= 65535:
         raise ValueError(f"--http-port must be in 1..65535, got {args.http_port}")
-    start(conf, http_port=args.http_port)
+    handle = start(conf, http_port=args.http_port, metrics_port=args.metrics_port)
     port = conf.get("grpc_port", 9000)
     print(json.dumps({"status": "serving", "grpc": f"localhost:{port}",
                       "config": conf}), flush=True)
@@ -79,11 +88,34 @@ def run(args) -> int:
           file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    # A second Ctrl-C / SIGTERM while draining: stop at once.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    shutdown(handle, args.drain_s)
+    return 0
+
+
+def shutdown(handle, drain_s: float) -> None:
+    """Refuse new requests, let running ones finish (at most drain_s), then stop Serve and
+    Ray (at most 5 s more). If the replicas are already gone (Ctrl-C reaches the whole
+    process group), skip on."""
+    import time
+
+    import ray
     from ray import serve
 
-    serve.shutdown()
-    return 0
+    print("eagle2: draining (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + drain_s
+    try:
+        while handle.drain.remote().result(timeout_s=2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    except Exception:  # router unreachable: nothing left to drain
+        pass
+    # Serve's shutdown waits for its controller, which a Ctrl-C to the whole process group
+    # may already have stopped: give it a few seconds, then stop Ray's processes regardless.
+    stopper = threading.Thread(target=serve.shutdown, daemon=True)
+    stopper.start()
+    stopper.join(timeout=5)
+    ray.shutdown()

@@ -19,10 +19,18 @@ from services.protos import eagle2_pb2, eagle2_pb2_grpc
 
 class Eagle2Client:
     def __init__(self, address: str = "localhost:9000", application: str = "eagle2",
-                 timeout_s: float = 600.0):
-        self.channel = grpc.insecure_channel(address)
+                 timeout_s: float = 600.0, api_key: str | None = None,
+                 root_certificates: bytes | None = None):
+        """api_key: sent as `authorization: Bearer <key>`; root_certificates: PEM of the CA
+        of a TLS terminator in front of the service (then the channel is TLS)."""
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self.channel = grpc.secure_channel(address, creds)
+        else:
+            self.channel = grpc.insecure_channel(address)
         self.stub = eagle2_pb2_grpc.Eagle2Stub(self.channel)
-        self.metadata = (("application", application),)
+        self.metadata = (("application", application),) + (
+            (("authorization", f"Bearer {api_key}"),) if api_key else ())
         self.timeout_s = timeout_s
 
     def __enter__(self) -> Eagle2Client:
@@ -63,6 +71,10 @@ class Eagle2Client:
 def add_arguments(p) -> None:
     p.add_argument("prompt")
     p.add_argument("--address", default="localhost:9000")
+    p.add_argument("--api-key-env", default="EAGLE2_API_KEY",
+                   help="environment variable holding the API key to send (if set)")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM file of the CA of a TLS terminator in front of the service")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -77,7 +89,11 @@ def run(args) -> int:
                             ("max_tokens", args.max_tokens), ("seed", args.seed)) if v is not None}
     kw["mode"] = args.mode
     try:
-        with Eagle2Client(args.address) as c:
+        import os
+
+        ca = open(args.tls_ca, "rb").read() if args.tls_ca else None
+        with Eagle2Client(args.address, api_key=os.environ.get(args.api_key_env),
+                          root_certificates=ca) as c:
             if args.stream:
                 text, ids, last = "", [], None
                 for msg in c.stream(args.prompt, **kw):

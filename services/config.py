@@ -65,6 +65,22 @@ class ServiceConfig(BaseModel):
     # Port of the draft worker's gRPC server; 0 = any free port (announced through Serve).
     draft_grpc_port: int = Field(0, ge=0, le=65535)
     app_name: str = "eagle2"
+    # Per-request limits, checked on the raw request before anything is tokenized.
+    max_prompt_bytes: int = Field(256 << 10, ge=1)  # text, or all chat contents together
+    max_chat_messages: int = Field(256, ge=1)
+    max_stop_sequences: int = Field(16, ge=0)
+    max_stop_bytes: int = Field(256, ge=1)  # each stop string
+    # API keys (services/auth.py): a file with one key per line and/or an environment
+    # variable with comma-separated keys, read by the router. None set = no authentication.
+    api_keys_file: str | None = None
+    api_keys_env: str | None = "EAGLE2_API_KEYS"
+    # Draft worker: its gRPC server binds here. 127.0.0.1 = engine and worker on one node;
+    # "node" = the node's IP in the Ray cluster, for multi-node clusters on a private network.
+    draft_bind_host: str = "127.0.0.1"
+    # A Draft call slower than this counts as a stalled worker: plain decoding takes over.
+    draft_timeout_s: float = Field(10.0, gt=0)
+    # Engine health: NOT_SERVING when requests are waiting and no step finished for this long.
+    stall_timeout_s: float = Field(120.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> ServiceConfig:

@@ -72,6 +72,31 @@ def sampling_from_request(req: eagle2_pb2.GenerateRequest, default_max_tokens: i
     )
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def check_request_size(req: eagle2_pb2.GenerateRequest, max_prompt_bytes: int,
+                       max_chat_messages: int, max_stop_sequences: int,
+                       max_stop_bytes: int) -> None:
+    """Raw size limits, checked before anything is tokenized (ValueError names the limit)."""
+    kind = req.WhichOneof("input")
+    if kind == "text":
+        size = len(req.text.encode())
+    elif kind == "chat":
+        if len(req.chat.messages) > max_chat_messages:
+            raise ValueError(f"chat has {len(req.chat.messages)} messages; the limit is "
+                             f"{max_chat_messages}")
+        size = sum(len(m.content.encode()) + len(m.role.encode()) for m in req.chat.messages)
+    else:
+        size = 0  # token ids: checked against the context length
+    if size > max_prompt_bytes:
+        raise ValueError(f"prompt has {size} bytes; the limit is {max_prompt_bytes}")
+    if len(req.stop) > max_stop_sequences:
+        raise ValueError(f"{len(req.stop)} stop strings; the limit is {max_stop_sequences}")
+    if any(len(s.encode()) > max_stop_bytes for s in req.stop):
+        raise ValueError(f"a stop string is longer than the limit of {max_stop_bytes} bytes")
+
+
 def prompt_from_request(req: eagle2_pb2.GenerateRequest) -> str | list[dict] | list[int]:
     """The prompt as text, chat messages or token ids (ValueError if missing/empty)."""
     kind = req.WhichOneof("input")
@@ -84,6 +109,10 @@ def prompt_from_request(req: eagle2_pb2.GenerateRequest) -> str | list[dict] | l
     if kind == "chat":
         if not req.chat.messages:
             raise ValueError("empty prompt: chat has no messages")
+        for m in req.chat.messages:
+            if m.role not in CHAT_ROLES:
+                raise ValueError(f"chat message role must be one of {CHAT_ROLES}, got "
+                                 f"{m.role[:32]!r}")
         return [{"role": m.role, "content": m.content} for m in req.chat.messages]
     if not req.token_ids.ids:
         raise ValueError("empty prompt: token_ids is empty")

@@ -1,27 +1,45 @@
-"""The engine's side of the draft hop: a DrafterLike that calls DraftService over gRPC."""
+"""The engine's side of the draft hop: DrafterLikes that call DraftService over gRPC.
+
+`RemoteDrafter` is one connection to one worker. `ResilientDrafter` survives the worker:
+when a Draft call fails (the worker died, stalled past its deadline, or answered an error)
+the sequences whose draft state lived there get one-node trees from then on, i.e. plain
+decoding, which verification turns into exactly the target's output (lossless); a background
+thread looks the worker's address up again (Serve restarts it on a new port) and reconnects,
+and new sequences are speculated again.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
 
 from eagle2.config import TreeConfig
-from eagle2.tree import DraftTree
+from eagle2.tree import DraftTree, root_only
 from services import convert
 from services.protos import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class RemoteDrafter:
     """Sends (features, tokens) to the draft worker and returns its trees."""
 
-    def __init__(self, address: str, timeout_s: float = 60.0):
+    def __init__(self, address: str, timeout_s: float = 60.0,
+                 connect_timeout_s: float | None = None):
         self.address = address
         self.channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 256 << 20),
             ("grpc.max_send_message_length", 256 << 20)])
-        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s or timeout_s)
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            raise ConnectionError("draft worker not reachable") from None
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.timeout_s = timeout_s
         self.calls = 0
@@ -54,3 +72,122 @@ class RemoteDrafter:
 
     def health(self) -> draft_pb2.HealthResponse:
         return self.stub.Health(draft_pb2.HealthRequest(), timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class ResilientDrafter:
+    """A RemoteDrafter that falls back to plain decoding while its worker is gone.
+
+    lookup() returns the worker's current address (through Serve); it is called again after
+    every failure, from a background thread, every retry_s seconds until a worker answers.
+    """
+
+    def __init__(self, lookup: Callable[[], str], timeout_s: float = 10.0,
+                 retry_s: float = 1.0):
+        self.lookup, self.timeout_s, self.retry_s = lookup, timeout_s, retry_s
+        self.lock = threading.Lock()
+        self.remote: RemoteDrafter | None = self._connect()
+        self.held: set[str] = set()  # sequences whose draft state the current worker holds
+        self.plain: set[str] = set()  # sequences that lost it: one-node trees until they end
+        self.fallbacks = 0  # workers lost (each: its sequences decoded plainly)
+        self.fallback_sequences = 0  # sequences that lost their draft state with a worker
+        self.reconnects = 0
+        self.last_recovery_s: float | None = None  # failure -> reconnected
+        self.calls, self.rpc_s = 0, 0.0  # Draft calls that reached a worker, and their time
+        self._closed = threading.Event()
+        self._reconnecting: threading.Thread | None = None
+
+    def _connect(self) -> RemoteDrafter:
+        remote = RemoteDrafter(self.lookup(), timeout_s=self.timeout_s, connect_timeout_s=5.0)
+        remote.health()
+        return remote
+
+    # ----- DrafterLike ------------------------------------------------------------------------
+    def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
+              counts: torch.Tensor, config: TreeConfig, *options) -> DraftTree:
+        """features [B, A, H], tokens [B, A], counts [B] -> B trees (one-node trees for the
+        sequences without a worker). options: passed on to RemoteDrafter.draft as they are."""
+        remote = self.remote
+        spec = [b for b, s in enumerate(seq_ids) if remote is not None and s not in self.plain]
+        parts: list[tuple[list[int], DraftTree]] = []
+        if spec:
+            rows = torch.tensor(spec)
+            t0 = time.perf_counter()
+            self.held.update(seq_ids[b] for b in spec)  # the worker may hold state from now
+            try:
+                tree = remote.draft([seq_ids[b] for b in spec], features[rows], tokens[rows],
+                                    counts[rows], config, *options)
+                parts.append((spec, tree))
+                self.calls += 1
+                self.rpc_s += time.perf_counter() - t0
+            except grpc.RpcError as e:
+                self._lost(remote, e.code())
+                spec = []
+        plain = [b for b in range(len(seq_ids)) if b not in set(spec)]
+        if plain:
+            self.plain.update(seq_ids[b] for b in plain)  # their draft history now has a gap
+            rows = torch.tensor(plain)
+            parts.append((plain, root_only(tokens[rows, counts[rows] - 1])))
+        if len(parts) == 1:
+            return parts[0][1]
+        order = torch.tensor([b for idx, _ in parts for b in idx])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return DraftTree.concat([t for _, t in parts]).select(inverse)
+
+    def release(self, seq_id: str) -> None:
+        self.plain.discard(seq_id)
+        if seq_id not in self.held:
+            return
+        self.held.discard(seq_id)
+        remote = self.remote
+        if remote is None:
+            return
+        try:
+            remote.release(seq_id)
+        except grpc.RpcError as e:  # the next Draft call notices a lost worker
+            log.debug("draft worker Release failed: %s", e.code())
+
+    # ----- failure and recovery ---------------------------------------------------------------
+    def _lost(self, remote: RemoteDrafter, code: grpc.StatusCode) -> None:
+        with self.lock:
+            if self.remote is not remote:
+                return
+            self.remote = None
+            self.plain |= self.held
+            self.fallback_sequences += len(self.held)
+            self.held = set()
+            self.fallbacks += 1
+            self._lost_at = time.monotonic()
+        remote.close()
+        log.warning("draft worker lost (%s): %d sequences continue with plain decoding "
+                    "(lossless); reconnecting", code.name, len(self.plain))
+        self._reconnecting = threading.Thread(target=self._reconnect, name="draft-reconnect",
+                                              daemon=True)
+        self._reconnecting.start()
+
+    def _reconnect(self) -> None:
+        while not self._closed.wait(self.retry_s):
+            try:
+                remote = self._connect()
+            except Exception as e:
+                log.debug("draft worker not back yet: %s", type(e).__name__)
+                continue
+            with self.lock:
+                self.remote = remote
+                self.reconnects += 1
+                self.last_recovery_s = time.monotonic() - self._lost_at
+            log.warning("draft worker back after %.1f s: speculation resumes for new sequences",
+                        self.last_recovery_s)
+            return
+
+    @property
+    def connected(self) -> bool:
+        return self.remote is not None
+
+    def close(self) -> None:
+        self._closed.set()
+        if self.remote is not None:
+            self.remote.close()

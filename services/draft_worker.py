@@ -1,8 +1,10 @@
 """The draft worker: a Ray Serve deployment holding the EAGLE head, serving DraftService.
 
 The replica starts a plain grpcio server (the internal API, protos/eagle2/v1/draft.proto);
-the engine asks the deployment for its address through Serve once, then talks gRPC directly
-at every decoding step. In production the replica asks for its own GPU.
+the engine asks the deployment for its address through Serve (again after a failure: a
+restarted replica listens on a new port), then talks gRPC directly at every decoding step.
+The server binds to localhost by default: DraftService has no authentication. In
+production the replica asks for its own GPU.
 """
 
 from __future__ import annotations
@@ -94,12 +96,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                         pid=os.getpid(), head=self.head_desc)
 
 
-def start_server(servicer: DraftServicer, port: int) -> tuple[grpc.Server, int]:
+def start_server(servicer: DraftServicer, port: int,
+                 host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
+    """The internal DraftService; on localhost unless told otherwise (it has no auth)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
                          options=[("grpc.max_receive_message_length", 256 << 20),
                                   ("grpc.max_send_message_length", 256 << 20)])
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"0.0.0.0:{port}")
+    bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
     return server, bound
 
@@ -113,10 +117,13 @@ class DraftWorker:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         drafter, desc = build_drafter(cfg, max_slots=cfg.max_batch_size * 2)
         self.servicer = DraftServicer(drafter, desc)
-        self.server, port = start_server(self.servicer, cfg.draft_grpc_port)
-        import ray
+        host = cfg.draft_bind_host
+        if host == "node":
+            import ray
 
-        self._address = f"{ray.util.get_node_ip_address()}:{port}"
+            host = ray.util.get_node_ip_address()
+        self.server, port = start_server(self.servicer, cfg.draft_grpc_port, host)
+        self._address = f"{host}:{port}"
         log.info("draft worker (pid %d) serving DraftService on %s", os.getpid(), self._address)
 
     def address(self) -> str:

@@ -4,7 +4,13 @@ A background thread owns the core `Engine` and runs draft -> verify -> commit st
 request is active; requests join between steps and leave when finished or cancelled. Each
 request's events go back to its caller (the router) through an asyncio queue, streamed over a
 Serve handle. The target runs on tp_size rank actors (`ShardedRunner`); the drafter is the
-draft worker over gRPC (`RemoteDrafter`) or, for single-GPU set-ups, in this process.
+draft worker over gRPC (`ResilientDrafter`: plain decoding while the worker is away) or, for
+single-GPU set-ups, in this process.
+
+Faults (docs/DESIGN.md): the step loop never dies. A failed step ends the requests it was
+running with an error event (UNAVAILABLE when a tensor-parallel rank died, INTERNAL
+otherwise), never a silently truncated stream; a dead rank group is rebuilt in place while
+`health()` says not serving; `check_health` lets Serve replace a replica whose loop is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from ray import serve
 from eagle2.config import SamplingParams
 from eagle2.engine import Engine, Event, Request
 from services.config import ServiceConfig
+from services.metrics import EngineMetrics
 from services.tp_runner import ShardedRunner
 
 log = logging.getLogger(__name__)
@@ -33,21 +40,29 @@ class TargetEngine:
     async def __init__(self, config: dict, draft_worker=None):
         self.cfg = cfg = ServiceConfig(**config)
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        runner = ShardedRunner(cfg.tp_size, cfg.max_batch_size,
-                               cfg.max_context + Engine.tree_margin, target=cfg.target,
-                               dtype=None if cfg.dtype == "auto" else cfg.dtype,
-                               use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank,
-                               gpu_per_rank=cfg.gpu_per_rank())
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
-        self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
-                             costs=_cost_path(cfg))
+        self.engine = Engine(self._new_runner(), self.drafter, cfg.max_batch_size,
+                             cfg.max_context, costs=_cost_path(cfg))
         self.tree = cfg.tree.to_core()
         if self.drafter is not None and self.tree.budget == "auto":
             _ = self.engine.costs  # measured (or read) before serving, not at the first request
         self.inbox: queue.Queue = queue.Queue()
         self.outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.rebuilding = False
+        self.rank_restarts = 0
+        self.last_rank_recovery_s: float | None = None
+        self.last_progress = time.monotonic()  # last finished step, or idle
+        self.metrics = EngineMetrics()
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
+
+    def _new_runner(self) -> ShardedRunner:
+        cfg = self.cfg
+        return ShardedRunner(cfg.tp_size, cfg.max_batch_size,
+                             cfg.max_context + Engine.tree_margin, target=cfg.target,
+                             dtype=None if cfg.dtype == "auto" else cfg.dtype,
+                             use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank,
+                             gpu_per_rank=cfg.gpu_per_rank())
 
     @staticmethod
     async def _make_drafter(cfg: ServiceConfig, draft_worker):
@@ -57,14 +72,21 @@ class TargetEngine:
             from services.draft_worker import build_drafter
 
             return build_drafter(cfg, max_slots=cfg.max_batch_size)
-        from services.draft_client import RemoteDrafter
+        from services.draft_client import ResilientDrafter
+
+        def lookup() -> str:  # called from threads: the worker's current address via Serve
+            return draft_worker.address.remote().result(timeout_s=10)
 
         address = await draft_worker.address.remote()
-        return RemoteDrafter(address), f"worker@{address}"
+        drafter = await asyncio.to_thread(ResilientDrafter, lambda: address,
+                                           cfg.draft_timeout_s)
+        drafter.lookup = lookup
+        return drafter, "worker"
 
     # ----- called by the router (through a streaming handle) ---------------------------------
     async def generate(self, seq_id: str, prompt_ids: list[int], params: dict, mode: str):
-        """Stream this request's events as dicts; cancelling the stream cancels the request."""
+        """Stream this request's events as dicts; cancelling the stream cancels the request.
+        A failure is one last dict {"error": <grpc status name>, "message": ...}."""
         params = dict(params)
         eos_ids = frozenset(params.pop("eos_ids", ()))
         sp = SamplingParams(**{**params, "stop": tuple(params.get("stop", ()))})
@@ -77,9 +99,7 @@ class TargetEngine:
         try:
             while not finished:
                 item = await box.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item["finished"]
+                finished = item["finished"] or "error" in item
                 yield item
         finally:
             self.outboxes.pop(seq_id, None)
@@ -92,10 +112,26 @@ class TargetEngine:
         out["pid"] = os.getpid()
         out["active"] = len(self.engine.seqs) + len(self.engine.waiting)
         out["draft"] = self.draft_desc
-        out["draft_rpc_calls"] = getattr(self.drafter, "calls", None)
-        out["draft_rpc_s"] = getattr(self.drafter, "rpc_s", None)
-        out.update(traffic_stats(self.engine.runner, self.drafter))
+        d = self.drafter
+        out["draft_address"] = getattr(getattr(d, "remote", None), "address", None)
+        out["draft_rpc_calls"] = getattr(d, "calls", None)
+        out["draft_rpc_s"] = getattr(d, "rpc_s", None)
+        out["draft_fallbacks"] = getattr(d, "fallbacks", 0)
+        out["draft_fallback_sequences"] = getattr(d, "fallback_sequences", 0)
+        out["draft_reconnects"] = getattr(d, "reconnects", 0)
+        out["draft_last_recovery_s"] = getattr(d, "last_recovery_s", None)
+        out["rank_restarts"] = self.rank_restarts
+        out["last_rank_recovery_s"] = self.last_rank_recovery_s
+        out["loop_alive"] = self.thread.is_alive()
+        out.update(traffic_stats(self.engine.runner, getattr(d, "remote", None) or d))
         return out
+
+    def rank_pids(self) -> list[int]:
+        """The tensor-parallel rank actors' process ids (for fault tests and operators)."""
+        import ray
+
+        actors = self.engine.runner.actors
+        return ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in actors])
 
     def reset_stats(self) -> None:
         self.inbox.put(("reset_stats", None))
@@ -103,36 +139,102 @@ class TargetEngine:
     def info(self) -> dict:
         return {"draft": self.draft_desc, "tree": asdict(self.tree), "pid": os.getpid()}
 
+    def health(self) -> dict:
+        """serving: the step loop runs, the ranks are up, and waiting work makes progress."""
+        stalled = (self.engine.has_work() and
+                   time.monotonic() - self.last_progress > self.cfg.stall_timeout_s)
+        reason = ("step loop stopped" if not self.thread.is_alive() else
+                  "rebuilding tensor-parallel ranks" if self.rebuilding else
+                  "no step finished within stall_timeout_s" if stalled else "")
+        return {"serving": not reason, "reason": reason,
+                "draft_connected": getattr(self.drafter, "connected", True)}
+
+    def check_health(self) -> None:
+        """Serve's periodic check: raising makes Serve replace this replica."""
+        if not self.thread.is_alive():
+            raise RuntimeError("engine step loop stopped")
+
     # ----- the step loop (its own thread) ------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            block = not self.engine.has_work()
             try:
-                while True:
-                    cmd, arg = self.inbox.get(block=block, timeout=None if block else 0)
-                    self._command(cmd, arg)
-                    block = False
-            except queue.Empty:
-                pass
-            if not self.engine.has_work():
-                continue
+                self._once()
+            except Exception:
+                log.exception("engine loop error; continuing")
+                time.sleep(0.1)
+
+    def _once(self) -> None:
+        block = not self.engine.has_work()
+        if block:
+            self.last_progress = time.monotonic()
+            self.metrics.step(0, 0, [])
+        try:
+            while True:
+                cmd, arg = self.inbox.get(block=block, timeout=None if block else 0)
+                self._command(cmd, arg)
+                block = False
+        except queue.Empty:
+            pass
+        if not self.engine.has_work():
+            return
+        try:
+            events = self.engine.step()
+        except Exception as e:
+            self._step_failed(e)
+            return
+        self.last_progress = time.monotonic()
+        for ev in events:
+            self._send(ev.seq_id, _event_dict(ev))
+        d = self.drafter
+        self.metrics.step(len(self.engine.seqs), len(self.engine.waiting),
+                          [len(ev.token_ids) for ev in events if ev.num_steps > 1])  # 1: prefill
+        self.metrics.drafter(getattr(d, "fallbacks", 0), getattr(d, "reconnects", 0))
+
+    def _step_failed(self, e: Exception) -> None:
+        """End every running request with an error event and start over with a clean engine
+        (rebuilding the rank group when a rank died)."""
+        import ray.exceptions
+
+        rank_died = isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
+                                   TimeoutError))
+        if rank_died:
+            log.error("a tensor-parallel rank failed (%s); failing %d requests and rebuilding "
+                      "the ranks", type(e).__name__, len(self.engine.ids()))
+            code, message = "UNAVAILABLE", "a model shard failed; retry the request"
+        else:
+            log.exception("engine step failed", exc_info=e)
+            code, message = "INTERNAL", "the engine failed on this batch; see the server log"
+        failed = list(self.engine.ids())
+        for sid in failed:
+            self._send(sid, {"error": code, "message": message, "finished": True})
+            if self.drafter is not None:
+                try:
+                    self.drafter.release(sid)
+                except Exception:
+                    log.debug("release of %s failed", sid)
+        runner = self.engine.runner
+        if rank_died:
+            t0 = time.monotonic()
+            self.rebuilding = True
             try:
-                events = self.engine.step()
-            except Exception as e:  # a broken step must not kill the loop: fail its requests
-                log.exception("engine step failed")
-                for sid in list(self.engine.ids()):
-                    self.engine.cancel(sid)
-                    self._send(sid, RuntimeError(f"engine step failed: {e}"))
-                continue
-            for ev in events:
-                self._send(ev.seq_id, _event_dict(ev))
+                runner.shutdown()
+                runner = self._new_runner()  # raises into _loop on failure; retried next step
+            finally:
+                self.rebuilding = False
+            self.rank_restarts += 1
+            self.metrics.rank_restarts.inc()
+            self.last_rank_recovery_s = time.monotonic() - t0
+            log.warning("tensor-parallel ranks rebuilt in %.1f s", self.last_rank_recovery_s)
+        self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context,
+                             costs=_cost_path(self.cfg))  # cached: not measured again
 
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":
             try:
                 self.engine.add(arg)
             except ValueError as e:
-                self._send(arg.seq_id, e)
+                self._send(arg.seq_id, {"error": "INVALID_ARGUMENT", "message": str(e),
+                                        "finished": True})
         elif cmd == "cancel":
             self.engine.cancel(arg)
         elif cmd == "reset_stats":
@@ -140,7 +242,7 @@ class TargetEngine:
             if hasattr(self.drafter, "calls"):
                 self.drafter.calls, self.drafter.rpc_s = 0, 0.0
 
-    def _send(self, seq_id: str, item) -> None:
+    def _send(self, seq_id: str, item: dict) -> None:
         box = self.outboxes.get(seq_id)
         if box is not None:
             loop, q = box

@@ -56,7 +56,48 @@ eagle2_pb2_grpc = importlib.import_module("services._generated.eagle2_pb2_grpc")
 draft_pb2 = importlib.import_module("services._generated.draft_pb2")
 draft_pb2_grpc = importlib.import_module("services._generated.draft_pb2_grpc")
 
+
+
+class MalformedRequest:
+    """What the proxy hands the router for a body that is not a valid request message (the
+    router answers INVALID_ARGUMENT; grpcio's own deserializer failure would be UNKNOWN)."""
+
+    def __init__(self, num_bytes: int):
+        self.num_bytes = num_bytes
+
+
+def _lenient(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception:  # DecodeError, or a message nested too deeply
+            return MalformedRequest(len(data))
+
+    return parse
+
+
+_RPCS = {  # method -> (kind, request type, response type), as in eagle2.proto
+    "Generate": ("unary_unary", "GenerateRequest", "GenerateResponse"),
+    "GenerateStream": ("unary_stream", "GenerateRequest", "GenerateStreamResponse"),
+    "ModelInfo": ("unary_unary", "ModelInfoRequest", "ModelInfoResponse"),
+}
+
+
+def add_Eagle2Servicer_to_server(servicer, server) -> None:
+    """The generated registration, but with request parsing that never fails (see
+    `MalformedRequest`). Ray Serve's proxy keeps our request deserializers."""
+    import grpc
+
+    handlers = {}
+    for name, (kind, req, resp) in _RPCS.items():
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        handlers[name] = make(getattr(servicer, name),
+                              request_deserializer=_lenient(getattr(eagle2_pb2, req)),
+                              response_serializer=getattr(eagle2_pb2, resp).SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("eagle2.v1.Eagle2", handlers),))
+
+
 # What Ray Serve's gRPC proxy registers (gRPCOptions.grpc_servicer_functions).
-add_Eagle2Servicer_to_server = eagle2_pb2_grpc.add_Eagle2Servicer_to_server
 SERVICER_FUNCTIONS = ["services.protos.add_Eagle2Servicer_to_server",
                       "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]

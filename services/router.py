@@ -1,15 +1,23 @@
 """The router: the Ray Serve ingress serving the public gRPC API (eagle2.v1.Eagle2).
 
-Validation, tokenization, admission control (a bounded number of admitted requests;
-RESOURCE_EXHAUSTED beyond it), forwarding to the engine (which batches everything that is
-running), incremental detokenization and stop strings, and cancellation: when the client
-goes away Serve cancels this coroutine, which cancels the engine stream.
-Also answers grpc.health.v1 Check on the same port.
+Validation (raw size limits first, then tokenization in a worker thread, never on the event
+loop), admission control (a bounded number of admitted requests; RESOURCE_EXHAUSTED beyond
+it), forwarding to the engine (which batches everything that is running), incremental
+detokenization and stop strings, and cancellation: when the client goes away Serve cancels
+this coroutine, which cancels the engine stream. Also answers grpc.health.v1 Check on the
+same port, truthfully: NOT_SERVING while the engine cannot make progress.
+
+Errors reach the client as a gRPC status with a message. Ray Serve's proxy copies the status
+set here onto the call only together with a yielded message, so a failing GenerateStream
+yields one last, empty message after setting the status (docs/DESIGN.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
 import uuid
 from dataclasses import asdict
 
@@ -21,25 +29,51 @@ from transformers import AutoConfig, AutoTokenizer
 from eagle2.config import MODES
 from eagle2.target import embedded_model_dir
 from eagle2.text import TextStream, encode_prompt
-from services import convert
+from services import auth, convert
 from services.config import ServiceConfig
-from services.protos import eagle2_pb2
+from services.metrics import RouterMetrics
+from services.protos import MalformedRequest, eagle2_pb2
 
 log = logging.getLogger(__name__)
 
 
-class Overloaded(Exception):
-    """Too many admitted requests."""
+class RequestError(Exception):
+    """A request that ends with a gRPC status other than OK; the message goes to the client
+    as it is, so it must never name hosts, ports, pids or actor ids."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
-def set_status(grpc_context, e: Exception) -> None:
-    """The one mapping from exceptions to gRPC status codes (anything else: INTERNAL)."""
-    code = {ValueError: grpc.StatusCode.INVALID_ARGUMENT,
-            Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED}.get(type(e), grpc.StatusCode.INTERNAL)
-    grpc_context.set_code(code)
-    grpc_context.set_details(str(e))
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("request failed", exc_info=e)
+def to_request_error(e: BaseException) -> RequestError:
+    """The one mapping from exceptions to gRPC statuses."""
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, ValueError):
+        return RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import (
+        BackPressureError,
+        DeploymentUnavailableError,
+        ReplicaUnavailableError,
+    )
+
+    if isinstance(e, BackPressureError):
+        return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy; retry later")
+    if isinstance(e, (RayActorError, ActorDiedError, ActorUnavailableError,
+                      DeploymentUnavailableError, ReplicaUnavailableError)):
+        log.warning("engine replica unavailable: %s", type(e).__name__)
+        return RequestError(grpc.StatusCode.UNAVAILABLE,
+                            "the engine replica failed; retry the request")
+    ref = uuid.uuid4().hex[:12]
+    log.error("request failed (ref %s)", ref, exc_info=e)
+    return RequestError(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}; see the log)")
+
+
+def set_status(grpc_context, e: RequestError) -> None:
+    grpc_context.set_code(e.code)
+    grpc_context.set_details(e.message)
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -50,50 +84,95 @@ class Router:
         source = cfg.target or str(embedded_model_dir())
         kwargs = {}
         if source.endswith(".gguf"):
-            import os
-
             kwargs["gguf_file"], source = os.path.basename(source), os.path.dirname(source)
         self.tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         self.model_config = AutoConfig.from_pretrained(source, **kwargs)
         eos = self.model_config.eos_token_id
         self.eos_ids = sorted({self.tokenizer.eos_token_id, *(eos if isinstance(eos, list)
                                                               else [eos])} - {None})
+        try:  # the name Serve deployed this application under (what clients must send)
+            self.app_name = serve.get_replica_context().app_name
+        except Exception:  # outside a replica (unit tests)
+            self.app_name = cfg.app_name
         self.admitted = 0
+        self.draining = False
+        self.metrics = RouterMetrics()
+        self.api_keys = auth.load_keys(cfg.api_keys_file, cfg.api_keys_env)
+        if not self.api_keys:
+            log.warning("no API keys configured: anyone who reaches the gRPC port can call it")
 
     # ----- request handling ------------------------------------------------------------------
-    def _prepare(self, request) -> tuple[list[int], dict, str]:
-        """Validate and tokenize (ValueError with a message on anything wrong)."""
-        params = convert.sampling_from_request(request, self.cfg.default_max_tokens,
-                                               self.cfg.max_tokens_limit)
+    def _check_call(self, request, grpc_context) -> None:
+        """Credentials, the application named in the metadata, and a well-formed body."""
+        try:
+            auth.check(grpc_context.invocation_metadata() if grpc_context else [], self.api_keys)
+        except auth.AuthError as e:
+            raise RequestError(grpc.StatusCode[e.code_name], e.message) from None
+        app = grpc_context.application() if grpc_context is not None else None
+        if app is not None and app != self.app_name:
+            # Serve routes every call to the only application, whatever it names.
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"application {app[:64]!r} not "
+                               f"found; this server serves {self.app_name!r}")
+        if isinstance(request, MalformedRequest):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"malformed request body ({request.num_bytes} bytes): not an "
+                               "eagle2.v1.GenerateRequest")
+
+    async def _prepare(self, request) -> tuple[list[int], dict, str]:
+        """Validate (raw limits first) and tokenize in a thread (ValueError on anything wrong)."""
+        cfg = self.cfg
+        convert.check_request_size(request, cfg.max_prompt_bytes, cfg.max_chat_messages,
+                                   cfg.max_stop_sequences, cfg.max_stop_bytes)
+        params = convert.sampling_from_request(request, cfg.default_max_tokens,
+                                               cfg.max_tokens_limit)
         if request.mode and request.mode not in MODES:
-            raise ValueError(f"unknown mode {request.mode!r}; use one of {MODES}")
+            raise ValueError(f"unknown mode {request.mode[:32]!r}; use one of {MODES}")
         prompt = convert.prompt_from_request(request)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             ids = prompt
+            if len(ids) >= cfg.max_context:
+                raise ValueError(f"prompt has {len(ids)} tokens; the context is "
+                                 f"{cfg.max_context} (prompt + at least one new token)")
             vocab = self.model_config.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"token ids must be in [0, {vocab})")
         else:
-            ids = encode_prompt(self.tokenizer, prompt, chat=not request.raw)
-        if len(ids) >= self.cfg.max_context:
+            ids = await asyncio.to_thread(encode_prompt, self.tokenizer, prompt,
+                                          chat=not request.raw)
+        if len(ids) >= cfg.max_context:
             raise ValueError(f"prompt has {len(ids)} tokens; the context is "
-                             f"{self.cfg.max_context} (prompt + at least one new token)")
+                             f"{cfg.max_context} (prompt + at least one new token)")
         p = asdict(params)
         p["eos_ids"] = self.eos_ids
         return ids, p, request.mode
 
-    async def _stream(self, request):
+    async def _stream(self, request, grpc_context):
         """Yields GenerateStreamResponse messages; the last one carries the totals."""
-        ids, params, mode = self._prepare(request)
+        t_last = time.monotonic()
+        self._check_call(request, grpc_context)
+        ids, params, mode = await self._prepare(request)
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               "the server is shutting down; retry on another replica")
         if self.admitted >= self.cfg.max_queued_requests:
-            raise Overloaded(f"server busy: {self.admitted} requests admitted "
-                             f"(max_queued_requests={self.cfg.max_queued_requests})")
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server busy: {self.admitted} requests admitted "
+                               f"(max_queued_requests={self.cfg.max_queued_requests})")
         self.admitted += 1
-        seq_id = request.request_id or uuid.uuid4().hex
+        # The engine's id is this call's own: a client's request_id is only a log label, so
+        # no client can reach another's request.
+        seq_id = uuid.uuid4().hex
+        label = request.request_id[:64] or seq_id
         text = TextStream(self.tokenizer, tuple(params["stop"]))
         gen = self.engine.options(stream=True).generate.remote(seq_id, ids, params, mode)
+        self.metrics.prompt_tokens.inc(len(ids))
+        first = True
         try:
             async for ev in gen:
+                if "error" in ev:
+                    raise RequestError(grpc.StatusCode[ev["error"]], ev["message"])
+                self._observe(first, t_last, len(ev["token_ids"]))
+                first, t_last = False, time.monotonic()
                 delta = text.add(ev["token_ids"], final=ev["finished"])
                 done = ev["finished"] or text.stopped
                 msg = eagle2_pb2.GenerateStreamResponse(text_delta=delta,
@@ -108,35 +187,68 @@ class Router:
                         {int(k): v for k, v in ev["accepted_at_depth"].items()}))
                 yield msg
                 if done:
-                    break
+                    return
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,  # never a truncated OK stream
+                               "the engine ended the stream early; retry the request")
+        except asyncio.CancelledError:
+            log.info("request %s cancelled by the client", label)  # one line, no traceback
+            raise
         finally:
             gen.cancel()  # no-op when finished; stops the engine's work when the client left
             self.admitted -= 1
 
+    def _observe(self, first: bool, since: float, num_tokens: int) -> None:
+        gap = time.monotonic() - since
+        if num_tokens:
+            self.metrics.generation_tokens.inc(num_tokens)
+        if first:
+            self.metrics.ttft.observe(gap)
+        for _ in range(min(num_tokens, 64)):  # one observation per token of a multi-token step
+            self.metrics.itl.observe(gap / num_tokens)
+
     async def GenerateStream(self, request, grpc_context):
         try:
-            async for msg in self._stream(request):
+            async for msg in self._stream(request, grpc_context):
                 yield msg
-        except (ValueError, Overloaded, RuntimeError) as e:
-            set_status(grpc_context, e)
+        except asyncio.CancelledError:
+            self.metrics.finished("CANCELLED")
+            raise
+        except Exception as e:
+            err = to_request_error(e)
+            self.metrics.finished(err.code.name)
+            set_status(grpc_context, err)
+            yield eagle2_pb2.GenerateStreamResponse()  # carries the status through the proxy
+            return
+        self.metrics.finished("OK")
 
     async def Generate(self, request, grpc_context):
         out = eagle2_pb2.GenerateResponse()
         try:
-            async for msg in self._stream(request):
+            async for msg in self._stream(request, grpc_context):
                 out.text += msg.text_delta
                 out.token_ids.extend(msg.token_ids)
                 if msg.HasField("usage"):
                     out.finish_reason = msg.finish_reason
                     out.usage.CopyFrom(msg.usage)
                     out.stats.CopyFrom(msg.stats)
-        except (ValueError, Overloaded, RuntimeError) as e:
-            set_status(grpc_context, e)
+        except asyncio.CancelledError:
+            self.metrics.finished("CANCELLED")
+            raise
+        except Exception as e:
+            err = to_request_error(e)
+            self.metrics.finished(err.code.name)
+            set_status(grpc_context, err)
             return eagle2_pb2.GenerateResponse()
+        self.metrics.finished("OK")
         return out
 
     async def ModelInfo(self, request, grpc_context):
-        info = await self.engine.info.remote()
+        try:
+            self._check_call(request, grpc_context)
+            info = await self.engine.info.remote()
+        except Exception as e:
+            set_status(grpc_context, to_request_error(e))
+            return eagle2_pb2.ModelInfoResponse()
         t = self.cfg.tree
         return eagle2_pb2.ModelInfoResponse(
             target=self.cfg.target or "smollm2-135m-instruct (embedded)", draft=info["draft"],
@@ -147,9 +259,50 @@ class Router:
             vocab_size=self.model_config.vocab_size)
 
     async def Check(self, request, grpc_context):
-        """grpc.health.v1.Health/Check: SERVING once the app is deployed."""
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        """grpc.health.v1.Health/Check: SERVING only while the engine can make progress."""
+        status = health_pb2.HealthCheckResponse
+        try:
+            health = await asyncio.wait_for(self.engine.health.remote(), timeout=5.0)
+        except Exception:
+            return status(status=status.NOT_SERVING)
+        return status(status=status.SERVING if health["serving"] else status.NOT_SERVING)
 
-    # ----- for benchmarks and tests (through a Serve handle) ---------------------------------
+    # ----- OpenAI-compatible HTTP (Serve's HTTP proxy; services/openai_http.py) --------------
+    async def __call__(self, request):
+        from services import openai_http
+
+        return await openai_http.handle(self, request)
+
+    def http_auth_error(self, call) -> RequestError | None:
+        try:
+            auth.check(call.invocation_metadata(), self.api_keys)
+        except auth.AuthError as e:
+            return RequestError(grpc.StatusCode[e.code_name], e.message)
+        return None
+
+    async def http_stream(self, request, call):
+        """_stream's messages, or one (code, message) tuple when the request fails."""
+        try:
+            async for msg in self._stream(request, call):
+                yield msg
+        except Exception as e:
+            err = to_request_error(e)
+            self.metrics.finished(err.code.name)
+            yield err.code, err.message
+            return
+        self.metrics.finished("OK")
+
+    # ----- shutdown, benchmarks and tests (through a Serve handle) ---------------------------
+    async def drain(self) -> int:
+        """Refuse new requests (UNAVAILABLE) and say how many are still running."""
+        self.draining = True
+        return self.admitted
+
     async def engine_stats(self) -> dict:
         return await self.engine.stats.remote()
+
+    async def engine_health(self) -> dict:
+        return await self.engine.health.remote()
+
+    async def rank_pids(self) -> list[int]:
+        return await self.engine.rank_pids.remote()

@@ -123,3 +123,19 @@ def test_head_in_published_llama3_70b_layout_loads(tmp_path):
     tree = TreeConfig("eagle2", total_tokens=10, depth=3, top_k=3, budget="fixed")
     assert run(engine, prompts, greedy, tree) == run(make_engine(target, None), prompts, greedy,
                                                      TreeConfig("vanilla"))
+
+
+def test_grafana_dashboard_queries_only_metrics_the_service_exports():
+    import json
+    import re
+
+    import services.metrics
+
+    dash = json.loads((ROOT / "deploy" / "grafana-eagle2.json").read_text())
+    exported = set(re.findall(r"eagle2_\w+", services.metrics.__doc__))
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            for name in re.findall(r"ray_(eagle2_\w+)", target["expr"]):
+                base = re.sub(r"_(bucket|sum|count)$", "", name)
+                assert base in exported, (panel["title"], name)

@@ -98,8 +98,8 @@ def test_draft_worker_is_another_process_reached_over_grpc(client, service):
     from services.draft_client import RemoteDrafter
 
     stats = service.engine_stats.remote().result()
-    assert stats["draft"].startswith("worker@")
-    worker = RemoteDrafter(stats["draft"].removeprefix("worker@"))
+    assert stats["draft"] == "worker" and stats["draft_address"].startswith("127.0.0.1:")
+    worker = RemoteDrafter(stats["draft_address"])
     health = worker.health()
     assert health.status == "SERVING"
     assert health.pid not in (stats["pid"], os.getpid())
@@ -192,3 +192,139 @@ def test_admission_queue_full_gives_resource_exhausted(client):
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
     assert codes.count(grpc.StatusCode.OK) >= 8
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+# ----- regressions: errors, isolation and abuse -------------------------------------------------
+def test_stream_errors_reach_the_client_with_status_and_message(client):
+    for kwargs, code, message in (
+            (dict(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+            (dict(mode="beam"), grpc.StatusCode.INVALID_ARGUMENT, "mode")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream("Hello", **kwargs))
+        assert err.value.code() == code and message in err.value.details()
+
+
+def test_reused_request_id_cannot_touch_another_clients_request(client, local):
+    expected = local.generate(PROMPTS[:2], SamplingParams(max_tokens=20), mode="vanilla")
+    results: dict[int, list[int]] = {}
+
+    def worker(i):
+        results[i] = stream_ids(client, PROMPTS[i], max_tokens=20, request_id="same")[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[0], results[1]] == [e.token_ids for e in expected]
+
+
+def test_wrong_application_is_not_found():
+    from services.client import Eagle2Client
+
+    with Eagle2Client(f"localhost:{PORT}", application="other") as c:
+        for call in (lambda: c.generate("Hi", max_tokens=2),
+                     lambda: list(c.stream("Hi", max_tokens=2)), c.model_info):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_malformed_body_is_invalid_argument(client):
+    for method in ("Generate", "GenerateStream"):
+        kind = client.channel.unary_stream if method == "GenerateStream" else \
+            client.channel.unary_unary
+        call = kind(f"/eagle2.v1.Eagle2/{method}", request_serializer=lambda b: b,
+                    response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            out = call(b"\xff\xff\xff\xff\x0f", metadata=client.metadata, timeout=30)
+            list(out) if method == "GenerateStream" else out
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+        assert "malformed" in err.value.details()
+
+
+def test_giant_prompts_are_rejected_before_tokenizing_without_stalling_streams(client, local):
+    import time
+
+    expected = local.generate([PROMPTS[3]], SamplingParams(max_tokens=24), mode="vanilla")[0]
+    out = {}
+    t = threading.Thread(target=lambda: out.update(ids=stream_ids(client, PROMPTS[3],
+                                                                  max_tokens=24)[0]))
+    t.start()
+    giant = "word " * (1 << 20)  # 5 MB
+    t0 = time.perf_counter()
+    for _ in range(4):
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(giant)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "bytes" in err.value.details()
+    elapsed = time.perf_counter() - t0
+    t.join()
+    assert out["ids"] == expected.token_ids
+    assert elapsed < 20, elapsed  # tokenizing 20 MB alone takes far longer on 2 cores
+
+
+def test_chat_roles_are_checked(client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate([{"role": "wizard", "content": "Hi"}], max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in err.value.details()
+
+
+def test_high_bits_of_the_seed_take_effect(client):
+    a = client.generate(PROMPTS[5], max_tokens=24, temperature=1.0, seed=11)
+    b = client.generate(PROMPTS[5], max_tokens=24, temperature=1.0, seed=11 + (1 << 40))
+    assert list(a.token_ids) != list(b.token_ids)
+
+
+def test_model_info_names_no_internal_address(client):
+    assert ":" not in client.model_info().draft
+
+
+# ----- OpenAI-compatible HTTP on Serve's HTTP proxy ----------------------------------------------
+@pytest.fixture(scope="module")
+def openai_client(service):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url="http://127.0.0.1:18000/eagle2/v1", api_key="none",
+                         max_retries=0, timeout=120)
+
+
+def test_openai_chat_completions_equal_grpc(openai_client, client):
+    messages = [{"role": "user", "content": PROMPTS[6]}]
+    expected = client.generate(messages, max_tokens=20)
+    out = openai_client.chat.completions.create(model="eagle2", messages=messages,
+                                                max_tokens=20)
+    assert out.choices[0].message.content == expected.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    chunks = list(openai_client.chat.completions.create(model="eagle2", messages=messages,
+                                                        max_tokens=20, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_completions_models_and_errors(openai_client, client):
+    import openai
+
+    expected = client.generate(PROMPTS[2], max_tokens=12, raw=True)
+    out = openai_client.completions.create(model="eagle2", prompt=PROMPTS[2], max_tokens=12)
+    assert out.choices[0].text == expected.text
+    streamed = openai_client.completions.create(model="eagle2", prompt=PROMPTS[2],
+                                                max_tokens=12, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+    assert [m.id for m in openai_client.models.list()] == ["smollm2-135m-instruct"]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        openai_client.chat.completions.create(model="eagle2", max_tokens=0,
+                                              messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        openai_client.chat.completions.create(model="eagle2", max_tokens=4,
+                                              messages=[{"role": "wizard", "content": "Hi"}])
+
+
+def test_short_soak_is_clean(client):
+    from services.soak import Soak
+
+    soak = Soak(client, max_tokens=12, seed=1)
+    soak.run(seconds=20, concurrency=3)
+    out = soak.summary(healthy=True)
+    assert out["ok"], out
+    assert out["requests"] >= 6

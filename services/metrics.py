@@ -1,0 +1,86 @@
+"""Service metrics through Ray's metrics API (`ray.util.metrics`), exported on every node's
+Prometheus endpoint (`ray.init(_metrics_export_port=...)`; Ray prefixes each name with
+`ray_`). Names follow vLLM's and SGLang's speculative-decoding metrics where one exists:
+
+  router:  eagle2_requests_total{status}, eagle2_time_to_first_token_seconds,
+           eagle2_inter_token_latency_seconds, eagle2_generation_tokens_total,
+           eagle2_prompt_tokens_total
+  engine:  eagle2_num_requests_running, eagle2_num_requests_waiting,
+           eagle2_spec_decode_num_drafts_total, eagle2_spec_decode_num_accepted_tokens_total,
+           eagle2_spec_decode_num_accepted_tokens_per_pos_total{position},
+           eagle2_spec_decode_acceptance_length, eagle2_draft_worker_fallbacks_total,
+           eagle2_draft_worker_reconnects_total, eagle2_tp_rank_restarts_total
+
+Acceptance length is tokens per target forward (accepted draft tokens + the bonus token),
+the tau of docs/DESIGN.md; position p counts steps that accepted the draft token at depth
+p + 1.
+"""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+_LATENCY_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
+_LENGTHS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16]
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.requests = metrics.Counter("eagle2_requests_total",
+                                        "Finished requests by gRPC status.", ("status",))
+        self.ttft = metrics.Histogram("eagle2_time_to_first_token_seconds",
+                                      "Request arrival to first token.", _LATENCY_S)
+        self.itl = metrics.Histogram("eagle2_inter_token_latency_seconds",
+                                     "Time between streamed tokens.", _LATENCY_S)
+        self.generation_tokens = metrics.Counter("eagle2_generation_tokens_total",
+                                                 "Tokens generated.")
+        self.prompt_tokens = metrics.Counter("eagle2_prompt_tokens_total", "Prompt tokens.")
+
+    def finished(self, status: str) -> None:
+        self.requests.inc(1, {"status": status})
+
+
+class EngineMetrics:
+    def __init__(self, max_depth: int = 16):
+        self.running = metrics.Gauge("eagle2_num_requests_running",
+                                     "Sequences in the running batch.")
+        self.waiting = metrics.Gauge("eagle2_num_requests_waiting",
+                                     "Admitted sequences waiting for a batch slot.")
+        self.drafts = metrics.Counter("eagle2_spec_decode_num_drafts_total",
+                                      "Speculative steps (one per sequence per step).")
+        self.accepted = metrics.Counter("eagle2_spec_decode_num_accepted_tokens_total",
+                                        "Draft tokens accepted.")
+        self.accepted_per_pos = metrics.Counter(
+            "eagle2_spec_decode_num_accepted_tokens_per_pos_total",
+            "Steps that accepted the draft token at this position (0 = first).", ("position",))
+        self.acceptance_length = metrics.Histogram(
+            "eagle2_spec_decode_acceptance_length",
+            "Tokens per target forward (accepted + bonus).", _LENGTHS)
+        self.fallbacks = metrics.Counter("eagle2_draft_worker_fallbacks_total",
+                                         "Draft workers lost (plain decoding took over).")
+        self.reconnects = metrics.Counter("eagle2_draft_worker_reconnects_total",
+                                          "Reconnections to a restarted draft worker.")
+        self.rank_restarts = metrics.Counter("eagle2_tp_rank_restarts_total",
+                                             "Tensor-parallel rank groups rebuilt.")
+        self.max_depth = max_depth
+        self._seen = {"fallbacks": 0, "reconnects": 0}
+
+    def step(self, num_running: int, num_waiting: int, new_tokens: list[int]) -> None:
+        """After one decoding step: new_tokens = tokens each sequence got from it."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        for n in new_tokens:
+            self.drafts.inc()
+            self.acceptance_length.observe(n)
+            if n > 1:
+                self.accepted.inc(n - 1)
+                for pos in range(min(n - 1, self.max_depth)):
+                    self.accepted_per_pos.inc(1, {"position": str(pos)})
+
+    def drafter(self, fallbacks: int, reconnects: int) -> None:
+        """Mirror the drafter's counters (they change in its own threads)."""
+        for name, value, counter in (("fallbacks", fallbacks, self.fallbacks),
+                                     ("reconnects", reconnects, self.reconnects)):
+            if value > self._seen[name]:
+                counter.inc(value - self._seen[name])
+                self._seen[name] = value

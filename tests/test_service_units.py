@@ -1,0 +1,168 @@
+"""Service pieces without Ray: request limits, seeds, body parsing, and the draft hop's
+fallback to plain decoding when the draft worker dies (real gRPC servers, tiny target)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.engine import Request, fold_seed
+from tests.conftest import make_engine, random_prompts, run, tiny_target
+
+pytest.importorskip("grpc")
+
+from services import convert
+from services.protos import MalformedRequest, _lenient, eagle2_pb2
+
+LIMITS = dict(max_prompt_bytes=100, max_chat_messages=3, max_stop_sequences=2,
+              max_stop_bytes=5)
+
+
+def test_fold_seed_keeps_32_bit_seeds_and_uses_the_high_bits():
+    assert [fold_seed(s) for s in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]
+    folded = {fold_seed(1 + (k << 32)) for k in range(1000)}
+    assert len(folded) == 1000 and all(0 <= f < 2**32 for f in folded)
+    assert 0 <= fold_seed(-(2**63)) < 2**32
+
+
+def test_seeds_differing_in_high_bits_sample_differently():
+    target = tiny_target(seed=3)
+    engine = make_engine(target, head_seed=None)
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    prompt = [random_prompts(1, 64, seed=4)[0]]
+    vanilla = TreeConfig("vanilla")
+    a = run(engine, prompt, params, vanilla, seeds=[5])
+    b = run(engine, prompt, params, vanilla, seeds=[5 + (1 << 40)])
+    assert a == run(engine, prompt, params, vanilla, seeds=[5])
+    assert a != b
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda r: setattr(r, "text", "x" * 101), "bytes"),
+    (lambda r: r.chat.messages.extend(
+        [eagle2_pb2.ChatMessage(role="user", content="hi")] * 4), "messages"),
+    (lambda r: r.stop.extend(["a", "b", "c"]), "stop strings"),
+    (lambda r: r.stop.append("toolong"), "stop string"),
+])
+def test_raw_limits_are_checked_before_tokenizing(build, message):
+    req = eagle2_pb2.GenerateRequest(text="hi")
+    build(req)
+    with pytest.raises(ValueError, match=message):
+        convert.check_request_size(req, **LIMITS)
+
+
+def test_chat_roles_are_validated():
+    req = eagle2_pb2.GenerateRequest()
+    req.chat.messages.append(eagle2_pb2.ChatMessage(role="root", content="hi"))
+    with pytest.raises(ValueError, match="role"):
+        convert.prompt_from_request(req)
+    req.chat.messages[0].role = "user"
+    assert convert.prompt_from_request(req) == [{"role": "user", "content": "hi"}]
+
+
+def test_malformed_body_parses_to_a_marker_not_an_exception():
+    parse = _lenient(eagle2_pb2.GenerateRequest)
+    good = eagle2_pb2.GenerateRequest(text="hi", max_tokens=3)
+    assert parse(good.SerializeToString()) == good
+    bad = parse(b"\xff\xff\xff\xff")
+    assert isinstance(bad, MalformedRequest) and bad.num_bytes == 4
+
+
+# ----- the draft hop: worker killed mid-generation ----------------------------------------------
+class Worker:
+    """A DraftService on localhost (what the DraftWorker replica runs) around a fresh head."""
+
+    def __init__(self, target, head_seed: int = 0):
+        from eagle2.drafter import Drafter
+        from eagle2.head import new_head
+        from services.draft_worker import DraftServicer, start_server
+
+        head = new_head(target.config, seed=head_seed)
+        self.servicer = DraftServicer(Drafter(head, target.embed, target.lm_head, max_slots=16,
+                                              max_len=512), "test")
+        self.server, port = start_server(self.servicer, 0)
+        self.address = f"127.0.0.1:{port}"
+
+    def kill(self) -> None:
+        self.server.stop(grace=None)
+
+
+def test_draft_worker_loss_falls_back_to_plain_decoding_and_reconnects():
+    from services.draft_client import ResilientDrafter
+
+    target = tiny_target(seed=1)
+    worker = Worker(target)
+    current = {"address": worker.address}
+    drafter = ResilientDrafter(lambda: current["address"], timeout_s=5.0, retry_s=0.05)
+    engine = make_engine(target, head_seed=None)
+    engine.drafter = drafter
+    plain_engine = make_engine(target, head_seed=None)
+    prompts = random_prompts(3, 64, seed=2)
+    params = SamplingParams(max_tokens=40)
+    expected = run(plain_engine, prompts, params, TreeConfig("vanilla"))
+    tree = TreeConfig("eagle2", total_tokens=8, depth=3, top_k=3)
+
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add(Request(f"s{i}", tuple(p), params, tree))
+        out[f"s{i}"] = []
+    for _ in range(3):  # a few speculative steps, then the worker dies
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+    calls_before = worker.servicer.draft_requests
+    assert calls_before >= 1
+    worker.kill()
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+    assert [out[f"s{i}"] for i in range(3)] == expected  # nothing lost or altered
+    assert drafter.fallbacks == 1 and drafter.fallback_sequences == 3
+
+    second = Worker(target)  # Serve's replacement: a new process on a new port
+    current["address"] = second.address
+    drafter._reconnecting.join(timeout=30)
+    assert drafter.connected and drafter.reconnects == 1 and drafter.last_recovery_s > 0
+    assert run(engine, prompts, params, tree) == expected
+    assert second.servicer.draft_requests >= 1  # speculation resumed on the new worker
+    drafter.close()
+    second.kill()
+
+
+def test_api_keys_from_file_and_env(tmp_path, monkeypatch):
+    from services import auth
+
+    path = tmp_path / "keys"
+    path.write_text("# comment\nalpha\n\n")
+    monkeypatch.setenv("TEST_KEYS", "beta, gamma")
+    digests = auth.load_keys(str(path), "TEST_KEYS")
+    assert len(digests) == 3
+    for key in ("alpha", "beta", "gamma"):
+        auth.check([("authorization", f"Bearer {key}")], digests)
+    for metadata, code in (([], "UNAUTHENTICATED"), ([("authorization", "alpha")],
+                                                     "UNAUTHENTICATED"),
+                           ([("authorization", "Bearer delta")], "PERMISSION_DENIED")):
+        with pytest.raises(auth.AuthError) as err:
+            auth.check(metadata, digests)
+        assert err.value.code_name == code and "alpha" not in err.value.message
+    auth.check([], [])  # no keys configured: open
+    path.write_text("# none\n")
+    with pytest.raises(ValueError, match="no keys"):
+        auth.load_keys(str(path), None)
+
+
+def test_exceptions_map_to_statuses_without_internal_details():
+    import grpc
+    from ray.exceptions import ActorDiedError
+    from ray.serve.exceptions import BackPressureError
+
+    from services.router import to_request_error
+
+    cases = [(ValueError("max_tokens must be ..."), grpc.StatusCode.INVALID_ARGUMENT),
+             (BackPressureError(num_queued_requests=3, max_queued_requests=2),
+              grpc.StatusCode.RESOURCE_EXHAUSTED),
+             (ActorDiedError(), grpc.StatusCode.UNAVAILABLE),
+             (KeyError("actor 5f3a at 10.0.0.7:41234 pid 999"), grpc.StatusCode.INTERNAL)]
+    for exc, code in cases:
+        err = to_request_error(exc)
+        assert err.code == code
+        assert "10.0.0.7" not in err.message and "pid" not in err.message
