@@ -132,14 +132,26 @@ DRAFT_PROBE_TOP_K = 8
 
 
 def measure_draft_levels(drafter, batches: tuple[int, ...], hidden: int, dtype: torch.dtype,
-                         repeats: int = 3) -> tuple[float, ...]:
+                         free_slots: int, repeats: int = 3) -> tuple[float, ...]:
     """Seconds per draft-head call at each batch size: a depth-2 tree of top_k 8 from one new
-    position per sequence (three head calls), best of `repeats`, on throwaway sequences."""
+    position per sequence (three head calls), best of `repeats`, on throwaway sequences.
+
+    Only batches that fit in the drafter's `free_slots` are run; a larger batch is charged
+    the largest measured one's time scaled by the batch ratio (an upper bound)."""
+    measured = _time_draft_levels(drafter, [b for b in batches if b <= free_slots], hidden,
+                                  dtype, repeats)
+    largest = max(measured, default=None)
+    return tuple(measured[b] if b in measured else measured[largest] * b / largest
+                 for b in batches)
+
+
+def _time_draft_levels(drafter, batches: list[int], hidden: int, dtype: torch.dtype,
+                       repeats: int) -> dict[int, float]:
     from eagle2.config import TreeConfig
 
     tree = TreeConfig("eagle2", total_tokens=16, depth=2, top_k=DRAFT_PROBE_TOP_K,
                       budget="fixed")
-    out = []
+    out = {}
     for num_b in batches:
         ids = [f"__cost_probe_{i}" for i in range(num_b)]
         feats = torch.zeros(num_b, 1, hidden, dtype=dtype)
@@ -154,8 +166,8 @@ def measure_draft_levels(drafter, batches: tuple[int, ...], hidden: int, dtype: 
         finally:
             for sid in ids:
                 drafter.release(sid)
-        out.append(best)
-    return tuple(out)
+        out[num_b] = best
+    return out
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ class Engine:
         self.waiting: list[Request] = []
         self.stats = EngineStats()
         self._costs = costs
+        self._cost_path = costs if isinstance(costs, Path) else None
         self.gate = SpeculationGate()
         self._rate = 0.0  # tokens/s predicted for the last speculative step
         self._depths_used: list[int] = []  # deepest kept node of recent auto trees
@@ -176,9 +177,9 @@ class Engine:
         """The target's forward costs (measured or read once; draft costs may follow)."""
         if not isinstance(self._costs, CostModel):
             prefix = min(256, self.max_context // 2)
-            if isinstance(self._costs, Path):
-                self._cost_path = self._costs
-                self._costs = CostModel.cached(self.runner, self.max_batch, self._costs, prefix)
+            if self._cost_path is not None:
+                self._costs = CostModel.cached(self.runner, self.max_batch, self._cost_path,
+                                               prefix)
             else:
                 self._costs = CostModel.measure(self.runner, self.max_batch, prefix=prefix)
         return self._costs
@@ -186,12 +187,16 @@ class Engine:
     def _draft_costs(self) -> CostModel:
         """The costs with the drafter's per-level time (measured once, on first need)."""
         costs = self.costs
-        if not costs.draft_level_s and self.drafter is not None and self.seqs:
+        # the probe needs free draft slots (an in-process drafter says how many); with none,
+        # it is measured at a later step
+        free = (len(self.drafter.free) if hasattr(self.drafter, "free") else
+                self.max_batch - len(self.seqs))
+        if not costs.draft_level_s and self.drafter is not None and self.seqs and free > 0:
             feats = self.seqs[0].pending_feats
             levels = measure_draft_levels(self.drafter, costs.batches, feats.shape[-1],
-                                          feats.dtype)
+                                          feats.dtype, free)
             self._costs = costs = replace(costs, draft_level_s=levels)
-            if getattr(self, "_cost_path", None) is not None:
+            if self._cost_path is not None:
                 costs.save(self._cost_path)
         return costs
 

@@ -237,3 +237,19 @@ def test_sampling_with_auto_budget_is_reproducible_and_mixes_with_greedy():
         engine._costs = flat_costs(0.0005)
         outs.append(run(engine, prompts, params, AUTO, seeds=[1, 2, 3]))
     assert outs[0] == outs[1]
+
+
+def test_costs_are_measured_once_and_cached_with_the_draft_levels(tmp_path):
+    target = tiny_target(seed=5)
+    path = tmp_path / "costs.json"
+    engine = make_engine(target, 0, max_batch=2, max_context=64)
+    engine._costs, engine._cost_path = path, path
+    prompts = random_prompts(2, 64, seed=8)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    assert run(engine, prompts, GREEDY, AUTO) == vanilla
+    saved = CostModel.from_json(__import__("json").loads(path.read_text()))
+    assert saved.batches == (1, 2) and len(saved.draft_level_s) == 2
+    assert saved == engine.costs  # what the engine used is what was saved
+    again = make_engine(target, 0, max_batch=2, max_context=64)
+    again._costs, again._cost_path = path, path
+    assert again.costs == saved  # read, not measured again
