@@ -46,9 +46,10 @@ class CostModel:
     nodes: tuple[int, ...]  # ascending
     seconds: tuple[tuple[float, ...], ...]  # [len(batches)][len(nodes)]
     prefix: int = 0  # committed cache entries per request when measured
-    # seconds of one draft-head call (one tree level of DRAFT_PROBE_TOP_K nodes) per batch
-    # size; empty until measured. Times come from here, never from the step just run, so the
-    # tree chosen for a seeded sampling request is the same on every run on this machine.
+    # seconds of one draft-head call (one tree level of DRAFT_PROBE_TOP_K nodes) at each of
+    # draft_batches; empty until measured. Times come from here, never from the step just
+    # run, so the tree chosen for a seeded sampling request is the same on every run here.
+    draft_batches: tuple[int, ...] = ()
     draft_level_s: tuple[float, ...] = ()
 
     def __call__(self, num_b: int, num_n: int) -> float:
@@ -56,19 +57,24 @@ class CostModel:
         return _interp(self.batches, per_batch, num_b)
 
     def draft_level(self, num_b: int) -> float:
-        return _interp(self.batches, list(self.draft_level_s), num_b) if self.draft_level_s \
-            else 0.0
+        """Seconds of one draft-head call for num_b sequences (linear past the measured)."""
+        if not self.draft_batches:
+            return 0.0
+        return _interp(self.draft_batches, list(self.draft_level_s), num_b)
 
     def to_json(self) -> dict:
         return {"batches": list(self.batches), "nodes": list(self.nodes),
                 "seconds": [list(r) for r in self.seconds], "prefix": self.prefix,
+                "draft_batches": list(self.draft_batches),
                 "draft_level_s": list(self.draft_level_s)}
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
+        batches = tuple(data.get("draft_batches", ()))
+        levels = tuple(data.get("draft_level_s", ())) if batches else ()
         return cls(tuple(data["batches"]), tuple(data["nodes"]),
                    tuple(tuple(r) for r in data["seconds"]), data.get("prefix", 0),
-                   tuple(data.get("draft_level_s", ())))
+                   batches, levels)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,22 +137,11 @@ class CostModel:
 DRAFT_PROBE_TOP_K = 8
 
 
-def measure_draft_levels(drafter, batches: tuple[int, ...], hidden: int, dtype: torch.dtype,
-                         free_slots: int, repeats: int = 3) -> tuple[float, ...]:
+def measure_draft_levels(drafter, batches: list[int], hidden: int, dtype: torch.dtype,
+                         repeats: int = 3) -> dict[int, float]:
     """Seconds per draft-head call at each batch size: a depth-2 tree of top_k 8 from one new
-    position per sequence (three head calls), best of `repeats`, on throwaway sequences.
-
-    Only batches that fit in the drafter's `free_slots` are run; a larger batch is charged
-    the largest measured one's time scaled by the batch ratio (an upper bound)."""
-    measured = _time_draft_levels(drafter, [b for b in batches if b <= free_slots], hidden,
-                                  dtype, repeats)
-    largest = max(measured, default=None)
-    return tuple(measured[b] if b in measured else measured[largest] * b / largest
-                 for b in batches)
-
-
-def _time_draft_levels(drafter, batches: list[int], hidden: int, dtype: torch.dtype,
-                       repeats: int) -> dict[int, float]:
+    position per sequence (three head calls), best of `repeats`, on throwaway sequences (the
+    drafter needs that many free slots)."""
     from eagle2.config import TreeConfig
 
     tree = TreeConfig("eagle2", total_tokens=16, depth=2, top_k=DRAFT_PROBE_TOP_K,

@@ -187,15 +187,18 @@ class Engine:
     def _draft_costs(self) -> CostModel:
         """The costs with the drafter's per-level time (measured once, on first need)."""
         costs = self.costs
-        # the probe needs free draft slots (an in-process drafter says how many); with none,
-        # it is measured at a later step
+        if self.drafter is None or not self.seqs:
+            return costs
+        # the probe runs on free draft slots (an in-process drafter says how many); batches
+        # beyond them are extrapolated, and measured once more slots are free
         free = (len(self.drafter.free) if hasattr(self.drafter, "free") else
                 self.max_batch - len(self.seqs))
-        if not costs.draft_level_s and self.drafter is not None and self.seqs and free > 0:
+        wanted = [b for b in costs.batches if b <= min(free, self.max_batch)]
+        if wanted and max(wanted) > max(costs.draft_batches, default=0):
             feats = self.seqs[0].pending_feats
-            levels = measure_draft_levels(self.drafter, costs.batches, feats.shape[-1],
-                                          feats.dtype, free)
-            self._costs = costs = replace(costs, draft_level_s=levels)
+            levels = measure_draft_levels(self.drafter, wanted, feats.shape[-1], feats.dtype)
+            self._costs = costs = replace(costs, draft_batches=tuple(levels),
+                                          draft_level_s=tuple(levels.values()))
             if self._cost_path is not None:
                 costs.save(self._cost_path)
         return costs

@@ -22,7 +22,7 @@ def flat_costs(per_token: float = 0.0, base: float = 0.01) -> CostModel:
     nodes, batches = (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16)
     return CostModel(batches, nodes, tuple(tuple(base + per_token * b * n for n in nodes)
                                            for b in batches),
-                     draft_level_s=tuple(base / 1000 * b for b in batches))
+                     draft_batches=batches, draft_level_s=tuple(base / 1000 * b for b in batches))
 
 
 # ----- choosing N ---------------------------------------------------------------------------
@@ -248,7 +248,8 @@ def test_costs_are_measured_once_and_cached_with_the_draft_levels(tmp_path):
     vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
     assert run(engine, prompts, GREEDY, AUTO) == vanilla
     saved = CostModel.from_json(__import__("json").loads(path.read_text()))
-    assert saved.batches == (1, 2) and len(saved.draft_level_s) == 2
+    assert saved.batches == (1, 2) and saved.draft_batches == (1, 2)
+    assert len(saved.draft_level_s) == 2
     assert saved == engine.costs  # what the engine used is what was saved
     again = make_engine(target, 0, max_batch=2, max_context=64)
     again._costs, again._cost_path = path, path
