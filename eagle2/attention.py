@@ -126,9 +126,24 @@ def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache
     k = attn.k_proj(h).view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, KVH, N, Dh]
     v = attn.v_proj(h).view(num_b, num_n, -1, head_dim).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, inp.cos, inp.sin)
-    slot_idx = inp.slots[:, None]  # [B, 1]
-    cache.k[layer_idx][slot_idx, :, inp.write_pos] = k.transpose(1, 2).to(cache.k.dtype)
-    cache.v[layer_idx][slot_idx, :, inp.write_pos] = v.transpose(1, 2).to(cache.v.dtype)
+    out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(num_b, num_n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                     layer_idx: int, inp: StepInputs) -> torch.Tensor:
+    """Write the new k, v [B, KVH, N, Dh] into the cache, attend q [B, Hq, N, Dh] over the
+    prefix and the tree (inp.mask): -> [B, Hq, N, Dh]."""
+    num_b, num_n = q.shape[0], q.shape[2]
+    if inp.write_start is not None:  # contiguous slots, all at one length: slice copies
+        end = inp.write_start + num_n
+        cache.k[layer_idx, :num_b, :, inp.write_start:end] = k
+        cache.v[layer_idx, :num_b, :, inp.write_start:end] = v
+    else:
+        slot_idx = inp.slots[:, None]  # [B, 1]
+        cache.k[layer_idx][slot_idx, :, inp.write_pos] = k.transpose(1, 2).to(cache.k.dtype)
+        cache.v[layer_idx][slot_idx, :, inp.write_pos] = v.transpose(1, 2).to(cache.v.dtype)
     s_used = inp.mask.shape[-1]
     if inp.contiguous:
         keys = cache.k[layer_idx, :num_b, :, :s_used]  # [B, KVH, S, Dh] (a view)
@@ -136,12 +151,10 @@ def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache
     else:
         keys = cache.k[layer_idx][inp.slots, :, :s_used]  # a copy
         values = cache.v[layer_idx][inp.slots, :, :s_used]
-    out = F.scaled_dot_product_attention(
+    return F.scaled_dot_product_attention(
         q, keys.to(q.dtype), values.to(q.dtype), attn_mask=inp.mask,
         enable_gqa=q.shape[1] != keys.shape[1],
-    )  # [B, Hq, N, Dh]
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(num_b, num_n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    )
 
 
 def causal_mask(lengths: torch.Tensor, num_n: int) -> torch.Tensor:

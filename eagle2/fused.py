@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle2.attention import KVCache, StepInputs
+from eagle2.attention import KVCache, StepInputs, cached_attention
 from eagle2.kernels import BlockedWeight, BlockPlan
 
 
@@ -96,25 +96,7 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
     qk = _rotate(qkv[:, : num_q_heads + num_kv], inp.cos[:, None], inp.sin[:, None])
     q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]  # [B, Hq, N, Dh], [B, KVH, N, Dh]
     v = qkv[:, num_q_heads + num_kv:]
-    s_used = inp.mask.shape[-1]
-    if inp.write_start is not None:  # contiguous slots, all at one length: slice copies
-        end = inp.write_start + num_n
-        cache.k[layer_idx, :num_b, :, inp.write_start:end] = k
-        cache.v[layer_idx, :num_b, :, inp.write_start:end] = v
-    else:
-        slot_idx = inp.slots[:, None]  # [B, 1]
-        cache.k[layer_idx][slot_idx, :, inp.write_pos] = k.transpose(1, 2).to(cache.k.dtype)
-        cache.v[layer_idx][slot_idx, :, inp.write_pos] = v.transpose(1, 2).to(cache.v.dtype)
-    if inp.contiguous:
-        keys = cache.k[layer_idx, :num_b, :, :s_used]  # [B, KVH, S, Dh] (a view)
-        values = cache.v[layer_idx, :num_b, :, :s_used]
-    else:
-        keys = cache.k[layer_idx][inp.slots, :, :s_used]  # a copy
-        values = cache.v[layer_idx][inp.slots, :, :s_used]
-    out = F.scaled_dot_product_attention(
-        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=inp.mask,
-        enable_gqa=num_q_heads != num_kv,
-    )  # [B, Hq, N, Dh]
+    out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
     x = x + lw.o(out.transpose(1, 2).reshape(num_b, num_n, -1))
     gate, up = lw.gate_up(_rms_norm(x, lw.post_norm, lw.eps)).chunk(2, dim=-1)
     return x + lw.down(lw.act(gate) * up)
