@@ -201,10 +201,9 @@ def choose_num_nodes(values: torch.Tensor, costs: CostModel, draft_s: float,
 @dataclass
 class SpeculationGate:
     """Stop drafting while it does not pay; probe again after a back-off that doubles (up to
-    `max_backoff` steps) each time the probe does not pay either, and resets when it does or
-    when new requests join the batch."""
+    `max_backoff` steps) each time the probe does not pay either, and resets when it does."""
 
-    max_backoff: int = 32
+    max_backoff: int = 64
     backoff: int = 0  # steps to skip after the current streak
     skip_left: int = 0
     history: list[bool] = field(default_factory=list)  # recent verdicts, for stats
@@ -215,9 +214,10 @@ class SpeculationGate:
             return False
         return True
 
-    def reopen(self) -> None:
-        """Probe again at the next step (the batch changed: what paid or not may differ)."""
-        self.backoff = self.skip_left = 0
+    def probe_next(self) -> None:
+        """Draft at the next step (new requests joined: their text may suit the head), keeping
+        the back-off for what follows if that probe does not pay either."""
+        self.skip_left = 0
 
     def record(self, pays: bool) -> None:
         self.history = [*self.history[-63:], pays]

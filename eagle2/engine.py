@@ -71,6 +71,10 @@ class EngineStats:
     auto_steps: int = 0  # steps with auto-budget requests
     skipped_drafts: int = 0  # of those, steps decoded plainly because speculation did not pay
     nodes_chosen: Counter = field(default_factory=Counter)  # auto budget: tree size -> steps
+    # auto budget, drafted steps: accepted draft tokens the calibrated values promised, and
+    # how many verification accepted (the calibration's check in production)
+    predicted_accepted: float = 0.0
+    accepted: int = 0
 
 
 @dataclass
@@ -111,7 +115,9 @@ class Engine:
         self.stats = EngineStats()
         self._costs = costs
         self._cost_path = costs if isinstance(costs, Path) else None
-        self.gate = SpeculationGate()
+        # one gate per batch size: whether speculation pays depends on it, and what was learnt
+        # at a batch size holds for the next requests that run at that size
+        self.gates: dict[int, SpeculationGate] = {}
         self._rate = 0.0  # tokens/s predicted for the last speculative step
         self._depths_used: list[int] = []  # deepest kept node of recent auto trees
 
@@ -173,6 +179,11 @@ class Engine:
         return events
 
     @property
+    def gate(self) -> SpeculationGate:
+        """The speculation gate of the current batch size."""
+        return self.gates.setdefault(len(self.seqs), SpeculationGate())
+
+    @property
     def costs(self) -> CostModel:
         """The target's forward costs (measured or read once; draft costs may follow)."""
         if not isinstance(self._costs, CostModel):
@@ -224,6 +235,7 @@ class Engine:
         self.gate.record(choice.pays)
         self._rate = choice.rate
         self.stats.nodes_chosen[choice.num_nodes] += 1
+        self.stats.predicted_accepted += choice.expected_tokens - int(auto.sum())
         keep = torch.where(auto, choice.num_nodes, tree.num_nodes)
         pruned = prune_tree(tree, keep)
         self._depths_used = [*self._depths_used[-7:], int(pruned.depths[auto].max())]
@@ -290,6 +302,8 @@ class Engine:
                 new_feats = torch.cat([s.pending_feats, new_feats])
                 new_tokens = torch.cat([s.pending_tokens.to(dev), new_tokens])
             s.pending_feats, s.pending_tokens = new_feats, new_tokens
+            if s.auto and s.drafted:
+                self.stats.accepted += n - 1
             s.num_steps += 1
             s.accepted_at_depth[n - 1] += 1
             events.append(self._emit(s, verified.tokens[b]))
@@ -336,7 +350,6 @@ class Engine:
         t0 = time.perf_counter()
         room = self.max_batch - len(self.seqs)
         batch, self.waiting = self.waiting[:room], self.waiting[room:]
-        self.gate.reopen()  # a new batch: probe speculation again at its first step
         dev = self.runner.device
         lengths = torch.tensor([len(r.prompt_ids) for r in batch], device=dev)
         width = int(lengths.max())
@@ -360,6 +373,7 @@ class Engine:
             self.seqs.append(s)
             events.append(self._emit(s, [tok]))
         self._drop_finished(events)
+        self.gate.probe_next()  # the gate of the new batch size
         self.stats.prefill_s += time.perf_counter() - t0
         return events
 

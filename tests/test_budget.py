@@ -80,8 +80,11 @@ def test_gate_backs_off_and_resets():
         + [False] + ["skip"] * 8 + [True]
     assert gate.should_draft() and gate.backoff == 0
     gate.record(False)
-    gate.reopen()
-    assert gate.should_draft()
+    gate.record(False)  # backoff 4
+    gate.probe_next()
+    assert gate.should_draft() and gate.backoff == 4
+    gate.record(False)
+    assert gate.skip_left == 8  # the back-off goes on doubling after the probe
 
 
 # ----- pruning -------------------------------------------------------------------------------

@@ -251,7 +251,9 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
     machine, wall_s = _machine(llm, load_start), time.perf_counter() - t_start
     stats = llm.engine.stats  # what the cost-aware budget did over the whole run
     machine["budget"] = {"auto_steps": stats.auto_steps, "skipped_drafts": stats.skipped_drafts,
-                         "nodes_chosen": dict(sorted(stats.nodes_chosen.items()))}
+                         "nodes_chosen": dict(sorted(stats.nodes_chosen.items())),
+                         "predicted_accepted": round(stats.predicted_accepted, 1),
+                         "accepted": stats.accepted}
     report.write_json(out_dir / "runs.json", {
         "config": config, "machine": machine, "wall_s": wall_s,
         "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
