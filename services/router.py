@@ -214,9 +214,7 @@ class Router:
             self.metrics.finished("CANCELLED")
             raise
         except Exception as e:
-            err = to_request_error(e)
-            self.metrics.finished(err.code.name)
-            set_status(grpc_context, err)
+            self._fail(e, grpc_context)
             yield eagle2_pb2.GenerateStreamResponse()  # carries the status through the proxy
             return
         self.metrics.finished("OK")
@@ -235,12 +233,16 @@ class Router:
             self.metrics.finished("CANCELLED")
             raise
         except Exception as e:
-            err = to_request_error(e)
-            self.metrics.finished(err.code.name)
-            set_status(grpc_context, err)
+            self._fail(e, grpc_context)
             return eagle2_pb2.GenerateResponse()
         self.metrics.finished("OK")
         return out
+
+    def _fail(self, e: Exception, grpc_context) -> None:
+        """Map a request's exception to its status, count it and set it on the call."""
+        err = to_request_error(e)
+        self.metrics.finished(err.code.name)
+        set_status(grpc_context, err)
 
     async def ModelInfo(self, request, grpc_context):
         try:
