@@ -77,10 +77,9 @@ class CostModel:
                    batches, levels)
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json()))
-        tmp.replace(path)
+        from eagle2.kernels import write_json_atomic
+
+        write_json_atomic(path, self.to_json())
 
     @classmethod
     def measure(cls, runner, max_batch: int, max_nodes: int = 32, prefix: int = 256,

@@ -121,9 +121,14 @@ def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
         data = json.loads(path.read_text())
         return BlockPlan({int(k): v for k, v in data["block_bytes"].items()})
     plan, timings = measure_plan(weights)
+    write_json_atomic(path, {"name": name, "shapes": shapes, "threads": torch.get_num_threads(),
+                             "block_bytes": plan.block_bytes, "timings_ms": timings})
+    return plan
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON so that a concurrent reader (another shard) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"name": name, "shapes": shapes, "threads": torch.get_num_threads(),
-                               "block_bytes": plan.block_bytes, "timings_ms": timings}, indent=1))
+    tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
-    return plan

@@ -140,9 +140,7 @@ def run(args) -> int:
     model = CostModel(tuple(batches), tuple(nodes), tuple(
         tuple(max(row[: i + 1]) for i in range(len(row))) for row in costs), args.prefix)
     if not args.no_save_costs:
-        path = cost_cache_path(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(model.to_json()))
+        model.save(cost_cache_path(target))
     result = {
         "target": target.name, "dtype": str(target.dtype).removeprefix("torch."),
         "device": str(target.device), "threads": torch.get_num_threads(),
