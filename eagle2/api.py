@@ -16,6 +16,7 @@ from pathlib import Path
 
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.drafter import Drafter
+from eagle2.eagle3 import Eagle3Head
 from eagle2.engine import Engine, Event, Request
 from eagle2.head import DraftHead, load_head, new_head
 from eagle2.runner import LocalRunner
@@ -49,7 +50,7 @@ class Completion:
 class Eagle2:
     """A target, a draft head and an engine, with the tokenizer around them."""
 
-    def __init__(self, target: TargetModel, head: DraftHead | None,
+    def __init__(self, target: TargetModel, head: DraftHead | Eagle3Head | None,
                  tree: TreeConfig = TreeConfig(), max_batch: int = 8,
                  max_context: int | None = None):
         self.target, self.head, self.tree = target, head, tree
@@ -57,6 +58,7 @@ class Eagle2:
         self.max_context = min(max_context or 2048, target.max_position)
         drafter = None
         if head is not None:
+            target.set_feature_layers(head.feature_layers(target.num_layers))
             drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
                               max_len=self.max_context)
         runner = LocalRunner(target, max_batch, self.max_context + Engine.tree_margin)
@@ -144,7 +146,7 @@ class _Progress:
                           self.accepted)
 
 
-def resolve_head(target: TargetModel, draft: str | None) -> DraftHead:
+def resolve_head(target: TargetModel, draft: str | None) -> DraftHead | Eagle3Head:
     """The head for a target: an explicit directory, "untrained", or the shipped one."""
     if draft == "untrained":
         return new_head(target.config, dtype=target.dtype).to(target.device)
@@ -155,9 +157,10 @@ def resolve_head(target: TargetModel, draft: str | None) -> DraftHead:
                     target.name)
         return new_head(target.config, dtype=target.dtype).to(target.device)
     head = load_head(path, dtype=target.dtype, device=target.device)
-    if head.config.hidden_size != target.config.hidden_size:
-        raise ValueError(f"draft head hidden size {head.config.hidden_size} does not match the "
-                         f"target's {target.config.hidden_size}")
+    width = getattr(head, "target_hidden_size", head.config.hidden_size)
+    if width != target.config.hidden_size:
+        raise ValueError(f"draft head {str(path)!r} expects target features of width {width}, "
+                         f"the target's hidden size is {target.config.hidden_size}")
     return head
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from eagle2.attention import causal_mask, step_inputs, vocab_projection
 from eagle2.config import TreeConfig
+from eagle2.eagle3 import Eagle3Head
 from eagle2.head import DraftHead
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
 
@@ -35,7 +36,7 @@ class _Level:
 class Drafter:
     """The head, its per-sequence KV cache and the tree builder. Sequences are keyed by id."""
 
-    def __init__(self, head: DraftHead, embed: nn.Embedding, lm_head: nn.Module,
+    def __init__(self, head: DraftHead | Eagle3Head, embed: nn.Embedding, lm_head: nn.Module,
                  max_slots: int, max_len: int, tree_margin: int = 256,
                  keep_candidates: bool = False, calibrated: bool = True):
         """keep_candidates: keep every expansion's full candidate list (before the rerank)
@@ -49,10 +50,9 @@ class Drafter:
         self.embed = embed
         param = head.fc.weight
         self.device, self.dtype = param.device, param.dtype
-        weight = lm_head.weight.detach()
-        if head.d2t.numel():  # reduced draft vocabulary: only these rows of lm_head
-            weight = weight[head.d2t.to(weight.device)]
-        self.draft_lm_head = weight.to(device=self.device, dtype=self.dtype)  # [Vd, H]
+        # [Vd, H]: the target's lm_head rows of the draft vocabulary (EAGLE-1/2) or the
+        # head's own lm_head (EAGLE-3)
+        self.draft_lm_head = head.output_weight(lm_head).to(device=self.device, dtype=self.dtype)
         self.d2t = head.d2t.to(self.device) if head.d2t.numel() else None
         self.cache = head.allocate_cache(max_slots, max_len + tree_margin)
         self.max_len = max_len
@@ -89,23 +89,26 @@ class Drafter:
     # ----- drafting -------------------------------------------------------------------------
     def _log_probs(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k draft (log-prob, token) for [..., H] features."""
-        logits = vocab_projection(features.to(self.dtype), self.draft_lm_head).float()
+        logits = vocab_projection(self.head.pre_logits(features.to(self.dtype)),
+                                  self.draft_lm_head).float()
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
         tokens = top.indices if self.d2t is None else self.d2t[top.indices]
         return top.values, tokens
 
     def _run(self, slots: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
              positions: torch.Tensor, tree_mask: torch.Tensor, window: int) -> torch.Tensor:
-        x = self.head.fuse(self.embed(tokens).to(self.dtype), features)
-        inp = step_inputs(self.cache, slots, tree_mask, positions, self.head.rotary, x, window)
-        return self.head.forward_layer(x, self.cache, inp)
+        embeds = self.embed(tokens).to(self.dtype)
+        inp = step_inputs(self.cache, slots, tree_mask, positions, self.head.rotary, embeds,
+                          window)
+        return self.head.step(embeds, features, self.cache, inp)
 
     @torch.inference_mode()
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
               counts: torch.Tensor, config: TreeConfig, min_gain: float = 0.0) -> DraftTree:
         """Append the new pairs and draft one tree per sequence.
 
-        features: [B, A, H] target features of the newly committed positions; tokens: [B, A]
+        features: [B, A, F] target features of the newly committed positions (F = H, or 3H
+        for an EAGLE-3 head: `TargetModel.set_feature_layers`); tokens: [B, A]
         the token after each of them (the last one is the root); counts: [B] valid entries.
         min_gain: the dynamic tree stops expanding once the best frontier values (summed over
         the batch, calibrated) fall below it: deeper nodes could not pay for the expansion.

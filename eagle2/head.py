@@ -25,12 +25,26 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from eagle2.attention import KVCache, StepInputs, causal_mask, decoder_layer, step_inputs
 from eagle2.calibration import FILE_NAME as CALIBRATION_FILE
 from eagle2.calibration import Calibration
+from eagle2.eagle3 import (
+    AUX_IDS_KEY,
+    Eagle3Head,
+    default_feature_layers,
+    is_eagle3,
+    published_config,
+    published_state,
+)
+from eagle2.eagle3 import from_state as eagle3_from_state
 
 IGNORED_KEYS = ("embed_tokens.weight",)
 
 
 class DraftHead(nn.Module):
-    """fc + one decoder layer. `forward_layer` does not own a cache; the drafter passes one."""
+    """fc + one decoder layer. `forward_layer` does not own a cache; the drafter passes one.
+
+    The drafter uses `step`, `pre_logits`, `output_weight`, `feature_layers`, `rotary`, `d2t`
+    and `calibration`, which `eagle2.eagle3.Eagle3Head` provides too."""
+
+    kind = "eagle2"
 
     def __init__(self, config: LlamaConfig, bias: bool = True):
         super().__init__()
@@ -61,6 +75,26 @@ class DraftHead(nn.Module):
         """The decoder layer (input_layernorm skipped) over the head's cache: -> [B, N, H]."""
         return decoder_layer(self.layers[0], 0, x, cache, inp, self.head_dim,
                              skip_input_norm=True)
+
+    def step(self, token_embeds: torch.Tensor, features: torch.Tensor, cache: KVCache,
+             inp: StepInputs) -> torch.Tensor:
+        """Embeddings + features (the target's or the head's own, both [B, N, H]) -> the
+        predicted features [B, N, H], writing the layer's K/V into the cache."""
+        return self.forward_layer(self.fuse(token_embeds, features), cache, inp)
+
+    def feature_layers(self, num_layers: int) -> None:
+        """None: the head reads the target's last hidden state after the final norm."""
+        return None
+
+    def pre_logits(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def output_weight(self, target_lm_head: nn.Module) -> torch.Tensor:
+        """[Vd, H]: the target's lm_head rows of the draft vocabulary."""
+        weight = target_lm_head.weight.detach()
+        if self.d2t.numel():
+            weight = weight[self.d2t.to(weight.device)]
+        return weight
 
     def forward_train(self, token_embeds: torch.Tensor, features: torch.Tensor,
                       lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,19 +151,58 @@ def new_head(target_config, seed: int = 0, bias: bool = False,
 
 
 def load_head(path: str | Path, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> DraftHead:
-    """Load the published layout: config.json + model.safetensors or pytorch_model.bin."""
+              device: torch.device | str = "cpu") -> DraftHead | Eagle3Head:
+    """Load a published head as downloaded: config.json + model.safetensors or
+    pytorch_model.bin, EAGLE-1/2 or EAGLE-3 (told apart by the config and tensor names)."""
     path = Path(path)
-    cfg_path = path / "config.json"
+    raw = read_head_config(path)
+    state = _read_state(path)
+    if is_eagle3(raw, set(state)):
+        head = eagle3_from_state(raw, state)
+    else:
+        head = _eagle2_from_state(raw, state)
+    if (path / CALIBRATION_FILE).exists():
+        head.calibration = Calibration.load(path / CALIBRATION_FILE)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def read_head_config(path: str | Path) -> dict:
+    cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
         raise ValueError(f"draft head {str(path)!r} has no config.json")
-    raw = json.loads(cfg_path.read_text())
+    return json.loads(cfg_path.read_text())
+
+
+def head_feature_layers(path: str | Path | None, num_layers: int) -> tuple[int, ...] | None:
+    """The target layers whose inputs a head directory's head reads (EAGLE-3), or None (the
+    final hidden state), from its config.json alone: what the target side must produce."""
+    if path is None or path == "untrained":
+        return None
+    raw = read_head_config(path)
+    names = set()
+    if not ("draft_vocab_size" in raw or any("Eagle3" in a for a in raw.get("architectures")
+                                              or ())):
+        names = _state_names(Path(path))
+    if not is_eagle3(raw, names):
+        return None
+    aux = (raw.get("eagle_config") or {}).get(AUX_IDS_KEY)
+    return tuple(i + 1 for i in aux) if aux else default_feature_layers(num_layers)
+
+
+def _state_names(path: Path) -> set[str]:
+    if (path / "model.safetensors").exists():
+        from safetensors import safe_open
+
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            return set(f.keys())
+    return set(_read_state(path))
+
+
+def _eagle2_from_state(raw: dict, state: dict[str, torch.Tensor]) -> DraftHead:
     if raw.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"draft head config has num_hidden_layers={raw['num_hidden_layers']}; "
                          "an EAGLE-1/2 head has exactly one decoder layer")
-    raw["num_hidden_layers"] = 1
     config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures",)})
-    state = _read_state(path)
     for key in IGNORED_KEYS:
         state.pop(key, None)
     d2t = state.pop("d2t", None)
@@ -143,9 +216,7 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.float32,
                          f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     if d2t is not None:
         head.d2t = d2t.long()
-    if (path / CALIBRATION_FILE).exists():
-        head.calibration = Calibration.load(path / CALIBRATION_FILE)
-    return head.to(device=device, dtype=dtype).eval()
+    return head
 
 
 def _read_state(path: Path) -> dict[str, torch.Tensor]:
@@ -157,10 +228,20 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
                      "nor pytorch_model.bin")
 
 
-def save_head(head: DraftHead, path: str | Path, extra_config: dict | None = None) -> None:
-    """Write the published layout (config.json + model.safetensors, published key names)."""
+def save_head(head: DraftHead | Eagle3Head, path: str | Path, extra_config: dict | None = None,
+              target_config=None) -> None:
+    """Write the published layout (config.json + model.safetensors, published key names).
+    An EAGLE-3 head needs the target's config (its t2d mask spans the target vocabulary)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if isinstance(head, Eagle3Head):
+        if target_config is None:
+            raise ValueError("saving an EAGLE-3 head needs the target's config")
+        config = published_config(head, target_config)
+        config.update(extra_config or {})
+        save_file(published_state(head, target_config.vocab_size), path / "model.safetensors")
+        (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        return
     config = head.config.to_dict()
     config.update({"num_hidden_layers": 1, "bias": head.bias,
                    "architectures": ["LlamaForCausalLM"]})

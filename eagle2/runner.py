@@ -66,11 +66,11 @@ class LocalRunner:
         return self.cache.lengths
 
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
-        feats = self.target.forward(tokens, positions, tree_mask, self.cache, slots).features
+        out = self.target.forward(tokens, positions, tree_mask, self.cache, slots)
         if logit_index is not None:
-            rows = torch.arange(feats.shape[0], device=feats.device)
-            return feats, self.target.logits(feats[rows, logit_index])
-        return feats, self.target.logits(feats)
+            rows = torch.arange(out.hidden.shape[0], device=out.hidden.device)
+            return out.features, self.target.logits(out.hidden[rows, logit_index])
+        return out.features, self.target.logits(out.hidden)
 
     def forward_features(self, tokens, positions, tree_mask, slots) -> torch.Tensor:
         """The forward without lm_head: features [B, N, H] (what a TP rank other than 0 runs:

@@ -1,7 +1,7 @@
 """The target model: loading (HF directory, GGUF, the embedded default) and the tree forward.
 
-Features are the last hidden state after the final norm (the input of lm_head);
-see docs/DESIGN.md "Draft head".
+Features are the last hidden state after the final norm (the input of lm_head) for EAGLE-1/2
+heads, or three layers' residual streams for EAGLE-3 heads; see docs/DESIGN.md "Draft head".
 """
 
 from __future__ import annotations
@@ -124,7 +124,9 @@ def load_hf(spec: str | None, dtype: torch.dtype, device: torch.device):
 
 @dataclass
 class TargetOutput:
-    features: torch.Tensor  # [B, N, H] last hidden state after the final norm
+    hidden: torch.Tensor  # [B, N, H] last hidden state after the final norm (lm_head's input)
+    features: torch.Tensor  # [B, N, F] what the draft head reads: `hidden` (EAGLE-1/2), or
+    # the residual stream at the inputs of `feature_layers` concatenated, F = 3H (EAGLE-3)
 
 
 class TargetModel:
@@ -148,9 +150,22 @@ class TargetModel:
         self.rotary = hf_model.model.rotary_emb
         weight = self.embed.weight
         self.dtype, self.device = weight.dtype, weight.device
+        self.feature_layers: tuple[int, ...] | None = None  # see set_feature_layers
         self.fused: list[FusedLayer] | None = None
         self.head_proj: BlockedWeight | None = None
         self.plan = BlockPlan()
+
+    def set_feature_layers(self, layers: tuple[int, ...] | None) -> TargetModel:
+        """Make `forward` return, as features, the residual streams at the inputs of these
+        decoder layers (an EAGLE-3 head's `feature_layers`); None: the final hidden state."""
+        if layers is not None:
+            layers = tuple(int(i) for i in layers)
+            bad = [i for i in layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"feature layers {bad} outside the target's "
+                                 f"{self.num_layers} decoder layers")
+        self.feature_layers = layers
+        return self
 
     def fuse(self, measure: bool | None = None, refresh: bool = False) -> TargetModel:
         """Switch to the fused layers (`eagle2.fused`) when the model allows it, with linear
@@ -199,14 +214,18 @@ class TargetModel:
         """
         x = self.embed(tokens)  # [B, N, H]
         inp = step_inputs(cache, slots, tree_mask, positions, self.rotary, x)
-        if self.fused is not None:
-            num_heads = self.config.num_attention_heads
-            for i, lw in enumerate(self.fused):
-                x = fused_layer(lw, i, x, cache, inp, self.head_dim, num_heads)
-        else:
-            for i, layer in enumerate(self.layers):
-                x = decoder_layer(layer, i, x, cache, inp, self.head_dim)
-        return TargetOutput(self.norm(x))
+        keep = self.feature_layers or ()
+        kept: dict[int, torch.Tensor] = {}
+        num_heads = self.config.num_attention_heads
+        for i in range(self.num_layers):
+            if i in keep:
+                kept[i] = x
+            if self.fused is not None:
+                x = fused_layer(self.fused[i], i, x, cache, inp, self.head_dim, num_heads)
+            else:
+                x = decoder_layer(self.layers[i], i, x, cache, inp, self.head_dim)
+        hidden = self.norm(x)
+        return TargetOutput(hidden, torch.cat([kept[i] for i in keep], dim=-1) if keep else hidden)
 
     @torch.inference_mode()
     def logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -29,18 +29,40 @@ from services.protos import draft_pb2, draft_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
-    """The head for cfg.target plus the target's embedding and lm_head (nothing else)."""
+def head_dir(cfg: ServiceConfig) -> str | None:
+    """The head directory the service uses: cfg.draft, else the one shipped for the target;
+    None for an untrained head."""
     from eagle2.api import shipped_head_dir
     from eagle2.target import EMBEDDED_NAME
 
+    if cfg.draft == "untrained":
+        return None
+    path = cfg.draft or shipped_head_dir(EMBEDDED_NAME if cfg.target is None else
+                                         os.path.basename(cfg.target.rstrip("/")))
+    return None if path is None else str(path)
+
+
+def feature_layers(cfg: ServiceConfig) -> tuple[int, ...] | None:
+    """The target layers whose inputs the service's head reads (EAGLE-3), None for EAGLE-1/2:
+    read from the head's config.json so the target side never loads the head."""
+    from transformers import AutoConfig
+
+    from eagle2.head import head_feature_layers
+    from eagle2.target import embedded_model_dir
+
+    path = head_dir(cfg)
+    if path is None:
+        return None
+    tcfg = AutoConfig.from_pretrained(cfg.target or embedded_model_dir())
+    return head_feature_layers(path, tcfg.num_hidden_layers)
+
+
+def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
+    """The head for cfg.target plus the target's embedding and lm_head (nothing else)."""
     device = pick_device(cfg.device())
     dtype = pick_dtype(cfg.dtype, device)
     embed, lm_head = load_vocab_modules(cfg.target, dtype, str(device))
-    path = None
-    if cfg.draft != "untrained":
-        path = cfg.draft or shipped_head_dir(EMBEDDED_NAME if cfg.target is None else
-                                             os.path.basename(cfg.target.rstrip("/")))
+    path = head_dir(cfg)
     if path is None:
         from transformers import AutoConfig
 

@@ -57,12 +57,15 @@ class TargetEngine:
         self.thread.start()
 
     def _new_runner(self) -> ShardedRunner:
+        from services.draft_worker import feature_layers
+
         cfg = self.cfg
         return ShardedRunner(cfg.tp_size, cfg.max_batch_size,
                              cfg.max_context + Engine.tree_margin, target=cfg.target,
                              dtype=None if cfg.dtype == "auto" else cfg.dtype,
                              use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank,
-                             gpu_per_rank=cfg.gpu_per_rank())
+                             gpu_per_rank=cfg.gpu_per_rank(),
+                             feature_layers=feature_layers(cfg))
 
     @staticmethod
     async def _make_drafter(cfg: ServiceConfig, draft_worker):

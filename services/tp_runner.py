@@ -38,11 +38,13 @@ class TPRank:
     """One tensor-parallel rank: a target shard and its KV cache (a Ray actor's body)."""
 
     def __init__(self, rank: int, tp_size: int, target: str | None, dtype: str | None,
-                 num_slots: int, max_len: int, num_threads: int = 1):
+                 num_slots: int, max_len: int, num_threads: int = 1,
+                 feature_layers: tuple[int, ...] | None = None):
         torch.set_num_threads(num_threads)  # the rank's share of the node's cores (its bundle)
         self.rank, self.tp_size = rank, tp_size
         self.target_spec, self.dtype = target, dtype
         self.num_slots, self.max_len = num_slots, max_len
+        self.feature_layers = feature_layers  # EAGLE-3 head: TargetModel.set_feature_layers
         self.runner: LocalRunner | None = None
         self.device = pick_device()  # cuda:0 when Ray gave this actor a GPU
 
@@ -59,6 +61,7 @@ class TPRank:
         _check_target(self.target_spec, self.tp_size)  # every rank fails alike, before joining
         init_tp(self.rank, self.tp_size, master_addr, master_port)
         target = load_rank(self.target_spec, self.tp_size, self.rank, dtype, str(self.device))
+        target.set_feature_layers(self.feature_layers)
         self.runner = LocalRunner(target, self.num_slots, self.max_len)
         return {"vocab_size": target.vocab_size, "device": str(target.device),
                 "dtype": str(target.dtype), "local_kv_heads": target.local_kv_heads()}
@@ -114,7 +117,8 @@ class ShardedRunner:
     def __init__(self, tp_size: int, num_slots: int, max_len: int, target: str | None = None,
                  dtype: str | None = None, use_gpu: bool = False, cpus_per_rank: float = 1.0,
                  placement: PlacementGroup | None = None, first_bundle: int = 0,
-                 timeout_s: float = 600.0, gpu_per_rank: float = 1.0):
+                 timeout_s: float = 600.0, gpu_per_rank: float = 1.0,
+                 feature_layers: tuple[int, ...] | None = None):
         """target: a model directory, a .gguf file or None (the embedded SmolLM2); dtype: None
         = fp32 on CPU, bf16 on GPU. num_slots, max_len: each rank's KV cache, as LocalRunner.
         placement: use these bundles (first_bundle ..) of an existing placement group, e.g. a
@@ -122,6 +126,7 @@ class ShardedRunner:
         timeout_s: how long one lockstep call (or the start) may take before TimeoutError.
         gpu_per_rank: each rank's Ray GPU share when use_gpu (below 1 when a draft worker
         shares the GPUs; a rank still gets one device of its own).
+        feature_layers: the layer inputs an EAGLE-3 head reads (None: the final hidden state).
         """
         _check_target(target, tp_size)
         self.tp_size, self.timeout_s = tp_size, timeout_s
@@ -143,7 +148,7 @@ class ShardedRunner:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=first_bundle + rank),
             ).remote(rank, tp_size, target, dtype, num_slots, max_len,
-                     max(1, int(cpus_per_rank)))
+                     max(1, int(cpus_per_rank)), feature_layers)
                 for rank in range(tp_size)]
             master_addr, master_port = self._gather([self.actors[0].address.remote()])[0]
             infos = self._gather([a.start.remote(master_addr, master_port) for a in self.actors])

@@ -34,10 +34,21 @@ def tiny_target(vocab: int = 64, hidden: int = 64, layers: int = 2, heads: int =
 
 
 def make_engine(target: TargetModel, head_seed: int | None = 0, max_batch: int = 8,
-                max_context: int = 512, draft_vocab: torch.Tensor | None = None) -> Engine:
+                max_context: int = 512, draft_vocab: torch.Tensor | None = None,
+                head_kind: str = "eagle2") -> Engine:
+    """head_kind "eagle3": a random EAGLE-3 head reading the inputs of layers 0, L//2, L-1."""
     drafter = None
+    target.set_feature_layers(None)
     if head_seed is not None:
-        head = new_head(target.config, seed=head_seed, draft_vocab=draft_vocab)
+        if head_kind == "eagle3":
+            from eagle2.eagle3 import new_eagle3_head
+
+            layers = target.num_layers
+            head = new_eagle3_head(target.config, draft_vocab, seed=head_seed,
+                                   aux_layer_ids=(-1, layers // 2 - 1, layers - 2))
+            target.set_feature_layers(head.feature_layers(layers))
+        else:
+            head = new_head(target.config, seed=head_seed, draft_vocab=draft_vocab)
         drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
                           max_len=max_context)
     runner = LocalRunner(target, max_batch, max_context + Engine.tree_margin)

@@ -73,8 +73,9 @@ def chi_square_pvalue(counts: dict, probs: dict, n: int) -> float:
     return float(chi2.sf(stat, dof - 1))
 
 
-def sample_counts(target, params: SamplingParams) -> tuple[dict, list[int]]:
-    engine = make_engine(target, head_seed=0, max_batch=500, max_context=64)
+def sample_counts(target, params: SamplingParams,
+                  head_kind: str = "eagle2") -> tuple[dict, list[int]]:
+    engine = make_engine(target, head_seed=0, max_batch=500, max_context=64, head_kind=head_kind)
     counts: dict = {}
     for start in range(0, NUM_SAMPLES, 500):
         seeds = list(range(SEED_BASE + start, SEED_BASE + start + 500))
@@ -94,6 +95,15 @@ def test_eagle2_sampling_matches_target_distribution(target, temperature, top_p)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
     probs = exact_joint(target, temperature, top_p)
     counts, _ = sample_counts(target, params)
+    assert sum(counts.values()) == NUM_SAMPLES
+    assert chi_square_pvalue(counts, probs, NUM_SAMPLES) > 1e-3
+
+
+def test_eagle3_head_sampling_matches_target_distribution(target):
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=3, ignore_eos=True)
+    probs = exact_joint(target, 0.7, 0.95)
+    counts, _ = sample_counts(target, params, head_kind="eagle3")
+    target.set_feature_layers(None)
     assert sum(counts.values()) == NUM_SAMPLES
     assert chi_square_pvalue(counts, probs, NUM_SAMPLES) > 1e-3
 

@@ -78,7 +78,7 @@ def split_forward(runner, tokens, positions, mask, slots) -> dict[str, float]:
     target = runner.target
     with profile() as prof:
         with record_function("eagle2.forward"):
-            feats = target.forward(tokens, positions, mask, runner.cache, slots).features
+            feats = target.forward(tokens, positions, mask, runner.cache, slots).hidden
         with record_function("eagle2.lm_head"):
             target.logits(feats)
     totals = {"linears": 0.0, "attention": 0.0, "lm_head": 0.0, "all": 0.0}
