@@ -170,6 +170,29 @@ def test_tp2_sampling_equals_unsharded_and_no_logits_leave_the_ranks(tiny, tiny_
     assert tiny_tp2.traffic["bytes_in"] > before.get("bytes_in", 0)
 
 
+def test_tp2_with_an_eagle3_head_equals_unsharded_greedy(ray_cluster, tiny, tiny_expected):
+    """The ranks return the inputs of the head's three layers as features ([.., 3H])."""
+    from eagle2.eagle3 import new_eagle3_head
+    from services.tp_runner import ShardedRunner
+
+    prompts, expected = tiny_expected
+    head = new_eagle3_head(tiny[0].config, seed=0, aux_layer_ids=(-1, 0, 0))
+    layers = head.feature_layers(tiny[0].num_layers)
+    runner = ShardedRunner(2, MAX_BATCH, MAX_CONTEXT + Engine.tree_margin, target=tiny[1],
+                           cpus_per_rank=1, feature_layers=layers)
+    try:
+        drafter = Drafter(head, tiny[0].embed, tiny[0].lm_head, max_slots=MAX_BATCH,
+                          max_len=MAX_CONTEXT)
+        engine = Engine(runner, drafter, max_batch=MAX_BATCH, max_context=MAX_CONTEXT)
+        got, _ = generate(engine, prompts, TINY_TREES["eagle2"])
+        feats, _ = runner.forward(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]),
+                                  torch.ones(1, 2, 2, dtype=torch.bool), torch.tensor([0]))
+    finally:
+        runner.shutdown()
+    assert got == expected
+    assert feats.shape[-1] == 3 * tiny[0].config.hidden_size
+
+
 # ---------------------------------------------------------------- tp=3, embedded SmolLM2
 
 
