@@ -7,7 +7,8 @@ Two stages, each resumable and written atomically (a crash loses at most one chu
 1. **Conversations.** Prompts from `make_prompts`, in the target's chat template; the target
    itself writes the answers (self-distillation), batched through the engine in vanilla mode.
    Greedy by default, which matches the T=0 benchmark best; `temperature > 0` samples
-   instead. Stored as token ids: `conversations/chunk_XXXXX.json`.
+   instead, and `sample_every` answers every n-th chunk at T = 1 (a share for sampling
+   mode). Stored as token ids: `conversations/chunk_XXXXX.json`.
 2. **Features.** One target forward per conversation gives the features (last hidden state
    after the final norm) at every position; stored with the token ids and the loss mask in
    `features/shard_XXXXX.safetensors` (features in fp16).
@@ -38,6 +39,9 @@ class DataConfig:
     temperature: float = 0.0
     max_batch: int = 16
     chunk_size: int = 64  # conversations per chunk / shard
+    # every n-th chunk (n - 1, 2n - 1, ...) is answered at T = 1 so sampling mode improves
+    # too; 0 = none
+    sample_every: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -46,8 +50,15 @@ class DataConfig:
             raise ValueError(f"max_new_tokens must be >= 2, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.sample_every < 0:
+            raise ValueError(f"sample_every must be >= 0, got {self.sample_every}")
         if self.max_batch < 1 or self.chunk_size < 1:
             raise ValueError("max_batch and chunk_size must be >= 1")
+
+    def temperature_of(self, chunk: int) -> float:
+        if self.sample_every and chunk % self.sample_every == self.sample_every - 1:
+            return 1.0
+        return self.temperature
 
     @property
     def num_chunks(self) -> int:
@@ -84,10 +95,12 @@ def generate_conversations(llm, prompts: list[str], cfg: DataConfig, root: Path,
     bar = tqdm(todo, desc="self-distill chunks", unit="chunk")
     for idx in bar:
         batch = prompts[idx * cfg.chunk_size:(idx + 1) * cfg.chunk_size]
-        params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+        temperature = cfg.temperature_of(idx)
+        params = SamplingParams(temperature=temperature, max_tokens=cfg.max_new_tokens,
                                 seed=cfg.seed * 100_003 + idx)
         outs = llm.generate(batch, params, mode="vanilla")
-        records = [{"prompt": p, "prompt_ids": llm.encode(p), "answer_ids": o.token_ids}
+        records = [{"prompt": p, "prompt_ids": llm.encode(p), "answer_ids": o.token_ids,
+                    "temperature": temperature}
                    for p, o in zip(batch, outs, strict=True)]
         atomic_write(chunk_path(root, idx),
                      lambda tmp, r=records: tmp.write_text(json.dumps(r)))

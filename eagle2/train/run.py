@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-seed", type=int, default=0)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers")
+    g.add_argument("--sample-every", type=int, default=0,
+                   help="answer every n-th chunk at T = 1 (0 = none)")
     g.add_argument("--gen-batch", type=int, default=16, help="max_batch of the generator")
     g.add_argument("--chunk-size", type=int, default=64, help="conversations per chunk/shard")
     g.add_argument("--data-minutes", type=float, default=None,
@@ -43,6 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="I/N: this process does chunks i with i %% N == I (data and features)")
     g.add_argument("--max-len", type=int, default=2048, help="truncate conversations")
     t = p.add_argument_group("training")
+    t.add_argument("--arch", default="eagle2", choices=("eagle2", "eagle3"),
+                   help="eagle2: fc(2H) head on stored final features (needs the features "
+                        "stage); eagle3: three-layer features and the training-time test, "
+                        "target run online (no features stage)")
+    t.add_argument("--ttt-steps", type=int, default=4,
+                   help="eagle3: unrolled draft steps of the training-time test")
+    t.add_argument("--eval-every", type=int, default=200,
+                   help="eagle3: steps between held-out evaluations (early stopping)")
+    t.add_argument("--patience", type=int, default=3,
+                   help="eagle3: stop after this many evaluations without improvement")
     t.add_argument("--extra-data", action="append", default=[], metavar="DIR",
                    help="also train on the feature shards of another --out (repeatable), "
                         "e.g. a stdlib-code run next to the synthetic one")
@@ -79,7 +91,8 @@ def run(args) -> int:
 
     cfg = data.DataConfig(num_prompts=args.num_prompts, seed=args.prompt_seed,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          max_batch=args.gen_batch, chunk_size=args.chunk_size)
+                          max_batch=args.gen_batch, chunk_size=args.chunk_size,
+                          sample_every=args.sample_every)
     target = None
     if "data" in stages:
         target = _data_stage(args, cfg, root)
@@ -90,7 +103,10 @@ def run(args) -> int:
             raise ValueError(f"no conversations under {root}; run the 'data' stage first")
     if "train" in stages:
         target = target or _load_target(args)
-        from eagle2.train.trainer import train_from_args
+        if args.arch == "eagle3":
+            from eagle2.train.ttt import train_eagle3_from_args as train_from_args
+        else:
+            from eagle2.train.trainer import train_from_args
 
         train_from_args(args, target, root)
     return 0

@@ -1,0 +1,415 @@
+"""Training an EAGLE-3 head with the training-time test (docs/DESIGN.md "Training a head").
+
+The head is unrolled for `cfg.steps` draft steps over whole sequences, as it runs when it
+drafts a tree: step 0 reads the target's three-layer features; step k >= 1 reads the head's
+own output of step k - 1 at the same position (g'), with the token inputs shifted by k (the
+ground truth stays the input: only the feature is the head's own). At step k a query at
+position t attends to the step-0 keys at positions <= t (the committed prefix) and to the keys
+of steps 1..k at position t only (its ancestors in a tree and itself); RoPE position t + k.
+
+Targets: the target's own next-token distribution (soft targets), restricted to the draft
+vocabulary and renormalised; positions whose target argmax lies outside the draft vocabulary
+are not trained. Loss = sum_k decay^k * CE_k over answer positions. The target forward that
+gives features and soft targets runs online per batch (frozen, no grad): storing 3H fp16
+features would take 3.4 KB per token (8.6 GB for 2.5M tokens), and the forward costs about a
+third of an unrolled step. Feature noise: uniform, relative to the feature RMS, at step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from eagle2.eagle3 import Eagle3Head, new_eagle3_head
+from eagle2.train.batches import epoch_batches
+from eagle2.train.data import Sequence, atomic_write, draft_vocab, loss_mask
+
+
+@dataclass(frozen=True)
+class TTTConfig:
+    steps: int = 4  # unrolled draft steps (the reference uses 7)
+    decay: float = 0.8  # weight of step k: decay ** k
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    warmup: int = 50
+    epochs: float = 2.0
+    batch_tokens: int = 2048
+    noise: float = 0.05  # uniform noise amplitude relative to the feature RMS (step 0)
+    eval_every: int = 200  # steps between held-out evaluations (early stopping)
+    patience: int = 3  # evaluations without improvement before stopping
+    checkpoint_seconds: float = 180.0
+    max_seconds: float | None = None
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or not 0 < self.decay <= 1:
+            raise ValueError("steps must be >= 1 and decay in (0, 1]")
+        if not self.lr > 0 or self.epochs <= 0 or self.batch_tokens < 16:
+            raise ValueError("lr and epochs must be > 0, batch_tokens >= 16")
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] long, right-padded
+    loss_mask: torch.Tensor  # [B, T] bool: position t trains the prediction of token t + 2
+    lengths: torch.Tensor  # [B]
+
+    def to(self, device) -> Batch:
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device),
+                     self.lengths.to(device))
+
+
+def collate(seqs: list[Sequence]) -> Batch:
+    lengths = torch.tensor([len(s.input_ids) for s in seqs])
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s.input_ids)], mask[b, :len(s.input_ids)] = s.input_ids, s.loss_mask
+    return Batch(ids, mask, lengths)
+
+
+def conversation_sequences(root: Path, max_len: int = 2048) -> list[Sequence]:
+    """Token ids and loss masks of the self-distilled conversations (no stored features)."""
+    from eagle2.train.data import load_conversations
+
+    out = []
+    for rec in load_conversations(root):
+        ids = (rec["prompt_ids"] + rec["answer_ids"])[:max_len]
+        out.append(Sequence(torch.tensor(ids), loss_mask(len(rec["prompt_ids"]), len(ids)),
+                            None))
+    return out
+
+
+@torch.no_grad()
+def target_pass(hf_model, batch: Batch, layers: tuple[int, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (features [B, T, 3H]: the inputs of `layers`, target logits [B, T, V] fp32)."""
+    attn = (torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
+            < batch.lengths[:, None]).long()
+    out = hf_model(input_ids=batch.input_ids, attention_mask=attn, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+    return feats.float(), out.logits.float()
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor
+    ce: list[float]  # per unrolled step
+    acc: list[float]  # per unrolled step: draft argmax == target argmax
+    count: list[int]  # trained positions per step
+    extra: dict = field(default_factory=dict)
+
+
+def unroll(head: Eagle3Head, embed: torch.nn.Module, input_ids: torch.Tensor,
+           lengths: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs g' [B, T, H] for each unrolled step (see the module doc).
+
+    input_ids: [B, T]; feats: [B, T, 3H] the target's features at every position. Step k at
+    position t reads token[t + 1 + k] and (k >= 1) the step k - 1 output at t."""
+    num_b, num_t = input_ids.shape
+    device = feats.device
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    dh = head.head_dim
+    num_heads, num_kv = head.config.num_attention_heads, head.config.num_key_value_heads
+    groups = num_heads // num_kv
+    g = head.fc(feats.to(head.fc.weight.dtype))  # [B, T, H]
+    ids = F.pad(input_ids, (0, steps + 1))  # token[t + 1 + k] exists for every k
+    causal = torch.tril(torch.ones(num_t, num_t, dtype=torch.bool, device=device))
+    keys0 = values0 = None
+    side_k: list[torch.Tensor] = []  # per later step: [B, KVH, T, Dh]
+    side_v: list[torch.Tensor] = []
+    outs = []
+    for k in range(steps):
+        with torch.no_grad():  # the target's embedding is frozen
+            emb = embed(ids[:, 1 + k:1 + k + num_t]).to(g.dtype)  # token[t + 1 + k]
+        h = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], dim=-1)
+        q = attn.q_proj(h).view(num_b, num_t, num_heads, dh).transpose(1, 2)
+        key = attn.k_proj(h).view(num_b, num_t, num_kv, dh).transpose(1, 2)
+        val = attn.v_proj(h).view(num_b, num_t, num_kv, dh).transpose(1, 2)
+        pos = (torch.arange(num_t, device=device) + k)[None].expand(num_b, num_t)
+        cos, sin = head.rotary(h, pos)
+        q, key = apply_rotary_pos_emb(q, key, cos, sin)
+        if k == 0:
+            keys0, values0 = key, val
+        else:
+            side_k.append(key)
+            side_v.append(val)
+        qg = q.view(num_b, num_kv, groups, num_t, dh)
+        s0 = torch.einsum("bkgtd,bksd->bkgts", qg, keys0) / math.sqrt(dh)
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        sides = [torch.einsum("bkgtd,bktd->bkgt", qg, sk)[..., None] / math.sqrt(dh)
+                 for sk in side_k]  # each [B, KVH, G, T, 1]
+        w = torch.softmax(torch.cat([s0, *sides], dim=-1), dim=-1)
+        out = torch.einsum("bkgts,bksd->bkgtd", w[..., :num_t], values0)
+        for j, sv in enumerate(side_v):
+            out = out + w[..., num_t + j:num_t + j + 1] * sv[:, :, None]
+        out = out.reshape(num_b, num_heads, num_t, dh).transpose(1, 2).reshape(num_b, num_t, -1)
+        x = g + attn.o_proj(out)
+        g = x + layer.mlp(layer.post_attention_layernorm(x))  # g' of step k
+        outs.append(g)
+    return outs
+
+
+def unrolled_loss(head: Eagle3Head, embed: torch.nn.Module, batch: Batch, feats: torch.Tensor,
+                  logits: torch.Tensor, cfg: TTTConfig, t2d: torch.Tensor,
+                  feature_rms: float = 1.0, gen: torch.Generator | None = None) -> StepStats:
+    """The training-time test over one batch (see the module doc).
+
+    feats: [B, T, 3H] target features at every position; logits: [B, T, V] the target's.
+    t2d: [V] long, the draft index of each target token (-1 outside the draft vocabulary)."""
+    num_t = batch.input_ids.shape[1]
+    device = feats.device
+    if cfg.noise > 0 and head.training:
+        u = torch.rand(feats.shape, generator=gen, device=device)
+        feats = feats + (u - 0.5) * (cfg.noise * feature_rms)
+    outs = unroll(head, embed, batch.input_ids, batch.lengths, feats, cfg.steps)
+    valid = torch.arange(num_t, device=device)[None] < batch.lengths[:, None]
+    total = torch.zeros((), device=device)
+    stats = StepStats(total, [], [], [])
+    draft_ids = head.d2t.to(device)
+    for k, g in enumerate(outs):
+        # step k at position t predicts token[t + 2 + k]: the target's logits at t + 1 + k
+        tgt = F.pad(logits[:, 1 + k:], (0, 0, 0, 1 + k))  # [B, T, V]
+        tgt_top = tgt.argmax(-1)
+        mask = F.pad(batch.loss_mask[:, k:], (0, k)) & valid & (t2d[tgt_top] >= 0)
+        if not mask.any():
+            stats.ce.append(0.0)
+            stats.acc.append(0.0)
+            stats.count.append(0)
+            continue
+        draft_logits = head.lm_head(head.norm(g[mask]))  # [M, Vd]
+        p = torch.softmax(tgt[mask][:, draft_ids], dim=-1)  # renormalised over the draft vocab
+        logp = torch.log_softmax(draft_logits.float(), dim=-1)
+        ce = -(p * logp).sum(-1).mean()
+        total = total + cfg.decay ** k * ce
+        with torch.no_grad():
+            acc = (draft_ids[logp.argmax(-1)] == tgt_top[mask]).float().mean().item()
+        stats.ce.append(ce.item())
+        stats.acc.append(acc)
+        stats.count.append(int(mask.sum()))
+    stats.loss = total
+    return stats
+
+
+def lr_at(step: int, total: int, cfg: TTTConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+class TTTTrainer:
+    """Head + optimizer + step counter + RNGs; resumable; keeps the best head on held-out
+    data and stops early when it stops improving."""
+
+    def __init__(self, head: Eagle3Head, target, train: list[Sequence], val: list[Sequence],
+                 cfg: TTTConfig, out: Path):
+        self.head, self.target, self.cfg, self.out = head.train(), target, cfg, Path(out)
+        self.device = head.fc.weight.device
+        self.layers = head.feature_layers(target.num_layers)
+        vocab = target.config.vocab_size
+        self.t2d = torch.full((vocab,), -1, dtype=torch.long, device=self.device)
+        self.t2d[head.d2t.to(self.device)] = torch.arange(head.d2t.numel(), device=self.device)
+        self.train_seqs, self.val_seqs = train, val
+        self.lengths = [len(s.input_ids) for s in train]
+        self.steps_per_epoch = len(epoch_batches(self.lengths, cfg.batch_tokens, cfg.seed, 0))
+        self.total_steps = max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
+        self.opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                     weight_decay=0.0)
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.step, self.elapsed = 0, 0.0
+        self.best, self.bad_evals = float("inf"), 0
+        self.feature_rms = self._feature_rms()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.ckpt_path = self.out / "checkpoint.pt"
+        self.best_path = self.out / "best.pt"
+        self.log_path = self.out / "train_log.jsonl"
+
+    def _feature_rms(self) -> float:
+        batch = collate(self.train_seqs[:8]).to(self.device)
+        feats, _ = target_pass(self.target.hf, batch, self.layers)
+        valid = torch.arange(feats.shape[1], device=self.device)[None] < batch.lengths[:, None]
+        return float(feats[valid].pow(2).mean().sqrt())
+
+    # -- checkpoints (atomic) --
+    def save_checkpoint(self) -> None:
+        state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(),
+                 "step": self.step, "elapsed": self.elapsed, "gen": self.gen.get_state(),
+                 "best": self.best, "bad_evals": self.bad_evals,
+                 "python_rng": random.getstate(), "config": asdict(self.cfg)}
+        atomic_write(self.ckpt_path, lambda tmp: torch.save(state, tmp))
+
+    def maybe_resume(self) -> bool:
+        if not self.ckpt_path.exists():
+            return False
+        state = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.elapsed = state["step"], state["elapsed"]
+        self.best, self.bad_evals = state["best"], state["bad_evals"]
+        self.gen.set_state(state["gen"].cpu() if self.device.type == "cpu" else state["gen"])
+        random.setstate(state["python_rng"])
+        if self.log_path.exists():  # drop records written after the checkpoint
+            recs = [json.loads(x) for x in self.log_path.read_text().splitlines() if x]
+            keep = "".join(json.dumps(r) + "\n" for r in recs if r["step"] <= self.step)
+            atomic_write(self.log_path, lambda tmp: tmp.write_text(keep))
+        return True
+
+    # -- steps --
+    def batch_at(self, step: int) -> Batch:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        idx = epoch_batches(self.lengths, self.cfg.batch_tokens, self.cfg.seed, epoch)[i]
+        return collate([self.train_seqs[j] for j in idx]).to(self.device)
+
+    def loss(self, batch: Batch, gen: torch.Generator | None = None) -> StepStats:
+        feats, logits = target_pass(self.target.hf, batch, self.layers)
+        return unrolled_loss(self.head, self.target.embed, batch, feats, logits, self.cfg,
+                             self.t2d, self.feature_rms, gen)
+
+    def train_step(self) -> StepStats:
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, self.total_steps, self.cfg)
+        stats = self.loss(self.batch_at(self.step), self.gen)
+        self.opt.zero_grad(set_to_none=True)
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self, seqs: list[Sequence] | None = None) -> dict:
+        """Held-out loss and per-step top-1 agreement with the target (no noise)."""
+        seqs = self.val_seqs if seqs is None else seqs
+        self.head.eval()
+        steps = self.cfg.steps
+        ce, acc, count, loss = [0.0] * steps, [0.0] * steps, [0] * steps, 0.0
+        lengths = [len(s.input_ids) for s in seqs]
+        for idx in epoch_batches(lengths, self.cfg.batch_tokens, 0, 0):
+            st = self.loss(collate([seqs[j] for j in idx]).to(self.device))
+            for k in range(steps):
+                ce[k] += st.ce[k] * st.count[k]
+                acc[k] += st.acc[k] * st.count[k]
+                count[k] += st.count[k]
+            loss += float(st.loss) * st.count[0]
+        self.head.train()
+        n0 = max(count[0], 1)
+        return {"loss": loss / n0, "ce": [c / max(n, 1) for c, n in zip(ce, count, strict=True)],
+                "acc": [a / max(n, 1) for a, n in zip(acc, count, strict=True)]}
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        last_ckpt, start = time.time(), time.time() - self.elapsed
+        window: list[StepStats] = []
+        while self.step < self.total_steps:
+            window.append(self.train_step())
+            self.elapsed = time.time() - start
+            if self.step % cfg.log_every == 0:
+                self._log(window)
+                window = []
+            if self.val_seqs and self.step % cfg.eval_every == 0:
+                if self._eval_and_keep_best():
+                    break
+            if time.time() - last_ckpt > cfg.checkpoint_seconds:
+                self.save_checkpoint()
+                last_ckpt = time.time()
+            if cfg.max_seconds and self.elapsed > cfg.max_seconds:
+                break
+        if self.val_seqs and self.step % cfg.eval_every:
+            self._eval_and_keep_best()
+        self.save_checkpoint()
+        if self.best_path.exists():
+            self.head.load_state_dict(torch.load(self.best_path, map_location=self.device))
+        val = self.evaluate() if self.val_seqs else {}
+        return {"steps": self.step, "total_steps": self.total_steps, "elapsed_s": self.elapsed,
+                "val": val, "best_val_loss": self.best}
+
+    def _eval_and_keep_best(self) -> bool:
+        """Evaluate; keep the head if it is the best so far. True: stop (no improvement for
+        `patience` evaluations)."""
+        val = self.evaluate()
+        self._write({"step": self.step, "elapsed_s": round(self.elapsed, 1),
+                     "val_loss": val["loss"], "val_ce": val["ce"], "val_acc": val["acc"]})
+        if val["loss"] < self.best:
+            self.best, self.bad_evals = val["loss"], 0
+            state = self.head.state_dict()
+            atomic_write(self.best_path, lambda tmp: torch.save(state, tmp))
+            return False
+        self.bad_evals += 1
+        return self.bad_evals >= self.cfg.patience
+
+    def _log(self, window: list[StepStats]) -> None:
+        steps = self.cfg.steps
+        n = [sum(s.count[k] for s in window) or 1 for k in range(steps)]
+        self._write({
+            "step": self.step, "epoch": round(self.step / self.steps_per_epoch, 3),
+            "lr": lr_at(self.step - 1, self.total_steps, self.cfg),
+            "loss": sum(float(s.loss.detach()) for s in window) / len(window),
+            "ce": [sum(s.ce[k] * s.count[k] for s in window) / n[k] for k in range(steps)],
+            "acc": [sum(s.acc[k] * s.count[k] for s in window) / n[k] for k in range(steps)],
+            "tokens": n[0], "elapsed_s": round(self.elapsed, 1)})
+
+    def _write(self, rec: dict) -> None:
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(json.dumps(rec), flush=True)
+
+
+def build_eagle3_head(target, train: list[Sequence], vocab_size: int, seed: int,
+                      aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3Head:
+    """A new head with the `vocab_size` most frequent answer tokens as its draft vocabulary
+    (the full target vocabulary if 0), its lm_head rows and norm started from the target's."""
+    vocab = target.config.vocab_size
+    d2t = draft_vocab(train, vocab, vocab_size) if vocab_size else torch.arange(vocab)
+    head = new_eagle3_head(target.config, d2t, seed=seed, aux_layer_ids=aux_layer_ids)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight.detach()[d2t].float())
+        head.norm.weight.copy_(target.norm.weight.detach().float())
+    return head.to(target.device)
+
+
+def train_eagle3_from_args(args, target, root: Path) -> dict:
+    """The `train` stage of `eagle2 train-head --arch eagle3`: conversations of OUT and
+    --extra-data -> split -> TTT training -> the head saved in the published layout."""
+    from eagle2.head import save_head
+    from eagle2.train.plot import plot_ttt_log
+    from eagle2.train.trainer import split
+
+    seqs = []
+    for path in [root, *map(Path, args.extra_data)]:
+        seqs += conversation_sequences(path, args.max_len)
+    if not seqs:
+        raise ValueError(f"no conversations under {root}; run the 'data' stage first")
+    train, val = split(seqs)
+    cfg = TTTConfig(steps=args.ttt_steps, lr=args.lr, warmup=args.warmup, epochs=args.epochs,
+                    batch_tokens=args.batch_tokens, noise=args.noise,
+                    eval_every=args.eval_every, patience=args.patience,
+                    checkpoint_seconds=60 * args.checkpoint_minutes,
+                    max_seconds=60 * args.train_minutes if args.train_minutes else None,
+                    seed=args.seed)
+    head = build_eagle3_head(target, train, args.draft_vocab, args.seed)
+    out = root / "train-eagle3"
+    trainer = TTTTrainer(head, target, train, val, cfg, out)
+    if trainer.maybe_resume():
+        print(f"resumed from step {trainer.step}/{trainer.total_steps}", flush=True)
+    summary = trainer.run()
+    summary.update(num_sequences=len(train), num_val_sequences=len(val),
+                   trained_positions=sum(int(s.loss_mask.sum()) for s in train),
+                   draft_vocab=int(head.d2t.numel()), feature_layers=trainer.layers,
+                   feature_rms=trainer.feature_rms, config=asdict(cfg))
+    save = Path(args.save) if args.save else root / "head-eagle3"
+    save_head(trainer.head.eval(), save, target_config=target.config)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    plot_ttt_log(trainer.log_path, out / "curves.png")
+    print(json.dumps({k: summary[k] for k in ("steps", "elapsed_s", "val")}, default=str))
+    return summary
