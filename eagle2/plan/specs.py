@@ -116,7 +116,7 @@ def eagle_head_for(target: ModelSpec, fc_bias: bool = False) -> DraftSpec:
 def eagle3_head_for(target: ModelSpec, draft_vocab_size: int = 32000,
                     name: str = "") -> DraftSpec:
     """The EAGLE-3 head shaped like `target`: same dims, one layer, a reduced vocabulary
-    (32000 tokens in the published heads)."""
+    (32000 tokens in the published heads; capped at the target's vocabulary)."""
     head = dataclasses.replace(target, name=name or f"EAGLE-3 head for {target.name}",
                                num_hidden_layers=1)
     return DraftSpec(head, False, "eagle3", min(draft_vocab_size, target.vocab_size))
