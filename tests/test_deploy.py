@@ -1,4 +1,5 @@
-"""Deployment artifacts: the Serve config, the RayService manifest, a published-layout head."""
+"""Deployment artifacts: the Serve config, the RayService manifest, published-layout heads
+(the EAGLE-3 head the configs deploy, and EAGLE-1/2 heads, which still load)."""
 
 from __future__ import annotations
 
@@ -41,19 +42,66 @@ def test_serve_config_resolves_to_the_app_builder_and_typed_config():
         assert callable(getattr(importlib.import_module(module), name))
 
 
-def test_serve_config_layout_is_the_planners_first_choice():
-    """replicas x tp and the draft worker's GPU share are what `eagle2 plan --layouts` ranks
-    first for Llama-3-70B on 8 x 80 GiB, for the config's batch size and tree."""
+def _deployed_models():
+    """The planner's specs for the Serve config's target and head, found by directory name
+    (the Hugging Face repository names, downloaded as they are)."""
     from eagle2 import plan
 
     args = serve_config()["applications"][0]["args"]
-    model = plan.PRESETS["llama-3-70b"]
-    work = plan.Workload(max_batch=args["max_batch_size"],
+    assert Path(args["target"]).name == "Llama-3.3-70B-Instruct"
+    (preset,) = [p for p in plan.DRAFT_PRESETS.values()
+                 if p.repo.rpartition("/")[2] == Path(args["draft"]).name]
+    return args, plan.PRESETS[preset.target], preset
+
+
+def test_serve_config_draft_is_the_published_eagle3_head_for_its_target():
+    from eagle2 import plan
+
+    args, model, preset = _deployed_models()
+    assert preset.repo == "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"
+    assert (preset.target, preset.kind) == ("llama-3.3-70b", "eagle3")
+    # what `eagle2 plan --model llama-3.3-70b` assumes by default is what is deployed
+    assert plan.load_draft_spec("auto", model) == preset.spec()
+    assert args["max_context"] <= model.max_position_embeddings
+
+
+def test_serve_config_layout_is_the_planners_first_choice():
+    """replicas x tp and the draft worker's GPU share are what `eagle2 plan --layouts` ranks
+    first for Llama-3.3-70B + its EAGLE-3 head on 8 x 80 GiB, for the config's batch and tree."""
+    from eagle2 import plan
+
+    args, model, preset = _deployed_models()
+    work = plan.Workload(max_batch=args["max_batch_size"], context_len=args["max_context"],
                          tree_tokens=args["tree"]["total_tokens"], depth=args["tree"]["depth"])
-    best = plan.node_layouts(model, plan.eagle_head_for(model), 8, plan.Hardware(80.0), work)[0]
+    best = plan.node_layouts(model, preset.spec(), 8, plan.Hardware(80.0), work)[0]
     assert (best.replicas, best.tp_size, best.draft) == (
         args["num_replicas"], args["tp_size"], "shared")
     assert best.draft_gpu_fraction == args["draft_gpu_fraction"] and best.idle_gpus == 0
+    assert best.batch == args["max_batch_size"]
+
+
+def test_serve_config_layout_fits_by_the_planners_memory_accounting():
+    """What the processes allocate on the GPU a rank shares with its draft worker, in the
+    planner's per-tensor sizes: the rank's shard and KV cache (max_batch slots of max_context
+    + the engine's tree margin), the worker's head, the target's embed/lm_head it loads, d2t
+    and its KV cache (DraftWorker: 2 x max_batch slots of max_context + the drafter's margin)."""
+    import inspect
+
+    from eagle2 import plan
+    from eagle2.drafter import Drafter
+    from eagle2.engine import Engine
+
+    args, model, preset = _deployed_models()
+    draft, nbytes, gpu = preset.spec(), 2, 80 * plan.GIB  # bf16, 80 GiB H100
+    tp, batch, context = args["tp_size"], args["max_batch_size"], args["max_context"]
+    rank = (plan.rank_params(model, tp, 0) * nbytes
+            + batch * (context + Engine.tree_margin) * plan.kv_bytes_per_token(model, 2, tp))
+    margin = inspect.signature(Drafter).parameters["tree_margin"].default
+    worker = (plan.draft_worker_params(model, draft) * nbytes + plan.draft_buffer_bytes(draft)
+              + 2 * batch * (context + margin) * plan.kv_bytes_per_token(draft.model, 2))
+    assert worker == 7_009_003_520 + 16 * 8448 * 4096 == 7_562_651_648  # 7.04 GiB
+    assert worker <= args["draft_gpu_fraction"] * gpu  # its Ray share: 8 GiB
+    assert rank + worker <= gpu * (1 - plan.Hardware().reserve_fraction)  # 47.9 of 72 GiB
 
 
 def test_rayservice_carries_the_same_serve_config_and_enough_gpus():
@@ -123,6 +171,53 @@ def test_head_in_published_llama3_70b_layout_loads(tmp_path):
     tree = TreeConfig("eagle2", total_tokens=10, depth=3, top_k=3, budget="fixed")
     assert run(engine, prompts, greedy, tree) == run(make_engine(target, None), prompts, greedy,
                                                      TreeConfig("vanilla"))
+
+
+def test_eagle3_head_directory_planner_and_loader_agree(tmp_path):
+    """A head directory in the EAGLE-3 release's layout (shrunk): `eagle2 plan --draft DIR`
+    and the loader the service uses read the same kind and the same parameter count."""
+    import json
+    import math
+
+    from eagle2 import plan
+    from eagle2.head import head_feature_layers, load_head
+
+    h, inter, heads, kv, vocab, draft_vocab = 64, 128, 4, 2, 48, 16
+    config = {  # yuhuili/EAGLE3-LLaMA3.3-Instruct-70B's fields, values shrunk
+        "architectures": ["LlamaForCausalLM"], "bos_token_id": 128000, "eos_token_id": 128001,
+        "hidden_act": "silu", "hidden_size": h, "intermediate_size": inter,
+        "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": heads,
+        "num_key_value_heads": kv, "num_hidden_layers": 1, "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False, "torch_dtype": "float16", "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+    }
+    g = torch.Generator().manual_seed(0)
+    d, ids = h // heads, torch.arange(0, vocab, 3)
+    shapes = {
+        "fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, heads * d),
+        "midlayer.mlp.gate_proj.weight": (inter, h), "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter), "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,), "midlayer.post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,), "lm_head.weight": (draft_vocab, h),
+    }
+    state = {k: (torch.randn(s, generator=g) * 0.05).half() for k, s in shapes.items()}
+    state["d2t"] = ids - torch.arange(draft_vocab)
+    state["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
+    head_dir = tmp_path / "EAGLE3-LLaMA3.3-Instruct-70B"
+    head_dir.mkdir()
+    (head_dir / "config.json").write_text(json.dumps(config))
+    torch.save(state, head_dir / "pytorch_model.bin")
+    head = load_head(head_dir)
+    target = plan.ModelSpec("tiny", h, inter, 8, heads, kv, vocab, 2048)
+    spec = plan.load_draft_spec(str(head_dir), target)
+    assert head.kind == spec.kind == "eagle3"
+    assert head.lm_head.weight.shape[0] == spec.draft_vocab_size == draft_vocab
+    assert sum(math.prod(p.shape) for p in head.parameters()) == plan.draft_params(spec)
+    assert head.d2t.numel() * head.d2t.element_size() == plan.draft_buffer_bytes(spec)
+    assert head_feature_layers(head_dir, 8) == (2, 4, 5)  # the target emits three layers
 
 
 def test_grafana_dashboard_queries_only_metrics_the_service_exports():

@@ -7,6 +7,7 @@ layout is checked against what eagle2.tp loads on each rank (built on the meta d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -260,3 +261,162 @@ def test_layouts_drop_what_does_not_fit_and_cli_prints_them(capsys):
     assert P.run(_parse("--model", "llama-3-70b", "--gpus", "8", "--gpu-mem", "80",
                         "--layouts")) == 0
     assert capsys.readouterr().out.startswith("1. 2 x tp4, draft shared:")
+
+
+# ---------------------------------------------------------------- EAGLE-3 heads
+
+
+# yuhuili/EAGLE3-LLaMA3.3-Instruct-70B: Llama-3.3-70B's dims, one layer, 32000 draft tokens
+VD = 32000
+
+
+def test_eagle3_llama33_70b_head_parameter_count_by_hand():
+    fc = (3 * H) * H  # three target features in, no bias: 201,326,592
+    q, k, v = (NH * D) * (2 * H), (KV * D) * (2 * H), (KV * D) * (2 * H)  # 2H inputs
+    o = H * (NH * D)
+    mlp = 3 * H * I
+    norms = 4 * H  # input_layernorm, hidden_norm, post_attention_layernorm, final norm
+    lm_head = VD * H  # its own lm_head over the draft vocabulary
+    own = fc + q + k + v + o + mlp + norms + lm_head
+    assert (fc, q, k, o, lm_head) == (201_326_592, 134_217_728, 16_777_216, 67_108_864,
+                                      262_144_000)
+    assert own == 1_403_027_456
+    draft = P.DRAFT_PRESETS["eagle3-llama3.3-70b"].spec()
+    assert (draft.kind, draft.draft_vocab_size, draft.fc_bias) == ("eagle3", VD, False)
+    assert P.draft_params(draft) == own
+    # buffers: d2t int64 [Vd] is kept; t2d bool [V] is only checked at load
+    assert P.draft_buffer_bytes(draft) == 8 * VD == 256_000
+    # the worker loads the target's embedding and (needlessly for EAGLE-3) its lm_head
+    model = P.PRESETS["llama-3.3-70b"]
+    assert P.draft_worker_target_params(model, draft) == 2 * V * H == 2_101_346_304
+    assert P.draft_worker_params(model, draft) == own + 2 * V * H
+    # a draft level reads the head and its own lm_head, never the target's 128256-row one
+    assert P.draft_step_params(model, draft) == own
+    eagle2_head = P.eagle_head_for(model)
+    assert P.draft_step_params(model, eagle2_head) == 989_863_936 + V * H
+
+
+def test_llama33_70b_plan_defaults_to_its_eagle3_head_by_hand():
+    model = P.PRESETS["llama-3.3-70b"]
+    draft = P.load_draft_spec("auto", model)
+    assert draft == P.DRAFT_PRESETS["eagle3-llama3.3-70b"].spec()
+    assert draft.name == "EAGLE3-LLaMA3.3-Instruct-70B"
+    p = P.plan(P.PlanRequest(model, num_gpus=8, gpu_mem_gib=80, draft=draft))
+    # the target is Llama-3-70B's shapes: the same numbers as above, context 8192 of 131072
+    assert (p.tp_size, p.idle_gpus, p.context_len) == (4, 3, 8192)
+    assert p.weight_bytes_per_gpu == 38_430_851_072 and p.max_sequences == 57
+    d = p.draft
+    assert (d.kind, d.head_params, d.shared_params, d.buffer_bytes) == (
+        "eagle3", 1_403_027_456, 2 * V * H, 256_000)
+    assert d.weight_bytes == (1_403_027_456 + 2 * V * H) * 2 + 256_000 == 7_009_003_520
+    assert d.kv_bytes_per_token == 2 * 1 * KV * D * 2 == 4096  # one layer, 8 KV heads
+    usable = int(80 * GIB * 0.9)
+    assert d.max_sequences == (usable - 7_009_003_520) // (4096 * 8192) == 2095
+
+
+def test_default_draft_per_target():
+    assert P.load_draft_spec("auto", P.PRESETS["llama-3-70b"]).kind == "eagle2"
+    assert P.load_draft_spec("auto", P.PRESETS["llama-3.1-8b"]) == \
+        P.DRAFT_PRESETS["eagle3-llama3.1-8b"].spec()
+    assert P.load_draft_spec("auto", P.PRESETS["llama-2-70b"]).fc_bias  # LLaMA-2 heads: bias
+    tiny = _tiny_spec(tied=False)  # not a preset: an EAGLE-1/2 head shaped like it
+    assert P.load_draft_spec("auto", tiny) == P.eagle_head_for(tiny)
+    for key, name in P.DEFAULT_DRAFTS.items():
+        assert P.DRAFT_PRESETS[name].target == key
+
+
+def test_eagle3_llama31_8b_preset():
+    draft = P.DRAFT_PRESETS["eagle3-llama3.1-8b"].spec()
+    h, i, nh, kv, d = 4096, 14336, 32, 8, 128
+    own = 3 * h * h + 2 * h * (nh * d + 2 * kv * d) + h * nh * d + 3 * h * i + 4 * h + VD * h
+    assert P.draft_params(draft) == own == 424_689_664  # ~850 MB in fp16, as released
+
+
+REFERENCE_EAGLE3_CONFIG = {  # yuhuili's EAGLE-3 release: a plain Llama config + draft_vocab_size
+    "architectures": ["LlamaForCausalLM"], "bos_token_id": 128000, "eos_token_id": 128001,
+    "hidden_act": "silu", "hidden_size": H, "initializer_range": 0.02, "intermediate_size": I,
+    "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": NH,
+    "num_key_value_heads": KV, "num_hidden_layers": 1, "pad_token_id": 0,
+    "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
+    "transformers_version": "4.28.1", "use_cache": True, "vocab_size": V,
+    "draft_vocab_size": VD,
+}
+
+
+@pytest.mark.parametrize("changes, draft_vocab", [
+    ({}, VD),  # reference release: detected by draft_vocab_size alone
+    ({"architectures": ["LlamaForCausalLMEagle3"],  # SpecForge / SGLang
+      "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 39, 76]}}, VD),
+    ({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": None}, V),  # full vocab
+])
+def test_eagle3_head_detected_from_its_config_json(tmp_path, capsys, changes, draft_vocab):
+    cfg = {k: v for k, v in {**REFERENCE_EAGLE3_CONFIG, **changes}.items() if v is not None}
+    head_dir = tmp_path / "EAGLE3-LLaMA3.3-Instruct-70B"
+    head_dir.mkdir()
+    (head_dir / "config.json").write_text(json.dumps(cfg))
+    assert P.is_eagle3_config(cfg)
+    draft = P.load_draft_spec(str(head_dir), P.PRESETS["llama-3.3-70b"])  # the directory
+    assert (draft.kind, draft.draft_vocab_size, draft.fc_bias) == ("eagle3", draft_vocab, False)
+    assert P.draft_params(draft) == 1_403_027_456 + (draft_vocab - VD) * H
+    assert P.run(_parse("--model", "llama-3.3-70b", "--gpus", "8", "--gpu-mem", "80",
+                        "--draft", str(head_dir))) == 0
+    out = capsys.readouterr().out
+    assert f"EAGLE-3 head {P.draft_params(draft):,} (own lm_head included)" in out
+    assert "max concurrent sequences at 8192 tokens: 57" in out
+
+
+def test_eagle2_head_config_is_not_taken_for_eagle3():
+    cfg = {k: v for k, v in REFERENCE_EAGLE3_CONFIG.items() if k != "draft_vocab_size"}
+    assert not P.is_eagle3_config(cfg)
+    draft = P.draft_spec_from_config(dict(cfg, bias=False), "EAGLE-LLaMA3-Instruct-70B")
+    assert (draft.kind, P.draft_params(draft)) == ("eagle2", 989_863_936)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"fc_bias": True}, "one decoder layer and no fc bias"),
+    ({"draft_vocab_size": V + 1}, "must be in [1, vocab_size 128256]"),
+    ({"kind": "medusa"}, "unknown draft kind"),
+])
+def test_bad_eagle3_specs_are_refused(kwargs, message):
+    head = dataclasses.replace(P.PRESETS["llama-3.3-70b"], num_hidden_layers=1)
+    fields = {"fc_bias": False, "kind": "eagle3", "draft_vocab_size": VD, **kwargs}
+    with pytest.raises(ValueError) as err:
+        P.DraftSpec(head, **fields)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_draft_shapes_match_the_heads_eagle2_builds(kind):
+    """The planner's named head shapes == the parameters of the head eagle2 loads (meta)."""
+    import torch
+
+    from eagle2.eagle3 import Eagle3Head
+    from eagle2.head import DraftHead
+
+    spec = dataclasses.replace(_tiny_spec(tied=False), num_hidden_layers=1)
+    config = P.to_hf_config(spec)
+    with torch.device("meta"):
+        if kind == "eagle3":
+            head = Eagle3Head(config, draft_vocab_size=100)
+            draft = P.DraftSpec(spec, False, "eagle3", 100)
+        else:
+            head = DraftHead(config, bias=True)
+            draft = P.DraftSpec(spec, True)
+    real = {n: tuple(p.shape) for n, p in head.named_parameters()}
+    assert real == P.draft_shapes(draft)
+    assert sum(math.prod(s) for s in real.values()) == P.draft_params(draft)
+
+
+def test_layouts_rank_two_tp4_replicas_with_a_shared_eagle3_draft_first():
+    model = P.PRESETS["llama-3.3-70b"]
+    draft = P.load_draft_spec("auto", model)
+    layouts = P.node_layouts(model, draft, 8)
+    best = layouts[0]
+    assert (best.replicas, best.tp_size, best.draft, best.idle_gpus) == (2, 4, "shared", 0)
+    # 6.53 GiB of weights + 8 x 8192 tokens x 4 KiB of head KV: within a 0.1 share of 80 GiB
+    assert best.draft_gpu_fraction == 0.1
+    assert [lay.tokens_per_s for lay in layouts] == sorted(
+        (lay.tokens_per_s for lay in layouts), reverse=True)
+    # a draft level reads 1.40 B params instead of the EAGLE-1/2 head + target lm_head's 2.04 B
+    eagle2_best = P.node_layouts(model, P.eagle_head_for(model), 8)[0]
+    assert best.step_ms < eagle2_best.step_ms

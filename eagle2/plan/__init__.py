@@ -10,9 +10,12 @@ parallelism"): q/k/v and gate/up projections split evenly by rows (whole KV-head
 down projections by columns; embed_tokens, the norms and lm_head stay whole on every rank. The
 planner refuses tp sizes that do not divide the heads, the KV heads and the MLP width.
 
-The draft worker (docs/DESIGN.md "Draft head")
-holds the EAGLE head (fc Linear(2H -> H) + decoder layers without
-input_layernorm) and a copy of the target's embed_tokens and lm_head, plus the head's KV cache.
+The draft worker (docs/DESIGN.md "Draft head") holds the head, a copy of the target's
+embed_tokens and lm_head, and the head's KV cache. An EAGLE-1/2 head is fc Linear(2H -> H) +
+decoder layers without input_layernorm and drafts through the target's lm_head; an EAGLE-3
+head (eagle2/eagle3.py) is fc Linear(3H -> H) + one decoder layer with 2H-input q/k/v + its
+own lm_head over a reduced vocabulary and its d2t map (the target's lm_head is loaded all the
+same: `memory.draft_worker_target_params`).
 
 Modules: `specs` (model and head specs), `memory` (per-rank arithmetic), `layout` (the plan
 of one replica), `layouts` (whole-node layouts ranked by tokens/s), `cli` (`eagle2 plan`).
@@ -23,7 +26,12 @@ from eagle2.plan.layout import DraftPlan, PlanRequest, ServingPlan, plan
 from eagle2.plan.layouts import Hardware, NodeLayout, Workload, format_layouts, node_layouts
 from eagle2.plan.memory import (
     check_tp_rank,
+    draft_buffer_bytes,
     draft_params,
+    draft_shapes,
+    draft_step_params,
+    draft_worker_params,
+    draft_worker_target_params,
     kv_bytes_per_token,
     num_params,
     rank_params,
@@ -35,13 +43,20 @@ from eagle2.plan.memory import (
 )
 from eagle2.plan.specs import (
     DEFAULT_CONTEXT,
+    DEFAULT_DRAFTS,
+    DRAFT_KINDS,
     DRAFT_PRESETS,
     DTYPE_BYTES,
     GIB,
     PRESETS,
+    DraftPreset,
     DraftSpec,
     ModelSpec,
+    default_draft,
+    draft_spec_from_config,
+    eagle3_head_for,
     eagle_head_for,
+    is_eagle3_config,
     load_draft_spec,
     load_model_spec,
     spec_from_config,
@@ -49,11 +64,14 @@ from eagle2.plan.specs import (
 
 __all__ = [
     "DEFAULT_CONTEXT",
+    "DEFAULT_DRAFTS",
+    "DRAFT_KINDS",
     "DRAFT_PRESETS",
     "DTYPE_BYTES",
     "GIB",
     "PRESETS",
     "DraftPlan",
+    "DraftPreset",
     "DraftSpec",
     "Hardware",
     "ModelSpec",
@@ -63,10 +81,19 @@ __all__ = [
     "Workload",
     "add_arguments",
     "check_tp_rank",
+    "default_draft",
+    "draft_buffer_bytes",
     "draft_params",
+    "draft_shapes",
+    "draft_spec_from_config",
+    "draft_step_params",
+    "draft_worker_params",
+    "draft_worker_target_params",
+    "eagle3_head_for",
     "eagle_head_for",
     "format_layouts",
     "format_plan",
+    "is_eagle3_config",
     "kv_bytes_per_token",
     "load_draft_spec",
     "load_model_spec",

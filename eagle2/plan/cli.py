@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from eagle2.plan.layout import PlanRequest, ServingPlan, plan
+from eagle2.plan.layout import DraftPlan, PlanRequest, ServingPlan, plan
 from eagle2.plan.layouts import Hardware, Workload, format_layouts, node_layouts
 from eagle2.plan.specs import (
     DEFAULT_CONTEXT,
@@ -35,8 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per sequence (default: {DEFAULT_CONTEXT} or the model's "
                              "max_position_embeddings if smaller)")
     parser.add_argument("--draft", default="auto",
-                        help=f"'auto' (head shaped like the target), 'none', a preset "
-                             f"({', '.join(DRAFT_PRESETS)}) or a head's config.json")
+                        help=f"'auto' (a preset target's published head, EAGLE-3 where there "
+                             f"is one, else an EAGLE-1/2 head shaped like the target), 'none', "
+                             f"a preset ({', '.join(DRAFT_PRESETS)}) or a head's config.json / "
+                             "its directory (EAGLE-1/2 or EAGLE-3)")
     parser.add_argument("--reserve", type=float, default=0.10,
                         help="fraction of each GPU kept for CUDA context and activations")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -74,13 +76,20 @@ def format_plan(p: ServingPlan) -> str:
          f"tokens = {p.target_max_sequences} sequences"),
     ]
     if p.draft:
-        d = p.draft
-        lines.append(f"draft: {d.name}: head {d.head_params:,} + embed/lm_head "
-                     f"{d.shared_params:,} params = {_gib(d.weight_bytes)}; KV "
-                     f"{d.kv_bytes_per_token:,} B/token; fits, {d.max_sequences} sequences")
+        lines.append(_format_draft(p.draft))
     lines.append(f"max concurrent sequences at {p.context_len} tokens: {p.max_sequences}"
                  f" on {p.tp_size + draft_gpus} GPUs")
     return "\n".join(lines + [f"note: {n}" for n in p.notes])
+
+
+def _format_draft(d: DraftPlan) -> str:
+    if d.kind == "eagle3":
+        head = (f"EAGLE-3 head {d.head_params:,} (own lm_head included) + target "
+                f"embed/lm_head {d.shared_params:,} params + d2t {d.buffer_bytes:,} B")
+    else:
+        head = f"head {d.head_params:,} + embed/lm_head {d.shared_params:,} params"
+    return (f"draft: {d.name}: {head} = {_gib(d.weight_bytes)}; KV {d.kv_bytes_per_token:,} "
+            f"B/token; fits, {d.max_sequences} sequences")
 
 
 def run_layouts(args: argparse.Namespace) -> int:

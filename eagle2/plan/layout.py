@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eagle2.plan.memory import (
+    draft_buffer_bytes,
     draft_params,
+    draft_worker_target_params,
     kv_bytes_per_token,
     num_params,
     rank_params,
@@ -48,17 +50,20 @@ class PlanRequest:
                 raise ValueError(
                     f"draft {d.name} (hidden {d.hidden_size}, vocab {d.vocab_size}) does not "
                     f"match target {t.name} (hidden {t.hidden_size}, vocab {t.vocab_size}); "
-                    "an EAGLE head reads the target's features, embedding and lm_head")
+                    "an EAGLE head reads the target's features and embedding (EAGLE-1/2: "
+                    "and its lm_head)")
 
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """The draft worker's GPU: head + embed/lm_head copy + the head's KV cache."""
+    """The draft worker's GPU: head + the target's embed/lm_head + the head's KV cache."""
 
     name: str
-    head_params: int
-    shared_params: int  # embed_tokens + lm_head copied from the target (one tensor if tied)
-    weight_bytes: int
+    kind: str  # "eagle2" (EAGLE-1/2) | "eagle3"
+    head_params: int  # the head's own (EAGLE-3: its lm_head over the draft vocabulary too)
+    shared_params: int  # embed_tokens + lm_head loaded from the target (one tensor if tied)
+    buffer_bytes: int  # EAGLE-3: the d2t map
+    weight_bytes: int  # (head + shared) params in the dtype + buffers
     kv_bytes_per_token: int
     kv_budget_bytes: int
     max_sequences: int
@@ -110,10 +115,10 @@ def _choose_tp(req: PlanRequest, num_target_gpus: int) -> int:
 
 def _draft_plan(req: PlanRequest, usable: int, context: int) -> DraftPlan:
     draft, nbytes = req.draft, DTYPE_BYTES[req.dtype]
-    embed = req.model.vocab_size * req.model.hidden_size
-    shared = embed if req.model.tie_word_embeddings else 2 * embed
+    shared = draft_worker_target_params(req.model, draft)
     head = draft_params(draft)
-    weights = (head + shared) * nbytes
+    buffers = draft_buffer_bytes(draft)
+    weights = (head + shared) * nbytes + buffers
     if weights > usable:
         raise ValueError(f"draft worker needs {weights / GIB:.2f} GiB (head + embed/lm_head) "
                          f"but one GPU has {usable / GIB:.2f} GiB usable; use larger GPUs")
@@ -122,7 +127,8 @@ def _draft_plan(req: PlanRequest, usable: int, context: int) -> DraftPlan:
     if max_seq < 1:
         raise ValueError(f"draft worker cannot hold the KV cache of one {context}-token sequence "
                          f"({kv_token * context / GIB:.2f} GiB); lower --context")
-    return DraftPlan(draft.name, head, shared, weights, kv_token, usable - weights, max_seq)
+    return DraftPlan(draft.name, draft.kind, head, shared, buffers, weights, kv_token,
+                     usable - weights, max_seq)
 
 
 def _check_weights_fit(req: PlanRequest, tp: int, weights: int, usable: int) -> None:

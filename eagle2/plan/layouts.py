@@ -7,7 +7,8 @@ which on GPUs is bound by memory traffic at the batch sizes where speculation pa
 
     verify = (weights per GPU + KV read per GPU) / bandwidth + 2 * L * all-reduce latency
              + 2 * params per GPU * B * N / peak FLOP/s       (tree tokens N per sequence)
-    draft  = (depth + 1) * (head + lm_head bytes) / bandwidth     (embedding rows are lookups)
+    draft  = (depth + 1) * (head + lm_head bytes) / bandwidth     (embedding rows are lookups;
+             the lm_head is the target's for EAGLE-1/2, an EAGLE-3 head's own smaller one)
     tokens/s per node = R * B * tau / (draft + verify)
 
 Draft and verify alternate, so a draft worker on its own GPU costs the same time as one that
@@ -21,7 +22,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from eagle2.plan.memory import draft_params, kv_bytes_per_token, rank_params, valid_tp_sizes
+from eagle2.plan.memory import (
+    draft_buffer_bytes,
+    draft_step_params,
+    draft_worker_params,
+    kv_bytes_per_token,
+    rank_params,
+    valid_tp_sizes,
+)
 from eagle2.plan.specs import DEFAULT_CONTEXT, DTYPE_BYTES, GIB, DraftSpec, ModelSpec
 
 DRAFT_PLACEMENTS = ("shared", "own", "none")
@@ -71,9 +79,8 @@ class NodeLayout:
 
 
 def _draft_bytes(model: ModelSpec, draft: DraftSpec, nbytes: int) -> int:
-    embed = model.vocab_size * model.hidden_size
-    shared = embed if model.tie_word_embeddings else 2 * embed
-    return (draft_params(draft) + shared) * nbytes
+    """The draft worker's weights: head + the target's embed/lm_head + vocabulary maps."""
+    return draft_worker_params(model, draft) * nbytes + draft_buffer_bytes(draft)
 
 
 def _layout(model: ModelSpec, draft: DraftSpec | None, placement: str, tp: int,
@@ -101,8 +108,7 @@ def _layout(model: ModelSpec, draft: DraftSpec | None, placement: str, tp: int,
     verify = ((weights + kv_read) / bw + (2 * model.num_hidden_layers * hw.allreduce_us * 1e-6
                                           if tp > 1 else 0.0)
               + 2 * rank_params(model, tp, 0) * batch * tokens / (hw.peak_tflops * 1e12))
-    head_read = (draft_params(draft) + model.vocab_size * model.hidden_size) * nbytes \
-        if draft else 0
+    head_read = draft_step_params(model, draft) * nbytes if draft else 0
     draft_s = (work.depth + 1) * head_read / bw if placement != "none" else 0.0
     tau = work.tau if placement != "none" else 1.0
     step = verify + draft_s

@@ -114,11 +114,72 @@ def rank_params(spec: ModelSpec, tp: int, rank: int) -> int:
     return spec.num_hidden_layers * layer + math.prod(embed) + lm_head + spec.hidden_size
 
 
-def draft_params(draft: DraftSpec) -> int:
-    """The head's own parameters: fc + layers without input_layernorm."""
+def draft_shapes(draft: DraftSpec) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the head's own parameters, named as `eagle2.head.load_head` builds them
+    (the published names; rotary tables and the d2t/t2d buffers are not parameters)."""
     h = draft.model.hidden_size
-    layer = sum(math.prod(s) for s in _layer_shapes(draft.model, input_norm=False).values())
-    return 2 * h * h + (h if draft.fc_bias else 0) + draft.model.num_hidden_layers * layer
+    if draft.kind == "eagle3":
+        return _eagle3_shapes(draft)
+    shapes = {"fc.weight": (h, 2 * h)}
+    if draft.fc_bias:
+        shapes["fc.bias"] = (h,)
+    for i in range(draft.model.num_hidden_layers):
+        shapes.update({f"layers.{i}.{n}": s
+                       for n, s in _layer_shapes(draft.model, input_norm=False).items()})
+    return shapes
+
+
+def _eagle3_shapes(draft: DraftSpec) -> dict[str, tuple[int, ...]]:
+    """fc 3H -> H; q/k/v read cat(input_layernorm(embed), hidden_norm(g)), 2H wide; the
+    layer's MLP, three norms, the final norm and the lm_head over the draft vocabulary."""
+    spec, h = draft.model, draft.model.hidden_size
+    shapes = {"fc.weight": (h, 3 * h)}
+    for name, shape in _layer_shapes(spec).items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            shape = (shape[0], 2 * h)
+        elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias")):
+            continue  # Eagle3Head's attention has no biases
+        shapes[f"midlayer.{name}"] = shape
+    shapes.update({"midlayer.hidden_norm.weight": (h,), "norm.weight": (h,),
+                   "lm_head.weight": (draft.draft_vocab_size, h)})
+    return shapes
+
+
+def draft_params(draft: DraftSpec) -> int:
+    """The head's own parameters: fc + layers without input_layernorm (EAGLE-1/2); fc + the
+    2H-input layer + norms + its lm_head (EAGLE-3)."""
+    return sum(math.prod(s) for s in draft_shapes(draft).values())
+
+
+def draft_buffer_bytes(draft: DraftSpec) -> int:
+    """Bytes of the vocabulary maps the draft worker keeps: an EAGLE-3 head's d2t (int64
+    [Vd], target id of each draft token). Its t2d (bool [V]) is only checked at load and
+    dropped; an EAGLE-1/2 head here drafts over the full vocabulary and has none."""
+    return 8 * draft.draft_vocab_size if draft.kind == "eagle3" else 0
+
+
+def draft_worker_target_params(model: ModelSpec, draft: DraftSpec) -> int:
+    """The target's tensors the draft worker loads: embed_tokens and lm_head (one tensor if
+    tied), whatever the head's kind.
+
+    An EAGLE-1/2 head drafts through the target's lm_head. An EAGLE-3 head drafts through its
+    own, yet services/draft_worker.build_drafter loads the target's lm_head for it too
+    (`load_vocab_modules`); the Drafter drops it once built, but the CUDA caching allocator
+    keeps the block, so the worker's GPU holds it either way: counted here."""
+    embed = model.vocab_size * model.hidden_size
+    return embed if model.tie_word_embeddings else 2 * embed
+
+
+def draft_worker_params(model: ModelSpec, draft: DraftSpec) -> int:
+    """All parameters on the draft worker's GPU: the head's own + the target's it loads."""
+    return draft_params(draft) + draft_worker_target_params(model, draft)
+
+
+def draft_step_params(model: ModelSpec, draft: DraftSpec) -> int:
+    """Parameters one draft level reads: the head (fc included: an upper bound past the root
+    step) and the lm_head it drafts through (embedding rows are lookups)."""
+    own = draft_params(draft)
+    return own if draft.kind == "eagle3" else own + model.vocab_size * model.hidden_size
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype_bytes: int, tp: int = 1, rank: int = 0) -> int:
