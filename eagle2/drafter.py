@@ -36,7 +36,7 @@ class _Level:
 class Drafter:
     """The head, its per-sequence KV cache and the tree builder. Sequences are keyed by id."""
 
-    def __init__(self, head: DraftHead | Eagle3Head, embed: nn.Embedding, lm_head: nn.Module,
+    def __init__(self, head: DraftHead | Eagle3Head, embed: nn.Embedding, lm_head: nn.Module | None,
                  max_slots: int, max_len: int, tree_margin: int = 256,
                  keep_candidates: bool = False, calibrated: bool = True):
         """keep_candidates: keep every expansion's full candidate list (before the rerank)

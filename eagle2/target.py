@@ -236,10 +236,12 @@ class TargetModel:
 
 
 def load_vocab_modules(spec: str | None, dtype: str | torch.dtype | None = None,
-                       device: str | None = None) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
-    """Only the target's embedding and lm_head (what a draft worker needs), read straight from
-    safetensors so a 70B target's decoder layers are never loaded; other formats load the
-    whole model and keep these two."""
+                       device: str | None = None, lm_head: bool = True
+                       ) -> tuple[torch.nn.Embedding, torch.nn.Linear | None]:
+    """Only the target's embedding and lm_head (what a draft worker needs; lm_head False:
+    the embedding only, for a head with its own lm_head), read straight from safetensors so a
+    70B target's decoder layers are never loaded; other formats load the whole model and keep
+    these two."""
     from safetensors import safe_open
 
     dev = pick_device(device)
@@ -249,15 +251,17 @@ def load_vocab_modules(spec: str | None, dtype: str | torch.dtype | None = None,
     found: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(f, framework="pt") as h:
-            for key in ("model.embed_tokens.weight", "lm_head.weight"):
+            for key in ("model.embed_tokens.weight", "lm_head.weight")[:2 if lm_head else 1]:
                 if key in h.keys():
                     found[key] = h.get_tensor(key)
     if "model.embed_tokens.weight" not in found:
         target = TargetModel.load(spec, dtype=dt, device=str(dev))
-        return target.embed, target.lm_head
+        return target.embed, target.lm_head if lm_head else None
     embed_w = found["model.embed_tokens.weight"].to(device=dev, dtype=dt)
-    head_w = found.get("lm_head.weight", embed_w).to(device=dev, dtype=dt)  # tied if missing
     embed = torch.nn.Embedding.from_pretrained(embed_w, freeze=True)
-    lm_head = torch.nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device=dev, dtype=dt)
-    lm_head.weight = torch.nn.Parameter(head_w, requires_grad=False)
-    return embed, lm_head
+    if not lm_head:
+        return embed, None
+    head_w = found.get("lm_head.weight", embed_w).to(device=dev, dtype=dt)  # tied if missing
+    proj = torch.nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device=dev, dtype=dt)
+    proj.weight = torch.nn.Parameter(head_w, requires_grad=False)
+    return embed, proj

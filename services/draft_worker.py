@@ -58,11 +58,13 @@ def feature_layers(cfg: ServiceConfig) -> tuple[int, ...] | None:
 
 
 def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
-    """The head for cfg.target plus the target's embedding and lm_head (nothing else)."""
+    """The head for cfg.target plus the target's embedding and (EAGLE-1/2 heads, which draft
+    through it) its lm_head; nothing else of the target."""
     device = pick_device(cfg.device())
     dtype = pick_dtype(cfg.dtype, device)
-    embed, lm_head = load_vocab_modules(cfg.target, dtype, str(device))
     path = head_dir(cfg)
+    eagle3 = path is not None and feature_layers(cfg) is not None
+    embed, lm_head = load_vocab_modules(cfg.target, dtype, str(device), lm_head=not eagle3)
     if path is None:
         from transformers import AutoConfig
 

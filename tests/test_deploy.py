@@ -83,7 +83,7 @@ def test_serve_config_layout_is_the_planners_first_choice():
 def test_serve_config_layout_fits_by_the_planners_memory_accounting():
     """What the processes allocate on the GPU a rank shares with its draft worker, in the
     planner's per-tensor sizes: the rank's shard and KV cache (max_batch slots of max_context
-    + the engine's tree margin), the worker's head, the target's embed/lm_head it loads, d2t
+    + the engine's tree margin), the worker's head, the target's embedding (EAGLE-3) it loads, d2t
     and its KV cache (DraftWorker: 2 x max_batch slots of max_context + the drafter's margin)."""
     import inspect
 
@@ -99,7 +99,7 @@ def test_serve_config_layout_fits_by_the_planners_memory_accounting():
     margin = inspect.signature(Drafter).parameters["tree_margin"].default
     worker = (plan.draft_worker_params(model, draft) * nbytes + plan.draft_buffer_bytes(draft)
               + 2 * batch * (context + margin) * plan.kv_bytes_per_token(draft.model, 2))
-    assert worker == 7_009_003_520 + 16 * 8448 * 4096 == 7_562_651_648  # 7.04 GiB
+    assert worker == 4_907_657_216 + 16 * 8448 * 4096 == 5_461_305_344  # 5.09 GiB
     assert worker <= args["draft_gpu_fraction"] * gpu  # its Ray share: 8 GiB
     assert rank + worker <= gpu * (1 - plan.Hardware().reserve_fraction)  # 47.9 of 72 GiB
 

@@ -248,3 +248,21 @@ def test_eagle3_with_a_reduced_vocab_in_a_batch_with_different_lengths(target):
                              draft_vocab=DRAFT_VOCAB), [p], GREEDY, tree)[0] for p in prompts]
     assert together == alone
 
+
+
+def test_draft_worker_builds_an_eagle3_head_with_the_target_embedding_only(tmp_path, target):
+    """services.draft_worker.build_drafter on a saved target + a downloaded EAGLE-3 directory:
+    the target side gets the head's layers from config.json alone, and the worker loads the
+    embedding but not the target's lm_head (the head has its own)."""
+    from services.config import ServiceConfig
+    from services.draft_worker import build_drafter, feature_layers
+
+    target.hf.save_pretrained(tmp_path / "target")
+    published_checkpoint(tmp_path / "head", aux_ids=[0, 3, 5])
+    cfg = ServiceConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "head"),
+                        dtype="float32")
+    assert feature_layers(cfg) == (1, 4, 6)
+    drafter, desc = build_drafter(cfg, max_slots=2)
+    assert desc == str(tmp_path / "head") and isinstance(drafter.head, Eagle3Head)
+    assert torch.equal(drafter.draft_lm_head, drafter.head.lm_head.weight)
+    torch.testing.assert_close(drafter.embed.weight, target.embed.weight)

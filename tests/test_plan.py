@@ -286,10 +286,10 @@ def test_eagle3_llama33_70b_head_parameter_count_by_hand():
     assert P.draft_params(draft) == own
     # buffers: d2t int64 [Vd] is kept; t2d bool [V] is only checked at load
     assert P.draft_buffer_bytes(draft) == 8 * VD == 256_000
-    # the worker loads the target's embedding and (needlessly for EAGLE-3) its lm_head
+    # the worker loads the target's embedding only (an EAGLE-3 head has its own lm_head)
     model = P.PRESETS["llama-3.3-70b"]
-    assert P.draft_worker_target_params(model, draft) == 2 * V * H == 2_101_346_304
-    assert P.draft_worker_params(model, draft) == own + 2 * V * H
+    assert P.draft_worker_target_params(model, draft) == V * H == 1_050_673_152
+    assert P.draft_worker_params(model, draft) == own + V * H
     # a draft level reads the head and its own lm_head, never the target's 128256-row one
     assert P.draft_step_params(model, draft) == own
     eagle2_head = P.eagle_head_for(model)
@@ -307,11 +307,11 @@ def test_llama33_70b_plan_defaults_to_its_eagle3_head_by_hand():
     assert p.weight_bytes_per_gpu == 38_430_851_072 and p.max_sequences == 57
     d = p.draft
     assert (d.kind, d.head_params, d.shared_params, d.buffer_bytes) == (
-        "eagle3", 1_403_027_456, 2 * V * H, 256_000)
-    assert d.weight_bytes == (1_403_027_456 + 2 * V * H) * 2 + 256_000 == 7_009_003_520
+        "eagle3", 1_403_027_456, V * H, 256_000)
+    assert d.weight_bytes == (1_403_027_456 + V * H) * 2 + 256_000 == 4_907_657_216
     assert d.kv_bytes_per_token == 2 * 1 * KV * D * 2 == 4096  # one layer, 8 KV heads
     usable = int(80 * GIB * 0.9)
-    assert d.max_sequences == (usable - 7_009_003_520) // (4096 * 8192) == 2095
+    assert d.max_sequences == (usable - 4_907_657_216) // (4096 * 8192) == 2157
 
 
 def test_default_draft_per_target():
@@ -413,7 +413,7 @@ def test_layouts_rank_two_tp4_replicas_with_a_shared_eagle3_draft_first():
     layouts = P.node_layouts(model, draft, 8)
     best = layouts[0]
     assert (best.replicas, best.tp_size, best.draft, best.idle_gpus) == (2, 4, "shared", 0)
-    # 6.53 GiB of weights + 8 x 8192 tokens x 4 KiB of head KV: within a 0.1 share of 80 GiB
+    # 4.57 GiB of weights + 8 x 8192 tokens x 4 KiB of head KV: within a 0.1 share of 80 GiB
     assert best.draft_gpu_fraction == 0.1
     assert [lay.tokens_per_s for lay in layouts] == sorted(
         (lay.tokens_per_s for lay in layouts), reverse=True)

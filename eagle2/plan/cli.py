@@ -85,7 +85,7 @@ def format_plan(p: ServingPlan) -> str:
 def _format_draft(d: DraftPlan) -> str:
     if d.kind == "eagle3":
         head = (f"EAGLE-3 head {d.head_params:,} (own lm_head included) + target "
-                f"embed/lm_head {d.shared_params:,} params + d2t {d.buffer_bytes:,} B")
+                f"embedding {d.shared_params:,} params + d2t {d.buffer_bytes:,} B")
     else:
         head = f"head {d.head_params:,} + embed/lm_head {d.shared_params:,} params"
     return (f"draft: {d.name}: {head} = {_gib(d.weight_bytes)}; KV {d.kv_bytes_per_token:,} "

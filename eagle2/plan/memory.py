@@ -159,15 +159,13 @@ def draft_buffer_bytes(draft: DraftSpec) -> int:
 
 
 def draft_worker_target_params(model: ModelSpec, draft: DraftSpec) -> int:
-    """The target's tensors the draft worker loads: embed_tokens and lm_head (one tensor if
-    tied), whatever the head's kind.
-
-    An EAGLE-1/2 head drafts through the target's lm_head. An EAGLE-3 head drafts through its
-    own, yet services/draft_worker.build_drafter loads the target's lm_head for it too
-    (`load_vocab_modules`); the Drafter drops it once built, but the CUDA caching allocator
-    keeps the block, so the worker's GPU holds it either way: counted here."""
+    """The target's tensors the draft worker loads: embed_tokens, and for an EAGLE-1/2 head
+    (which drafts through it) lm_head (one tensor if tied). An EAGLE-3 head drafts through its
+    own lm_head, so services/draft_worker.build_drafter loads only the embedding."""
     embed = model.vocab_size * model.hidden_size
-    return embed if model.tie_word_embeddings else 2 * embed
+    if draft.kind == "eagle3" or model.tie_word_embeddings:
+        return embed
+    return 2 * embed
 
 
 def draft_worker_params(model: ModelSpec, draft: DraftSpec) -> int:
