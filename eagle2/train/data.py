@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,11 +82,15 @@ def shard_path(root: Path, idx: int) -> Path:
 
 
 # ----- stage 1: conversations ------------------------------------------------------------------
-def generate_conversations(llm, prompts: list[str], cfg: DataConfig, root: Path,
-                           chunks: list[int] | None = None) -> int:
+def generate_conversations(llm, prompts: list[str] | Callable[[int], list[str]],
+                           cfg: DataConfig, root: Path, chunks: list[int] | None = None) -> int:
     """Let the target answer the prompts of `chunks` (default all); skip finished chunks.
+    prompts: all prompts (chunk i = the i-th slice of chunk_size), or chunk i -> its prompts.
 
     Returns the number of answer tokens written."""
+    if not callable(prompts):
+        every = prompts
+        prompts = lambda i: every[i * cfg.chunk_size:(i + 1) * cfg.chunk_size]  # noqa: E731
     from eagle2.config import SamplingParams
 
     (root / "conversations").mkdir(parents=True, exist_ok=True)
@@ -94,7 +99,9 @@ def generate_conversations(llm, prompts: list[str], cfg: DataConfig, root: Path,
     written = 0
     bar = tqdm(todo, desc="self-distill chunks", unit="chunk")
     for idx in bar:
-        batch = prompts[idx * cfg.chunk_size:(idx + 1) * cfg.chunk_size]
+        batch = prompts(idx)
+        if not batch:
+            continue
         temperature = cfg.temperature_of(idx)
         params = SamplingParams(temperature=temperature, max_tokens=cfg.max_new_tokens,
                                 seed=cfg.seed * 100_003 + idx)

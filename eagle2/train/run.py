@@ -29,9 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", default=",".join(STAGES), help=f"subset of {STAGES}")
     g = p.add_argument_group("data (self-distillation)")
     g.add_argument("--num-prompts", type=int, default=2048)
-    g.add_argument("--prompt-source", default="synthetic", choices=("synthetic", "stdlib-code"),
-                   help="synthetic chat prompts (prompts.py) or code-completion stubs cut from "
-                        "the Python standard library (code_prompts.py); one source per --out")
+    g.add_argument("--prompt-source", default="synthetic",
+                   choices=("synthetic", "stdlib-code", "self"),
+                   help="synthetic chat prompts (prompts.py), code-completion stubs cut from "
+                        "the Python standard library (code_prompts.py), or prompts the target "
+                        "writes itself from its user-turn header (self_prompts.py); one source "
+                        "per --out")
     g.add_argument("--prompt-seed", type=int, default=0)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers")
@@ -141,7 +144,18 @@ def _data_stage(args, cfg, root: Path):
     from eagle2.train.data import chunk_path, generate_conversations
     llm = Eagle2.load(args.target, draft="untrained", dtype="float32", device=args.device,
                       max_batch=cfg.max_batch, max_context=args.max_len)
-    prompts = _prompts(args.prompt_source, cfg.num_prompts, cfg.seed)
+    if args.prompt_source == "self":
+        from eagle2.train.self_prompts import bench_texts, chunk_prompts
+
+        bench = bench_texts()
+
+        def prompts(i: int) -> list[str]:
+            return chunk_prompts(llm, root, i, cfg.chunk_size, cfg.seed, bench)
+
+        num_prompts = cfg.num_prompts
+    else:
+        prompts = _prompts(args.prompt_source, cfg.num_prompts, cfg.seed)
+        num_prompts = len(prompts)
     deadline = time.time() + 60 * args.data_minutes if args.data_minutes else None
     start = time.time()
     total = 0
@@ -150,7 +164,7 @@ def _data_stage(args, cfg, root: Path):
         if deadline is not None and time.time() > deadline:
             log.warning("data stage stopped at its time box (%s min)", args.data_minutes)
             break
-        if idx * cfg.chunk_size >= len(prompts):
+        if idx * cfg.chunk_size >= num_prompts:
             break  # the prompt source ran out
         if chunk_path(root, idx).exists():
             continue
