@@ -205,3 +205,33 @@ def test_code_prompts_cut_stubs_and_drop_benchmark_overlap(tmp_path):
     assert len(make_code_prompts(5, root=tmp_path, exclude_names={"has_entry"})) == 1
     bench = [f"def other(values):\n    \"\"\"{doc}\"\"\"\n"]  # shares an 8-gram with both
     assert make_code_prompts(5, root=tmp_path, bench_prompts=bench) == []
+
+
+def test_every_nth_chunk_is_answered_at_temperature_one():
+    cfg = data.DataConfig(num_prompts=640, chunk_size=64, sample_every=4)
+    assert [cfg.temperature_of(i) for i in range(8)] == [0, 0, 0, 1.0, 0, 0, 0, 1.0]
+    assert data.DataConfig(num_prompts=64).temperature_of(3) == 0.0
+    with pytest.raises(ValueError, match="sample_every"):
+        data.DataConfig(sample_every=-1)
+
+
+def test_self_written_prompts_are_stored_reproducible_and_filtered(smol, tmp_path):
+    """The embedded target writes user messages from its user-turn header; a stored chunk is
+    reused as is, the same seed writes the same prompts, and a prompt that overlaps a
+    benchmark text is dropped."""
+    from eagle2.train.self_prompts import chunk_prompts, prompts_path, user_header_ids
+
+    header = smol.tokenizer.decode(user_header_ids(smol.tokenizer))
+    assert header.endswith("user\n") and "system" in header
+    first = chunk_prompts(smol, tmp_path / "a", 0, 4, seed=1, bench=["unrelated text"],
+                          max_tokens=48, oversample=1.0)
+    record = json.loads(prompts_path(tmp_path / "a", 0).read_text())
+    assert record["prompts"] == first and record["drawn"] == 4
+    assert len(first) + sum(record["dropped"].values()) == 4
+    assert chunk_prompts(smol, tmp_path / "a", 0, 4, seed=99, bench=[]) == first  # stored
+    assert first  # seed 1 writes finished messages
+    again = chunk_prompts(smol, tmp_path / "b", 0, 4, seed=1, bench=[first[0]],
+                          max_tokens=48, oversample=1.0)
+    assert first[0] not in again and again == first[1:]
+    dropped = json.loads(prompts_path(tmp_path / "b", 0).read_text())["dropped"]
+    assert dropped["benchmark_overlap"] == 1
