@@ -88,7 +88,11 @@ def run(args) -> int:
         print(json.dumps({
             "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
             "prompt_tokens": out.prompt_tokens, "num_steps": out.num_steps,
-            "tau": round(out.tau, 4), "tokens_per_s": round(out.tokens_per_s, 3),
+            "tau": round(out.tau, 4),  # new tokens / steps, the prefill counted as a step
+            # tokens per verification step (the EAGLE papers' definition)
+            "tau_decode": round((len(out.token_ids) - 1) / (out.num_steps - 1), 4)
+            if out.num_steps > 1 else None,
+            "tokens_per_s": round(out.tokens_per_s, 3),
             "wall_s": round(out.wall_s, 4), "mode": tree.mode,
         }))
     else:
