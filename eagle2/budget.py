@@ -51,6 +51,8 @@ class CostModel:
     # run, so the tree chosen for a seeded sampling request is the same on every run here.
     draft_batches: tuple[int, ...] = ()
     draft_level_s: tuple[float, ...] = ()
+    # which head the draft costs were measured with (`draft_key`): another head re-measures
+    draft_head: str = ""
 
     def __call__(self, num_b: int, num_n: int) -> float:
         per_batch = [_interp(self.nodes, list(row), num_n) for row in self.seconds]
@@ -66,7 +68,7 @@ class CostModel:
         return {"batches": list(self.batches), "nodes": list(self.nodes),
                 "seconds": [list(r) for r in self.seconds], "prefix": self.prefix,
                 "draft_batches": list(self.draft_batches),
-                "draft_level_s": list(self.draft_level_s)}
+                "draft_level_s": list(self.draft_level_s), "draft_head": self.draft_head}
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
@@ -74,7 +76,7 @@ class CostModel:
         levels = tuple(data.get("draft_level_s", ())) if batches else ()
         return cls(tuple(data["batches"]), tuple(data["nodes"]),
                    tuple(tuple(r) for r in data["seconds"]), data.get("prefix", 0),
-                   batches, levels)
+                   batches, levels, data.get("draft_head", ""))
 
     def save(self, path: Path) -> None:
         from eagle2.kernels import write_json_atomic
@@ -134,6 +136,18 @@ class CostModel:
 
 
 DRAFT_PROBE_TOP_K = 8
+
+
+def draft_key(drafter) -> str:
+    """What decides a draft level's cost: the head's kind and its matrices' shapes (a remote
+    drafter: "remote")."""
+    head = getattr(drafter, "head", None)
+    if head is None:
+        return "remote"
+    shapes = ",".join("x".join(map(str, p.shape)) for p in head.parameters())
+    vocab = getattr(drafter, "draft_lm_head", None)
+    rows = "" if vocab is None else f"|{tuple(vocab.shape)}"
+    return f"{getattr(head, 'kind', 'eagle2')}|{shapes}{rows}|{head.fc.weight.dtype}"
 
 
 def measure_draft_levels(drafter, batches: list[int], hidden: int, dtype: torch.dtype,

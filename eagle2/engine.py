@@ -23,7 +23,13 @@ from typing import Protocol
 import torch
 
 from eagle2.attention import causal_mask
-from eagle2.budget import CostModel, SpeculationGate, choose_num_nodes, measure_draft_levels
+from eagle2.budget import (
+    CostModel,
+    SpeculationGate,
+    choose_num_nodes,
+    draft_key,
+    measure_draft_levels,
+)
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.runner import TargetRunner
 from eagle2.tree import DraftTree, prune_tree, root_only
@@ -205,11 +211,15 @@ class Engine:
         free = (len(self.drafter.free) if hasattr(self.drafter, "free") else
                 self.max_batch - len(self.seqs))
         wanted = [b for b in costs.batches if b <= min(free, self.max_batch)]
-        if wanted and max(wanted) > max(costs.draft_batches, default=0):
+        key = draft_key(self.drafter)
+        measured = max(costs.draft_batches, default=0)
+        if self._cost_path is not None and costs.draft_head != key:
+            measured = 0  # the cache holds another head's draft costs (given ones are kept)
+        if wanted and max(wanted) > measured:
             feats = self.seqs[0].pending_feats
             levels = measure_draft_levels(self.drafter, wanted, feats.shape[-1], feats.dtype)
             self._costs = costs = replace(costs, draft_batches=tuple(levels),
-                                          draft_level_s=tuple(levels.values()))
+                                          draft_level_s=tuple(levels.values()), draft_head=key)
             if self._cost_path is not None:
                 costs.save(self._cost_path)
         return costs

@@ -257,3 +257,28 @@ def test_costs_are_measured_once_and_cached_with_the_draft_levels(tmp_path):
     again = make_engine(target, 0, max_batch=2, max_context=64)
     again._costs, again._cost_path = path, path
     assert again.costs == saved  # read, not measured again
+
+
+def test_cached_draft_costs_of_another_head_are_measured_again(tmp_path):
+    """A cache written with an EAGLE-2 head is not trusted for an EAGLE-3 head's draft levels
+    (its own lm_head and 2H-wide projections cost differently); the target costs are kept."""
+    from eagle2.budget import draft_key
+
+    target = tiny_target(seed=5, layers=4)
+    path = tmp_path / "costs.json"
+    first = make_engine(target, 0, max_batch=2, max_context=64)
+    first._costs, first._cost_path = path, path
+    prompts = random_prompts(2, 64, seed=8)
+    run(first, prompts, GREEDY, AUTO)
+    saved = CostModel.from_json(__import__("json").loads(path.read_text()))
+    assert saved.draft_head == draft_key(first.drafter) and saved.draft_head.startswith("eagle2|")
+    other = make_engine(target, 0, max_batch=2, max_context=64, head_kind="eagle3")
+    other._costs, other._cost_path = path, path
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    target.set_feature_layers(other.drafter.head.feature_layers(4))
+    assert run(other, prompts, GREEDY, AUTO) == vanilla
+    target.set_feature_layers(None)
+    resaved = CostModel.from_json(__import__("json").loads(path.read_text()))
+    assert resaved.draft_head == draft_key(other.drafter)
+    assert resaved.draft_head.startswith("eagle3|")
+    assert (resaved.batches, resaved.seconds) == (saved.batches, saved.seconds)
