@@ -28,7 +28,7 @@ from eagle2.train.ttt import TTTConfig, TTTTrainer, build_eagle3_head, collate, 
 VOCAB, LAYERS = 48, 4
 AUX = (0, 1, 2)  # output ids: the inputs of layers 1, 2, 3
 CFG = TTTConfig(steps=3, lr=3e-3, warmup=2, epochs=1.0, batch_tokens=512, noise=0.0,
-                log_every=1, eval_every=10_000, checkpoint_seconds=1e9)
+                log_every=1, eval_every=10_000, checkpoint_seconds=1e9, bf16="off")
 
 
 def greedy_sequences(target, n: int, seed: int = 0, new: int = 24) -> list[data.Sequence]:
@@ -155,3 +155,13 @@ def test_early_stopping_keeps_the_best_head(tiny, tmp_path):
     summary = t.run()
     assert summary["steps"] < t.total_steps  # a diverging run stops early
     assert summary["val"]["loss"] == pytest.approx(summary["best_val_loss"], rel=1e-4)
+
+
+def test_bf16_autocast_trains_too(tiny, tmp_path):
+    target, seqs = tiny
+    t = make_trainer(target, seqs, tmp_path, replace(CFG, epochs=15.0, bf16="on"))
+    assert t.bf16
+    before = t.evaluate(seqs)
+    t.run()
+    assert t.evaluate(seqs)["loss"] < 0.8 * before["loss"]
+    assert all(p.dtype == torch.float32 for p in t.head.parameters())  # fp32 master weights

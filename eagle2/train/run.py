@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eagle3: unrolled draft steps of the training-time test")
     t.add_argument("--eval-every", type=int, default=200,
                    help="eagle3: steps between held-out evaluations (early stopping)")
+    t.add_argument("--bf16", default="auto", choices=("auto", "on", "off"),
+                   help="eagle3: bf16 autocast (auto: CUDA, or a CPU with AMX/AVX512-BF16)")
     t.add_argument("--patience", type=int, default=3,
                    help="eagle3: stop after this many evaluations without improvement")
     t.add_argument("--extra-data", action="append", default=[], metavar="DIR",

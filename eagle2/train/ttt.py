@@ -50,8 +50,13 @@ class TTTConfig:
     max_seconds: float | None = None
     log_every: int = 10
     seed: int = 0
+    # bf16 autocast of the target pass and the head's matmuls: "auto" = on CUDA, and on CPUs
+    # with native bf16 matmuls (AMX or AVX512-BF16: ~2x faster steps measured); "on", "off"
+    bf16: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.bf16 not in ("auto", "on", "off"):
+            raise ValueError(f"bf16 must be auto, on or off, got {self.bf16!r}")
         if self.steps < 1 or not 0 < self.decay <= 1:
             raise ValueError("steps must be >= 1 and decay in (0, 1]")
         if not self.lr > 0 or self.epochs <= 0 or self.batch_tokens < 16:
@@ -177,28 +182,41 @@ def unrolled_loss(head: Eagle3Head, embed: torch.nn.Module, batch: Batch, feats:
     total = torch.zeros((), device=device)
     stats = StepStats(total, [], [], [])
     draft_ids = head.d2t.to(device)
+    with torch.no_grad():  # once per batch: the full-vocabulary tensors are large
+        top = t2d[logits.argmax(-1)]  # [B, T] draft index of the target's argmax, -1 outside
+        probs = torch.softmax(logits[..., draft_ids], dim=-1)  # [B, T, Vd] renormalised
     for k, g in enumerate(outs):
         # step k at position t predicts token[t + 2 + k]: the target's logits at t + 1 + k
-        tgt = F.pad(logits[:, 1 + k:], (0, 0, 0, 1 + k))  # [B, T, V]
-        tgt_top = tgt.argmax(-1)
-        mask = F.pad(batch.loss_mask[:, k:], (0, k)) & valid & (t2d[tgt_top] >= 0)
+        tgt_top = F.pad(top[:, 1 + k:], (0, 1 + k), value=-1)  # [B, T]
+        mask = F.pad(batch.loss_mask[:, k:], (0, k)) & valid & (tgt_top >= 0)
         if not mask.any():
             stats.ce.append(0.0)
             stats.acc.append(0.0)
             stats.count.append(0)
             continue
-        draft_logits = head.lm_head(head.norm(g[mask]))  # [M, Vd]
-        p = torch.softmax(tgt[mask][:, draft_ids], dim=-1)  # renormalised over the draft vocab
+        rows, cols = mask.nonzero(as_tuple=True)
+        p = probs[rows, cols + 1 + k]  # [M, Vd]
+        draft_logits = head.lm_head(head.norm(g[rows, cols]))  # [M, Vd]
         logp = torch.log_softmax(draft_logits.float(), dim=-1)
         ce = -(p * logp).sum(-1).mean()
         total = total + cfg.decay ** k * ce
         with torch.no_grad():
-            acc = (draft_ids[logp.argmax(-1)] == tgt_top[mask]).float().mean().item()
+            acc = (logp.argmax(-1) == tgt_top[rows, cols]).float().mean().item()
         stats.ce.append(ce.item())
         stats.acc.append(acc)
         stats.count.append(int(mask.sum()))
     stats.loss = total
     return stats
+
+
+def use_bf16(setting: str, device: torch.device) -> bool:
+    if setting != "auto":
+        return setting == "on"
+    if device.type == "cuda":
+        return True
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+                or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
 def lr_at(step: int, total: int, cfg: TTTConfig) -> float:
@@ -229,6 +247,7 @@ class TTTTrainer:
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.step, self.elapsed = 0, 0.0
         self.best, self.bad_evals = float("inf"), 0
+        self.bf16 = use_bf16(cfg.bf16, self.device)
         self.feature_rms = self._feature_rms()
         self.out.mkdir(parents=True, exist_ok=True)
         self.ckpt_path = self.out / "checkpoint.pt"
@@ -272,9 +291,10 @@ class TTTTrainer:
         return collate([self.train_seqs[j] for j in idx]).to(self.device)
 
     def loss(self, batch: Batch, gen: torch.Generator | None = None) -> StepStats:
-        feats, logits = target_pass(self.target.hf, batch, self.layers)
-        return unrolled_loss(self.head, self.target.embed, batch, feats, logits, self.cfg,
-                             self.t2d, self.feature_rms, gen)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            feats, logits = target_pass(self.target.hf, batch, self.layers)
+            return unrolled_loss(self.head, self.target.embed, batch, feats, logits, self.cfg,
+                                 self.t2d, self.feature_rms, gen)
 
     def train_step(self) -> StepStats:
         for group in self.opt.param_groups:
@@ -393,7 +413,7 @@ def train_eagle3_from_args(args, target, root: Path) -> dict:
     train, val = split(seqs)
     cfg = TTTConfig(steps=args.ttt_steps, lr=args.lr, warmup=args.warmup, epochs=args.epochs,
                     batch_tokens=args.batch_tokens, noise=args.noise,
-                    eval_every=args.eval_every, patience=args.patience,
+                    eval_every=args.eval_every, patience=args.patience, bf16=args.bf16,
                     checkpoint_seconds=60 * args.checkpoint_minutes,
                     max_seconds=60 * args.train_minutes if args.train_minutes else None,
                     seed=args.seed)
