@@ -12,7 +12,9 @@ layers with Llama-3-70B shapes. It records:
 2. the forward cost curve: ms per target forward for N = 1..64 tokens x batch 1..16, eager and
    with CUDA graphs (`eagle2.cuda_graphs`), for the 8B shapes and per 70B-shape layer;
 3. step overhead: host (launch) time against device time of one forward;
-4. eagle2 against vanilla: ms per engine step and tokens per step at batch 1 and 8.
+4. eagle2 against vanilla: ms per engine step and tokens per step at batch 1 and 8;
+5. the same losslessness and step cost with a random EAGLE-3 head (three-layer features, its
+   own lm_head over a 32,000-token draft vocabulary), the kind the 70B deployment uses.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def make_engine(target, head, max_batch: int, max_context: int):
     from eagle2.engine import Engine
     from eagle2.runner import LocalRunner
 
+    target.set_feature_layers(head.feature_layers(target.num_layers))  # EAGLE-3: 3 layers
     drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
                       max_len=max_context)
     runner = LocalRunner(target, max_batch, max_context + Engine.tree_margin)
@@ -99,7 +102,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def check_lossless(target, head, sizes: dict, num_tokens: int) -> dict:
+def random_eagle3_head(target, dtype: torch.dtype, device: str, draft_vocab: int = 32000):
+    """A random EAGLE-3 head (the published architecture) over every k-th target token."""
+    from eagle2.eagle3 import new_eagle3_head
+
+    layers = target.num_layers
+    aux = None if layers >= 6 else (0, layers // 2 - 1, layers - 2)  # tiny: valid layer ids
+    vocab = target.vocab_size
+    d2t = torch.arange(0, vocab, max(1, vocab // draft_vocab))[:draft_vocab]
+    return new_eagle3_head(target.config, d2t, seed=0, dtype=dtype,
+                           aux_layer_ids=aux).to(device)
+
+
+def check_lossless(target, head, sizes: dict, num_tokens: int,
+                   modes: tuple[str, ...] = ("eagle2", "static", "chain"),
+                   sampling: bool = True) -> dict:
     """Greedy eagle2 / static / chain against vanilla, and one sampling run per mode."""
     from eagle2.config import SamplingParams, TreeConfig
 
@@ -110,7 +127,7 @@ def check_lossless(target, head, sizes: dict, num_tokens: int) -> dict:
     trees = {"vanilla": TreeConfig("vanilla"), **{
         mode: TreeConfig(mode, sizes["total_tokens"], sizes["depth"], sizes["top_k"],
                          budget="fixed")
-        for mode in ("eagle2", "static", "chain")}}
+        for mode in modes}}
     trees["eagle2-auto"] = TreeConfig("eagle2", sizes["total_tokens"], sizes["depth"],
                                       sizes["top_k"])  # the cost-aware budget (default)
     out, ref = {}, None
@@ -121,10 +138,12 @@ def check_lossless(target, head, sizes: dict, num_tokens: int) -> dict:
                     for i, (t, r) in enumerate(zip(tokens, ref, strict=True)) if t != r]
         out[f"greedy_{mode}"] = {"equal_to_vanilla": not mismatch,
                                  "first_mismatch": mismatch[:3]}
-    sampling = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=num_tokens,
-                              ignore_eos=True, seed=3)
+    if not sampling:
+        return out
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=num_tokens,
+                            ignore_eos=True, seed=3)
     for mode in ("eagle2", "vanilla"):
-        tokens, _ = generate(make_engine(target, head, 4, 256), prompts, sampling, trees[mode])
+        tokens, _ = generate(make_engine(target, head, 4, 256), prompts, params, trees[mode])
         out[f"sampling_{mode}"] = {"ran": all(len(t) == num_tokens for t in tokens)}
     return out
 
@@ -212,14 +231,19 @@ def run(args: argparse.Namespace) -> dict:
     report["lossless"] = check_lossless(target, head, sizes, 8 if tiny else 24)
     report["forward_cost"] = forward_cost(target, batches, tokens, reps, graphs=not tiny)
     report["eagle2_vs_vanilla"] = eagle2_vs_vanilla(target, head, sizes, 8 if tiny else 32)
-    del target, head
+    head3 = random_eagle3_head(target, dtype, device, 64 if tiny else 32000)
+    report["lossless_eagle3_head"] = check_lossless(target, head3, sizes, 8 if tiny else 24,
+                                                    modes=("eagle2", "chain"))
+    report["eagle3_vs_vanilla"] = eagle2_vs_vanilla(target, head3, sizes, 8 if tiny else 32)
+    del target, head, head3
     if not tiny:
         torch.cuda.empty_cache()
         big = random_target("llama-3-70b-layers", dtype, device)
         report["forward_cost_70b_4_layers"] = forward_cost(big, [1, 8], [1, 16, 64], reps, True)
         del big
     report["imported_forbidden"] = [m for m in FORBIDDEN if m in sys.modules]
-    checks = [v.get("equal_to_vanilla", v.get("ran")) for v in report["lossless"].values()]
+    checks = [v.get("equal_to_vanilla", v.get("ran"))
+              for key in ("lossless", "lossless_eagle3_head") for v in report[key].values()]
     report["passed"] = all(checks) and not report["imported_forbidden"]
     report["wall_s"] = round(time.time() - t_start, 1)
     return report

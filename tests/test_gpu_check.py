@@ -32,6 +32,10 @@ def test_tiny_gpu_check_runs_from_the_checkout_and_passes(tmp_path):
     assert {k for k, v in report["lossless"].items() if v.get("equal_to_vanilla")} == {
         "greedy_vanilla", "greedy_eagle2", "greedy_static", "greedy_chain",
         "greedy_eagle2-auto"}
+    assert {k for k, v in report["lossless_eagle3_head"].items()
+            if v.get("equal_to_vanilla")} == {"greedy_vanilla", "greedy_eagle2", "greedy_chain",
+                                              "greedy_eagle2-auto"}
+    assert {r["mode"] for r in report["eagle3_vs_vanilla"]} == {"vanilla", "eagle2"}
     assert all(r["eager_ms"] > 0 for r in report["forward_cost"])
     assert {r["mode"] for r in report["eagle2_vs_vanilla"]} == {"vanilla", "eagle2"}
 
