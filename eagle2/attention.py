@@ -157,6 +157,16 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
     )
 
 
+def sequence_inputs(cache: KVCache, lengths: torch.Tensor, num_t: int,
+                    rotary: torch.nn.Module, like: torch.Tensor) -> StepInputs:
+    """Inputs for a causal pass over whole right-padded sequences [B, T] from position 0 in
+    slots 0..B-1 of an empty cache (head training)."""
+    num_b = lengths.shape[0]
+    slots = torch.arange(num_b, device=lengths.device)
+    positions = torch.arange(num_t, device=lengths.device).expand(num_b, num_t)
+    return step_inputs(cache, slots, causal_mask(lengths, num_t), positions, rotary, like)
+
+
 def causal_mask(lengths: torch.Tensor, num_n: int) -> torch.Tensor:
     """[B, N, N] lower-triangular mask; rows and columns past lengths[b] see only themselves."""
     idx = torch.arange(num_n, device=lengths.device)

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from eagle2.attention import KVCache, StepInputs, cached_attention, causal_mask, step_inputs
+from eagle2.attention import KVCache, StepInputs, cached_attention, sequence_inputs
 from eagle2.calibration import Calibration
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what SGLang and vLLM dispatch on
@@ -138,10 +138,7 @@ class Eagle3Head(nn.Module):
         if lengths is None:
             lengths = torch.full((num_b,), num_t, device=token_embeds.device)
         cache = self.allocate_cache(num_b, num_t)
-        slots = torch.arange(num_b, device=token_embeds.device)
-        positions = torch.arange(num_t, device=token_embeds.device).expand(num_b, num_t)
-        inp = step_inputs(cache, slots, causal_mask(lengths, num_t), positions, self.rotary,
-                          token_embeds)
+        inp = sequence_inputs(cache, lengths, num_t, self.rotary, token_embeds)
         return self.step(token_embeds, features, cache, inp)
 
 

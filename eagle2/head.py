@@ -22,7 +22,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from eagle2.attention import KVCache, StepInputs, causal_mask, decoder_layer, step_inputs
+from eagle2.attention import KVCache, StepInputs, decoder_layer, sequence_inputs
 from eagle2.calibration import FILE_NAME as CALIBRATION_FILE
 from eagle2.calibration import Calibration
 from eagle2.eagle3 import (
@@ -107,10 +107,7 @@ class DraftHead(nn.Module):
         if lengths is None:
             lengths = torch.full((num_b,), num_t, device=x.device)
         cache = self.allocate_cache(num_b, num_t)
-        slots = torch.arange(num_b, device=x.device)
-        positions = torch.arange(num_t, device=x.device).expand(num_b, num_t)
-        inp = step_inputs(cache, slots, causal_mask(lengths, num_t), positions, self.rotary, x)
-        return self.forward_layer(x, cache, inp)
+        return self.forward_layer(x, cache, sequence_inputs(cache, lengths, num_t, self.rotary, x))
 
 
 def head_config_for(target_config, **overrides) -> LlamaConfig:

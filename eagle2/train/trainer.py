@@ -117,8 +117,8 @@ def step_loss(head: DraftHead, embed: torch.nn.Module, lm_weight: torch.Tensor,
     return StepStats(loss, smooth.item(), ce.item(), acc, int(mask.sum()))
 
 
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% of lr."""
+def lr_at(step: int, total: int, cfg) -> float:
+    """Linear warm-up, then cosine decay to 10% of lr (cfg: any config with lr and warmup)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
@@ -126,7 +126,63 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 # ----- the loop ------------------------------------------------------------------------------
-class Trainer:
+class Resumable:
+    """Checkpoints of a training loop: head, optimizer, step, elapsed time, the noise RNG and
+    Python's RNG (+ `_extra_state`), written atomically; resuming also drops log records
+    written after the checkpoint; and the optimizer step. Subclasses set head, opt, gen, cfg,
+    device, step, elapsed, total_steps, ckpt_path and log_path, and define `train_loss`."""
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra(self, state: dict) -> None:
+        pass
+
+    def save_checkpoint(self) -> None:
+        state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(),
+                 "step": self.step, "elapsed": self.elapsed, "gen": self.gen.get_state(),
+                 "python_rng": random.getstate(), "config": asdict(self.cfg),
+                 **self._extra_state()}
+        atomic_write(self.ckpt_path, lambda tmp: torch.save(state, tmp))
+
+    def maybe_resume(self) -> bool:
+        if not self.ckpt_path.exists():
+            return False
+        state = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.elapsed = state["step"], state["elapsed"]
+        self.gen.set_state(state["gen"].cpu() if self.device.type == "cpu" else state["gen"])
+        random.setstate(state["python_rng"])
+        self._load_extra(state)
+        if self.log_path.exists():  # drop records written after the checkpoint
+            recs = [json.loads(x) for x in self.log_path.read_text().splitlines() if x]
+            keep = "".join(json.dumps(r) + "\n" for r in recs if r["step"] <= self.step)
+            atomic_write(self.log_path, lambda tmp: tmp.write_text(keep))
+        return True
+
+    def _write(self, rec: dict) -> None:
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def train_loss(self):
+        """The loss of the batch at self.step (with .loss to backpropagate)."""
+        raise NotImplementedError
+
+    def train_step(self):
+        """One optimizer step: scheduled lr, backward, grad clip (cfg.grad_clip)."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, self.total_steps, self.cfg)
+        stats = self.train_loss()
+        self.opt.zero_grad(set_to_none=True)
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        return stats
+
+
+class Trainer(Resumable):
     """Owns the head, the optimizer, the step counter and the noise RNG; resumable."""
 
     def __init__(self, head: DraftHead, embed: torch.nn.Module, lm_head: torch.nn.Module,
@@ -149,45 +205,15 @@ class Trainer:
         self.ckpt_path = self.out / "checkpoint.pt"
         self.log_path = self.out / "train_log.jsonl"
 
-    # -- checkpoints --
-    def save_checkpoint(self) -> None:
-        state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(),
-                 "step": self.step, "elapsed": self.elapsed, "gen": self.gen.get_state(),
-                 "python_rng": random.getstate(), "config": asdict(self.cfg)}
-        atomic_write(self.ckpt_path, lambda tmp: torch.save(state, tmp))
-
-    def maybe_resume(self) -> bool:
-        if not self.ckpt_path.exists():
-            return False
-        state = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
-        self.head.load_state_dict(state["head"])
-        self.opt.load_state_dict(state["opt"])
-        self.step, self.elapsed = state["step"], state["elapsed"]
-        self.gen.set_state(state["gen"].cpu() if self.device.type == "cpu" else state["gen"])
-        random.setstate(state["python_rng"])
-        if self.log_path.exists():  # drop records written after the checkpoint
-            recs = [json.loads(x) for x in self.log_path.read_text().splitlines() if x]
-            keep = "".join(json.dumps(r) + "\n" for r in recs if r["step"] <= self.step)
-            atomic_write(self.log_path, lambda tmp: tmp.write_text(keep))
-        return True
-
     # -- steps --
     def batch_at(self, step: int) -> Batch:
         epoch, i = divmod(step, self.steps_per_epoch)
         idx = epoch_batches(self.lengths, self.cfg.batch_tokens, self.cfg.seed, epoch)[i]
         return collate([self.train_seqs[j] for j in idx]).to(self.device)
 
-    def train_step(self) -> StepStats:
-        for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.step, self.total_steps, self.cfg)
-        stats = step_loss(self.head, self.embed, self.lm_weight, self.d2t,
-                          self.batch_at(self.step), self.cfg, self.feature_rms, self.gen)
-        self.opt.zero_grad(set_to_none=True)
-        stats.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
-        self.opt.step()
-        self.step += 1
-        return stats
+    def train_loss(self) -> StepStats:
+        return step_loss(self.head, self.embed, self.lm_weight, self.d2t,
+                         self.batch_at(self.step), self.cfg, self.feature_rms, self.gen)
 
     @torch.no_grad()
     def evaluate(self, seqs: list[Sequence] | None = None) -> dict[str, float]:
@@ -246,9 +272,6 @@ class Trainer:
         self._write(rec)
         return rec
 
-    def _write(self, rec: dict) -> None:
-        with self.log_path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
 
 
 def feature_rms(seqs: list[Sequence], sample: int = 64) -> float:

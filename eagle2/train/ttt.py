@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from eagle2.eagle3 import Eagle3Head, new_eagle3_head
 from eagle2.train.batches import epoch_batches
 from eagle2.train.data import Sequence, atomic_write, draft_vocab, loss_mask
+from eagle2.train.trainer import Resumable, lr_at, split
 
 
 @dataclass(frozen=True)
@@ -219,14 +219,7 @@ def use_bf16(setting: str, device: torch.device) -> bool:
                 or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
-def lr_at(step: int, total: int, cfg: TTTConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-class TTTTrainer:
+class TTTTrainer(Resumable):
     """Head + optimizer + step counter + RNGs; resumable; keeps the best head on held-out
     data and stops early when it stops improving."""
 
@@ -260,29 +253,12 @@ class TTTTrainer:
         valid = torch.arange(feats.shape[1], device=self.device)[None] < batch.lengths[:, None]
         return float(feats[valid].pow(2).mean().sqrt())
 
-    # -- checkpoints (atomic) --
-    def save_checkpoint(self) -> None:
-        state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(),
-                 "step": self.step, "elapsed": self.elapsed, "gen": self.gen.get_state(),
-                 "best": self.best, "bad_evals": self.bad_evals,
-                 "python_rng": random.getstate(), "config": asdict(self.cfg)}
-        atomic_write(self.ckpt_path, lambda tmp: torch.save(state, tmp))
+    # -- checkpoints (eagle2.train.trainer.Resumable) --
+    def _extra_state(self) -> dict:
+        return {"best": self.best, "bad_evals": self.bad_evals}
 
-    def maybe_resume(self) -> bool:
-        if not self.ckpt_path.exists():
-            return False
-        state = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
-        self.head.load_state_dict(state["head"])
-        self.opt.load_state_dict(state["opt"])
-        self.step, self.elapsed = state["step"], state["elapsed"]
+    def _load_extra(self, state: dict) -> None:
         self.best, self.bad_evals = state["best"], state["bad_evals"]
-        self.gen.set_state(state["gen"].cpu() if self.device.type == "cpu" else state["gen"])
-        random.setstate(state["python_rng"])
-        if self.log_path.exists():  # drop records written after the checkpoint
-            recs = [json.loads(x) for x in self.log_path.read_text().splitlines() if x]
-            keep = "".join(json.dumps(r) + "\n" for r in recs if r["step"] <= self.step)
-            atomic_write(self.log_path, lambda tmp: tmp.write_text(keep))
-        return True
 
     # -- steps --
     def batch_at(self, step: int) -> Batch:
@@ -296,16 +272,8 @@ class TTTTrainer:
             return unrolled_loss(self.head, self.target.embed, batch, feats, logits, self.cfg,
                                  self.t2d, self.feature_rms, gen)
 
-    def train_step(self) -> StepStats:
-        for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.step, self.total_steps, self.cfg)
-        stats = self.loss(self.batch_at(self.step), self.gen)
-        self.opt.zero_grad(set_to_none=True)
-        stats.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
-        self.opt.step()
-        self.step += 1
-        return stats
+    def train_loss(self) -> StepStats:
+        return self.loss(self.batch_at(self.step), self.gen)
 
     @torch.no_grad()
     def evaluate(self, seqs: list[Sequence] | None = None) -> dict:
@@ -380,8 +348,7 @@ class TTTTrainer:
             "tokens": n[0], "elapsed_s": round(self.elapsed, 1)})
 
     def _write(self, rec: dict) -> None:
-        with self.log_path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        super()._write(rec)
         print(json.dumps(rec), flush=True)
 
 
@@ -403,7 +370,6 @@ def train_eagle3_from_args(args, target, root: Path) -> dict:
     --extra-data -> split -> TTT training -> the head saved in the published layout."""
     from eagle2.head import save_head
     from eagle2.train.plot import plot_ttt_log
-    from eagle2.train.trainer import split
 
     seqs = []
     for path in [root, *map(Path, args.extra_data)]:
