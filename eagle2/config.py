@@ -41,7 +41,7 @@ class TreeConfig:
     top_k: int = 8
     draft_window: int = 2048
     budget: str = "auto"
-    lookup: int = 8
+    lookup: int = 16
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -159,18 +159,21 @@ def add_chains(cands: Candidates, chain_tokens: torch.Tensor, chain_len: torch.T
     num_b, num_c = cands.tokens.shape
     num_d = chain_tokens.shape[1]
     dev = cands.tokens.device
-    rows = torch.arange(num_b, device=dev)
     scores, values = cands.scores.clone(), cands.values.clone()
     cur = torch.full((num_b,), -1, dtype=torch.long, device=dev)  # the chain's node so far
+    head_depth = int(cands.depths.max()) if num_c else 0  # no reuse below the head's nodes
     new_parents, new_real = [], []
     for d in range(num_d):
         active = d < chain_len
-        hit = (cands.parents == cur[:, None]) & (cands.tokens == chain_tokens[:, d:d + 1])
-        found = hit.any(1) & active
-        idx = hit.long().argmax(1)
-        b, i = rows[found], idx[found]
-        scores[b, i] = torch.maximum(scores[b, i], chain_scores[found, d].to(scores.dtype))
-        values[b, i] = torch.maximum(values[b, i], chain_values[found, d].to(values.dtype))
+        found, idx = torch.zeros_like(active), cur
+        if d < head_depth:
+            hit = (cands.parents == cur[:, None]) & (cands.tokens == chain_tokens[:, d:d + 1])
+            found = hit.any(1) & active
+            idx = hit.long().argmax(1)
+            for x, chain_x in ((scores, chain_scores), (values, chain_values)):
+                old = x.gather(1, idx[:, None])[:, 0]
+                x.scatter_(1, idx[:, None], torch.where(
+                    found, torch.maximum(old, chain_x[:, d].to(x.dtype)), old)[:, None])
         fresh = active & ~found
         new_parents.append(cur)
         new_real.append(fresh)
