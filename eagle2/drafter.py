@@ -130,6 +130,7 @@ class Drafter:
         """
         num_b, num_a = tokens.shape
         assert features.shape[:2] == (num_b, num_a), "features and tokens disagree"
+        new_tokens = [t[:n] for t, n in zip(tokens.tolist(), counts.tolist(), strict=True)]
         features, tokens, counts = (t.to(self.device) for t in (features, tokens, counts))
         if config.depth * config.top_k > self.tree_margin:
             raise ValueError(f"depth x top_k = {config.depth * config.top_k} exceeds the draft "
@@ -143,8 +144,8 @@ class Drafter:
         out = self._run(slots, tokens, features, positions, causal_mask(counts, num_a),
                         config.draft_window)
         self.cache.lengths[slots] += counts
-        for sid, toks, n in zip(seq_ids, tokens.tolist(), counts.tolist(), strict=True):
-            self.histories[sid].extend(toks[:n])
+        for sid, toks in zip(seq_ids, new_tokens, strict=True):
+            self.histories[sid].extend(toks)
         root = tokens[rows, counts - 1]
         if config.mode == "vanilla":
             return root_only(root)
