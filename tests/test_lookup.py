@@ -330,6 +330,28 @@ def test_lookup_over_the_draft_worker_equals_vanilla():
     assert engine.stats.lookup_accepted > 0
 
 
+def test_tree_spec_and_response_keep_old_peers_working():
+    """TreeSpec.lookup is optional (an older engine's spec gets the default) and an older
+    worker's DraftResponse has no lookup flags (none of its nodes are lookup nodes)."""
+    from services import convert
+    from services.protos import draft_pb2
+
+    off = TreeConfig(lookup=0)
+    assert convert.tree_from_spec(convert.tree_to_spec(off)) == off
+    old_spec = draft_pb2.TreeSpec(mode="eagle2", total_tokens=8, depth=2, top_k=2,
+                                  draft_window=64, budget="fixed")
+    assert convert.tree_from_spec(old_spec).lookup == TreeConfig.lookup
+    head = candidates([10, 11], [-1, -1], [-0.5, -1.0], [1, 1])
+    merged, _ = add_chains(head, torch.tensor([[12]]), torch.tensor([1]),
+                           torch.tensor([[-0.1]]), torch.tensor([[0.9]]))
+    tree = build_tree(torch.tensor([1]), merged.tokens, merged.parents, merged.scores,
+                      merged.depths, 8, merged.values, merged.lookup)
+    msg = convert.draft_tree_to_proto(tree)
+    assert convert.draft_tree_from_proto(msg).lookup.tolist() == tree.lookup.tolist()
+    msg.ClearField("lookup")
+    assert not bool(convert.draft_tree_from_proto(msg).lookup.any())
+
+
 VOCAB = 8
 REPEATING = [1, 4, 6, 2, 1, 4, 6, 2, 1, 4]  # lookup proposes "6 2 1 ..." after "4"
 
