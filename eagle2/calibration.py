@@ -7,6 +7,11 @@ measured acceptance rates: bins of log(raw value), the rate of accepted nodes in
 non-decreasing by pool-adjacent-violators (so the map keeps the ranking and a child
 never outranks its parent). It is fitted by `eagle2 calibrate` on prompts the head was not
 trained on and shipped beside the head as `calibration.json`.
+
+Prompt-lookup nodes (`eagle2.lookup`) have no path value: their acceptance rates by match
+length and depth are measured by `eagle2 calibrate` as well and stored in the same file
+(optional field "lookup"; files without it load with no table). `raw_for` maps such a rate to
+the raw scale the tree's rerank sorts by (docs/DESIGN.md "Prompt lookup").
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from eagle2.lookup import LookupTable
+
 FILE_NAME = "calibration.json"
 
 
@@ -25,6 +32,7 @@ class Calibration:
     edges: tuple[float, ...]  # ascending log-value bin edges (len K - 1)
     rates: tuple[float, ...]  # acceptance rate per bin, non-decreasing (len K)
     num_samples: int = 0
+    lookup: LookupTable | None = None  # prompt-lookup acceptance, when it was measured
 
     def __post_init__(self) -> None:
         if len(self.rates) != len(self.edges) + 1:
@@ -39,6 +47,19 @@ class Calibration:
         edges = torch.tensor(self.edges, device=raw.device)
         rates = torch.tensor(self.rates, device=raw.device)
         return torch.where(raw > 0, rates[torch.bucketize(logv, edges)], 0.0)
+
+    def raw_for(self, rate: torch.Tensor) -> torch.Tensor:
+        """Acceptance estimates [...] -> raw values that rank among the head's nodes of the first
+        bin whose rate reaches them (the middle of that bin in log value; the top bin when none
+        does). E.g. rates [.1, .5, .9] over log-value edges [-3, -1]: .3 -> exp(-2)."""
+        if not self.edges:
+            return rate
+        edges = torch.tensor(self.edges, device=rate.device)
+        rates = torch.tensor(self.rates, device=rate.device)
+        lower = torch.cat([edges[:1] - 1.0, edges])  # log-value bounds of each bin
+        upper = torch.cat([edges, edges.new_zeros(1).clamp(min=float(edges[-1]))])
+        k = torch.searchsorted(rates, rate.to(rates.dtype)).clamp(max=len(self.rates) - 1)
+        return torch.where(rate > 0, ((lower[k] + upper[k]) / 2).exp(), 0.0).to(rate.dtype)
 
     @classmethod
     def fit(cls, raw: torch.Tensor, accepted: torch.Tensor, num_bins: int = 20,
@@ -70,13 +91,17 @@ class Calibration:
         return cls(tuple(edges.tolist()), tuple(rates), int(raw.numel()))
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"edges": self.edges, "rates": self.rates,
-                                    "num_samples": self.num_samples}, indent=1) + "\n")
+        data = {"edges": self.edges, "rates": self.rates, "num_samples": self.num_samples}
+        if self.lookup is not None:
+            data["lookup"] = self.lookup.to_json()
+        path.write_text(json.dumps(data, indent=1) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
         data = json.loads(path.read_text())
-        return cls(tuple(data["edges"]), tuple(data["rates"]), data.get("num_samples", 0))
+        lookup = LookupTable.from_json(data["lookup"]) if "lookup" in data else None
+        return cls(tuple(data["edges"]), tuple(data["rates"]), data.get("num_samples", 0),
+                   lookup)
 
 
 def _pool_adjacent_violators(sums: list[float], counts: list[int]) -> list[float]:

@@ -43,16 +43,23 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. the root")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None, help="draft tree branching")
+    add_lookup_argument(p)
     p.add_argument("--budget", choices=("auto", "fixed"), default="auto",
                    help="auto: the sizes are maxima and the engine keeps what pays each step "
                         "on this machine; fixed: exactly these sizes")
+
+
+def add_lookup_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup", type=int, default=None, metavar="D",
+                   help="longest prompt-lookup chain in the eagle2 tree (suffix matches "
+                        "against the prompt and output; 0: off; default: TreeConfig's)")
 
 
 def tree_from_args(args):
     from eagle2.config import TreeConfig
 
     fields = {"mode": args.mode, "budget": getattr(args, "budget", "auto")}
-    for name in ("total_tokens", "depth"):
+    for name in ("total_tokens", "depth", "lookup"):
         if getattr(args, name, None) is not None:
             fields[name] = getattr(args, name)
     if getattr(args, "tree_top_k", None) is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 MODES = ("eagle2", "static", "chain", "vanilla")
 BUDGETS = ("auto", "fixed")
+MAX_LOOKUP = 32
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class TreeConfig:
     (`eagle2.budget`). "fixed": exactly these sizes every step (for ablations).
     draft_window: the head attends to at most this many past positions (sliding window), so
     that prompts longer than the head's training context keep drafting instead of failing.
+    lookup: mode "eagle2" only: the longest chain that prompt lookup (a suffix match against
+    the prompt and the output so far, `eagle2.lookup`) adds to the candidates of the global
+    rerank; 0 turns it off. Its nodes compete for the same total_tokens.
     """
 
     mode: str = "eagle2"
@@ -37,6 +41,7 @@ class TreeConfig:
     top_k: int = 8
     draft_window: int = 2048
     budget: str = "auto"
+    lookup: int = 16
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -53,6 +58,8 @@ class TreeConfig:
             raise ValueError(f"unknown tree budget {self.budget!r}; use one of {BUDGETS}")
         if self.draft_window < 16:
             raise ValueError(f"draft_window must be >= 16, got {self.draft_window}")
+        if not 0 <= self.lookup <= MAX_LOOKUP:
+            raise ValueError(f"lookup must be in [0, {MAX_LOOKUP}] (0: off), got {self.lookup}")
 
     @property
     def num_nodes(self) -> int:

@@ -5,7 +5,9 @@ fed the target's *true* features (pair t = (feature[t], token[t+1]) at position 
 refreshes its KV cache; the last output is the root step. Then `depth` expansions, each one
 batched head call over the current level whose mask lets a node see the prefix and its own
 ancestors only. The head's cache never keeps tree entries: they are scratch past the
-committed length, overwritten by the next call.
+committed length, overwritten by the next call. In mode "eagle2" a prompt-lookup chain
+(`eagle2.lookup`, docs/DESIGN.md "Prompt lookup") joins the candidates before the rerank; the
+drafter keeps each sequence's tokens for it, as it keeps its cache entries.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from eagle2.attention import causal_mask, step_inputs, vocab_projection
 from eagle2.config import TreeConfig
 from eagle2.eagle3 import Eagle3Head
 from eagle2.head import DraftHead
+from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
 
 
@@ -45,8 +48,15 @@ class Drafter:
         path values, what `eagle2 calibrate` fits on)."""
         self.head = head
         self.calibration = head.calibration if calibrated else None
+        table = head.calibration.lookup if head.calibration is not None else None
+        self.lookup_table = table or LookupTable()  # a conservative default without one
         self.keep_candidates = keep_candidates
+        # the head's candidates of the last expansion, before lookup joins them
         self.last_candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        # when a list: every lookup proposal is appended to it as (seq_id, history length,
+        # match length, tokens, whether each token was new to the candidates), for calibration
+        self.lookup_log: list[tuple[str, int, int, list[int], list[bool]]] | None = None
+        self.last_fresh: torch.Tensor | None = None  # [B, D] of the last merge
         self.embed = embed
         param = head.fc.weight
         self.device, self.dtype = param.device, param.dtype
@@ -59,6 +69,8 @@ class Drafter:
         self.tree_margin = tree_margin
         self.slot_of: dict[str, int] = {}
         self.free = list(range(max_slots))[::-1]
+        # seq id -> the token after each of its cached positions (len = its cache length)
+        self.histories: dict[str, TokenHistory] = {}
 
     # ----- sequence bookkeeping -------------------------------------------------------------
     def _slots(self, seq_ids: list[str]) -> torch.Tensor:
@@ -69,10 +81,12 @@ class Drafter:
                 slot = self.free.pop()
                 self.slot_of[sid] = slot
                 self.cache.lengths[slot] = 0
+                self.histories[sid] = TokenHistory()
         return torch.tensor([self.slot_of[s] for s in seq_ids], device=self.device)
 
     def release(self, seq_id: str) -> None:
         slot = self.slot_of.pop(seq_id, None)
+        self.histories.pop(seq_id, None)
         if slot is not None:
             self.free.append(slot)
 
@@ -85,6 +99,7 @@ class Drafter:
             raise ValueError(f"cannot rewind {seq_id!r} to {length}: it holds "
                              f"{self.length(seq_id)} entries")
         self.cache.lengths[self.slot_of[seq_id]] = length
+        self.histories[seq_id].truncate(length)
 
     # ----- drafting -------------------------------------------------------------------------
     def _log_probs(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +130,7 @@ class Drafter:
         """
         num_b, num_a = tokens.shape
         assert features.shape[:2] == (num_b, num_a), "features and tokens disagree"
+        new_tokens = [t[:n] for t, n in zip(tokens.tolist(), counts.tolist(), strict=True)]
         features, tokens, counts = (t.to(self.device) for t in (features, tokens, counts))
         if config.depth * config.top_k > self.tree_margin:
             raise ValueError(f"depth x top_k = {config.depth * config.top_k} exceeds the draft "
@@ -128,6 +144,8 @@ class Drafter:
         out = self._run(slots, tokens, features, positions, causal_mask(counts, num_a),
                         config.draft_window)
         self.cache.lengths[slots] += counts
+        for sid, toks in zip(seq_ids, new_tokens, strict=True):
+            self.histories[sid].extend(toks)
         root = tokens[rows, counts - 1]
         if config.mode == "vanilla":
             return root_only(root)
@@ -135,8 +153,13 @@ class Drafter:
         if config.mode == "static":
             return self._expand_static(slots, root, last, config)
         if config.mode == "chain":  # one child per level: a chain of depth + 1 drafts
-            config = replace(config, top_k=1)
-        return self._expand_dynamic(slots, root, last, config, min_gain)
+            return self._expand_dynamic(slots, root, last, replace(config, top_k=1), min_gain)
+        chains = [self.histories[s].propose(config.lookup) for s in seq_ids] \
+            if config.lookup else None
+        tree = self._expand_dynamic(slots, root, last, config, min_gain, chains)
+        if self.lookup_log is not None and chains:
+            self._log_chains(seq_ids, chains)
+        return tree
 
     def values(self, raw: torch.Tensor) -> torch.Tensor:
         """Raw path values -> acceptance estimates (the head's calibration, if any)."""
@@ -158,8 +181,8 @@ class Drafter:
         return self._run(slots, level.tokens, level.features, positions, tree_mask, window), \
             tree_mask
 
-    def _expand_dynamic(self, slots, root, last, config: TreeConfig,
-                        min_gain: float = 0.0) -> DraftTree:
+    def _expand_dynamic(self, slots, root, last, config: TreeConfig, min_gain: float = 0.0,
+                        chains: list[tuple[list[int], int]] | None = None) -> DraftTree:
         k = config.top_k
         level = self._first_level(last, k)
         cands = [(level.tokens, level.scores, torch.full_like(level.tokens, -1), 1)]
@@ -186,7 +209,7 @@ class Drafter:
                 anc=mask.gather(1, par[:, :, None].expand(-1, -1, mask.shape[2])),
             )
             num_cands += num_m * k
-        return self._build(root, cands, config.num_nodes)
+        return self._build(root, cands, config.num_nodes, chains)
 
     def _expand_static(self, slots, root, last, config: TreeConfig) -> DraftTree:
         shape = static_shape(config.total_tokens)
@@ -215,18 +238,45 @@ class Drafter:
             num_cands += len(spec)
         return self._build(root, cands, num_cands + 1)
 
-    def _build(self, root, cands, num_nodes: int) -> DraftTree:
-        """cands: per level (tokens [B, C], scores [B, C], parent candidate [B, C], level)."""
+    def _build(self, root, cands, num_nodes: int,
+               chains: list[tuple[list[int], int]] | None = None) -> DraftTree:
+        """cands: per level (tokens [B, C], scores [B, C], parent candidate [B, C], level);
+        chains: per row (lookup tokens, match length) to merge in before the rerank."""
         if self.keep_candidates:
             self.last_candidates = cands
         tokens = torch.cat([c[0] for c in cands], 1)
         scores = torch.cat([c[1] for c in cands], 1)
-        parents = torch.cat([c[2] for c in cands], 1)
-        depths = torch.cat([torch.full_like(c[0], c[3]) for c in cands], 1)
-        tree = build_tree(root, tokens, parents, scores, depths, num_nodes)
-        if self.calibration is None:
-            return tree
-        values = torch.where(tree.values > 0, self.values(tree.values), 0.0)
-        values[:, 0] = 1.0  # the root is the target's own token
-        return replace(tree, values=values)
+        raw = scores.float().exp()
+        merged = Candidates(
+            tokens, torch.cat([c[2] for c in cands], 1), scores,
+            torch.cat([torch.full_like(c[0], c[3]) for c in cands], 1),
+            torch.where(raw > 0, self.values(raw), 0.0), torch.zeros_like(tokens, dtype=torch.bool))
+        self.last_fresh = None
+        if chains is not None and any(toks for toks, _ in chains):
+            merged, self.last_fresh = add_chains(merged, *self._chain_tensors(chains))
+        return build_tree(root, merged.tokens, merged.parents, merged.scores, merged.depths,
+                          num_nodes, merged.values, merged.lookup)
 
+    def _chain_tensors(self, chains: list[tuple[list[int], int]]):
+        """Lookup chains -> tokens [B, D], lengths [B], rerank scores [B, D] (log of the raw
+        value their rate calibrates from) and values [B, D] (their rates)."""
+        width = max(len(toks) for toks, _ in chains)
+        tokens = torch.zeros(len(chains), width, dtype=torch.long)
+        rates = torch.zeros(len(chains), width)
+        for b, (toks, match) in enumerate(chains):
+            tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            rates[b, : len(toks)] = torch.tensor(
+                [self.lookup_table.value(match, d) for d in range(1, len(toks) + 1)])
+        raw = rates if self.calibration is None else self.calibration.raw_for(rates)
+        lengths = torch.tensor([len(toks) for toks, _ in chains])
+        return (tokens.to(self.device), lengths.to(self.device),
+                raw.log().to(self.device), rates.to(self.device))
+
+    def _log_chains(self, seq_ids: list[str], chains) -> None:
+        """Record each proposal and which of its tokens the head had not proposed (whether or
+        not the rerank kept them)."""
+        fresh = self.last_fresh.tolist() if self.last_fresh is not None else []
+        for b, (sid, (toks, match)) in enumerate(zip(seq_ids, chains, strict=True)):
+            if toks:
+                self.lookup_log.append((sid, len(self.histories[sid]), match, toks,
+                                        fresh[b][: len(toks)]))

@@ -81,6 +81,10 @@ class EngineStats:
     # how many verification accepted (the calibration's check in production)
     predicted_accepted: float = 0.0
     accepted: int = 0
+    # prompt-lookup nodes (proposed by lookup alone) in the verified trees, and how many of
+    # them verification accepted (docs/DESIGN.md "Prompt lookup")
+    lookup_offered: int = 0
+    lookup_accepted: int = 0
 
 
 @dataclass
@@ -175,6 +179,7 @@ class Engine:
         if any(s.auto for s in self.seqs):
             tree = self._choose_budget(tree, draft_auto)
         verified, features = self._verify(tree)
+        self._count_lookup(tree, verified)
         t2 = time.perf_counter()
         events = self._advance(verified, features)
         t3 = time.perf_counter()
@@ -238,7 +243,7 @@ class Engine:
             self.stats.skipped_drafts += 1
             return tree
         costs = self._draft_costs()
-        draft_s = (int(tree.depths.max()) + 1) * costs.draft_level(len(self.seqs))
+        draft_s = (tree.head_depth() + 1) * costs.draft_level(len(self.seqs))
         fixed = tree.num_nodes[~auto]
         choice = choose_num_nodes(tree.values[auto], costs, draft_s,
                                   int(fixed.max()) if len(fixed) else 1)
@@ -248,8 +253,16 @@ class Engine:
         self.stats.predicted_accepted += choice.expected_tokens - int(auto.sum())
         keep = torch.where(auto, choice.num_nodes, tree.num_nodes)
         pruned = prune_tree(tree, keep)
-        self._depths_used = [*self._depths_used[-7:], int(pruned.depths[auto].max())]
+        self._depths_used = [*self._depths_used[-7:], pruned.select(auto).head_depth()]
         return pruned
+
+    def _count_lookup(self, tree: DraftTree, verified: Verified) -> None:
+        if not bool(tree.lookup.any()):
+            return
+        flags = tree.lookup.tolist()
+        self.stats.lookup_offered += sum(map(sum, flags))
+        self.stats.lookup_accepted += sum(flags[b][n] for b, nodes in enumerate(verified.nodes)
+                                          for n in nodes)
 
     def _expansions(self, config: TreeConfig) -> TreeConfig:
         """An auto tree expands one level past the deepest node kept in the last 8 steps: the

@@ -2,11 +2,11 @@
 
 A tree is built from a flat list of C candidates in depth order (all depth-1 candidates, then
 all depth-2 ones, ...), each with a token, a parent (an index into the same list, -1 for the
-root) and a value (sum of draft log-probs along its path). `build_tree` keeps the
-`num_nodes - 1` best candidates (ties: the shallower, i.e. earlier, one) and flattens them with
-the root first. A child's value never exceeds its parent's (log-probs are <= 0) and a parent
-always comes earlier in the list, so a stable descending sort ranks every parent before its
-children and the kept set is connected; `build_tree` asserts this.
+root) and a score (sum of draft log-probs along its path; -inf: not a candidate). `build_tree`
+keeps the `num_nodes - 1` best candidates (ties: the shallower, i.e. earlier, one) and flattens
+them with the root first. A child's score never exceeds its parent's (log-probs are <= 0) and a
+parent always comes earlier in the list, so a stable descending sort ranks every parent before
+its children and the kept set is connected; `build_tree` asserts this.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class DraftTree:
     # [B, N] float: estimated probability that verification accepts the node (its path value,
     # calibrated by the drafter when it can); root 1, padding 0. Used to choose the budget.
     values: torch.Tensor
+    # [B, N] bool: the node was proposed by prompt lookup alone (`eagle2.lookup`), not by the
+    # head; such nodes cost no head call (what the budget and the stats need to know)
+    lookup: torch.Tensor
 
     @property
     def batch_size(self) -> int:
@@ -43,7 +46,11 @@ class DraftTree:
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
         return (self.tokens, self.parents, self.depths, self.tree_mask, self.retrieve_indices,
-                self.num_nodes, self.values)
+                self.num_nodes, self.values, self.lookup)
+
+    def head_depth(self) -> int:
+        """The deepest node the head proposed (the head calls this tree took, less one)."""
+        return int(self.depths.masked_fill(self.lookup, 0).max()) if self.size else 0
 
     @staticmethod
     def concat(trees: list[DraftTree]) -> DraftTree:
@@ -68,6 +75,7 @@ def _pad_tree(t: DraftTree, n: int, p: int, d: int) -> DraftTree:
         torch.nn.functional.pad(t.depths, (0, extra), value=0),
         eye, r, t.num_nodes,
         torch.nn.functional.pad(t.values, (0, extra), value=0.0),
+        torch.nn.functional.pad(t.lookup, (0, extra), value=False),
     )
 
 
@@ -112,49 +120,74 @@ def retrieve_paths(tree_mask: torch.Tensor, parents: torch.Tensor,
 
 
 def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
-               cand_scores: torch.Tensor, cand_depths: torch.Tensor,
-               num_nodes: int) -> DraftTree:
+               cand_scores: torch.Tensor, cand_depths: torch.Tensor, num_nodes: int,
+               cand_values: torch.Tensor | None = None,
+               cand_lookup: torch.Tensor | None = None) -> DraftTree:
     """Rerank candidates globally and flatten (docs/DESIGN.md "Draft tree").
 
     root: [B]; cand_*: [B, C] in depth order, parents index the candidate list (-1 = root),
-    depths start at 1. Keeps min(C, num_nodes - 1) candidates.
+    depths start at 1, scores -inf for entries that are not candidates. Keeps the best
+    min(candidates, num_nodes - 1) of each row (rows with fewer candidates are padded).
+    cand_values: the tree's values (default exp(scores)); cand_lookup: the tree's lookup flags.
     E.g. scores [-.1, -.5, -.2, -.9] (first two depth 1), keep 2 -> candidates 0 and 2.
     """
     num_b, num_c = cand_tokens.shape
+    dev = root.device
     keep = min(num_c, num_nodes - 1)
     order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :keep]
-    chosen = torch.sort(order, dim=1).values  # [B, keep] back in depth order
-    # map candidate index -> node index (root is node 0, chosen[b, j] is node j + 1)
-    node_of = torch.full((num_b, num_c), -1, dtype=torch.long, device=root.device)
-    node_of.scatter_(1, chosen, torch.arange(1, keep + 1, device=root.device).expand(num_b, -1))
+    real = torch.gather(cand_scores, 1, order) > float("-inf")  # [B, keep] sorted: real first
+    chosen = torch.sort(torch.where(real, order, num_c), dim=1).values  # depth order, pads last
+    kept = real.sum(1)  # [B]
+    keep = int(kept.max()) if num_b else 0
+    chosen = chosen[:, :keep]
+    valid = chosen < num_c
+    chosen = torch.where(valid, chosen, 0)
+    # map candidate index -> node index (root is node 0, chosen[b, j] is node j + 1); padding
+    # writes to a spare last column
+    node_of = torch.full((num_b, num_c + 1), -1, dtype=torch.long, device=dev)
+    node_of.scatter_(1, torch.where(valid, chosen, num_c),
+                     torch.arange(1, keep + 1, device=dev).expand(num_b, -1).clone())
     cand_parent = torch.gather(cand_parents, 1, chosen)  # [B, keep]
     parent_node = torch.where(
         cand_parent >= 0, torch.gather(node_of, 1, cand_parent.clamp(min=0)), 0)
-    assert bool(((cand_parent < 0) | (parent_node > 0)).all()), "reranked tree is disconnected"
-    zero = torch.zeros(num_b, 1, dtype=torch.long, device=root.device)
-    tokens = torch.cat([root[:, None], torch.gather(cand_tokens, 1, chosen)], 1)
-    parents = torch.cat([zero - 1, parent_node], 1)
-    depths = torch.cat([zero, torch.gather(cand_depths, 1, chosen)], 1)
-    values = torch.cat([zero + 1.0, torch.gather(cand_scores, 1, chosen).float().exp()], 1)
-    return finish_tree(tokens, parents, depths, values=values)
+    assert bool(((cand_parent < 0) | (parent_node > 0) | ~valid).all()), \
+        "reranked tree is disconnected"
+    if cand_values is None:
+        cand_values = cand_scores.float().exp()
+    if cand_lookup is None:
+        cand_lookup = torch.zeros_like(cand_tokens, dtype=torch.bool)
+    zero = torch.zeros(num_b, 1, dtype=torch.long, device=dev)
+
+    def pick(x: torch.Tensor, pad) -> torch.Tensor:
+        return torch.where(valid, torch.gather(x, 1, chosen), pad)
+
+    tokens = torch.cat([root[:, None], pick(cand_tokens, 0)], 1)
+    parents = torch.cat([zero - 1, torch.where(valid, parent_node, -1)], 1)
+    depths = torch.cat([zero, pick(cand_depths, 0)], 1)
+    values = torch.cat([zero + 1.0, pick(cand_values.float(), 0.0)], 1)
+    lookup = torch.cat([zero > 0, pick(cand_lookup, False)], 1)
+    return finish_tree(tokens, parents, depths, kept + 1, values, lookup)
 
 
 def finish_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                num_nodes: torch.Tensor | None = None,
-                values: torch.Tensor | None = None) -> DraftTree:
+                num_nodes: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                lookup: torch.Tensor | None = None) -> DraftTree:
     """Derive the mask and retrieve paths from tokens/parents/depths [B, N] (depth order).
 
-    values [B, N] default to 1 for every valid node (unknown: nothing to choose by)."""
+    values [B, N] default to 1 for every valid node (unknown: nothing to choose by); lookup
+    [B, N] to False (head nodes)."""
     num_b, num_n = tokens.shape
     if num_nodes is None:
         num_nodes = torch.full((num_b,), num_n, dtype=torch.long, device=tokens.device)
     if values is None:
         idx = torch.arange(num_n, device=tokens.device)
         values = (idx[None, :] < num_nodes[:, None]).float()
+    if lookup is None:
+        lookup = torch.zeros_like(tokens, dtype=torch.bool)
     max_depth = int(depths.max()) if num_n else 0
     mask = ancestor_mask(parents, max(max_depth, 1))
     return DraftTree(tokens, parents, depths, mask, retrieve_paths(mask, parents, num_nodes),
-                     num_nodes, values)
+                     num_nodes, values, lookup)
 
 
 def prune_tree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
@@ -188,7 +221,8 @@ def prune_tree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
     tokens = torch.where(valid, torch.gather(tree.tokens, 1, chosen), 0)
     depths = torch.where(valid, torch.gather(tree.depths, 1, chosen), 0)
     values = torch.where(valid, torch.gather(tree.values, 1, chosen), 0.0)
-    return finish_tree(tokens, parents, depths, keep, values)
+    lookup = valid & torch.gather(tree.lookup, 1, chosen)
+    return finish_tree(tokens, parents, depths, keep, values, lookup)
 
 
 def root_only(root: torch.Tensor) -> DraftTree:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from eagle2.config import TreeConfig
+from eagle2.config import MAX_LOOKUP, TreeConfig
 
 
 class TreeSettings(BaseModel):
@@ -24,10 +24,13 @@ class TreeSettings(BaseModel):
     top_k: int = Field(8, ge=1, le=32)
     draft_window: int = Field(2048, ge=16)
     budget: Literal["auto", "fixed"] = "auto"
+    # Longest prompt-lookup chain in the tree (mode "eagle2"; 0: off), docs/DESIGN.md
+    # "Prompt lookup".
+    lookup: int = Field(TreeConfig.lookup, ge=0, le=MAX_LOOKUP)
 
     def to_core(self, mode: str | None = None) -> TreeConfig:
         return TreeConfig(mode or self.mode, self.total_tokens, self.depth, self.top_k,
-                          self.draft_window, self.budget)
+                          self.draft_window, self.budget, self.lookup)
 
 
 class ServiceConfig(BaseModel):

@@ -34,12 +34,14 @@ def tensor_from_proto(msg: draft_pb2.Tensor) -> torch.Tensor:
 
 def tree_to_spec(cfg: TreeConfig) -> draft_pb2.TreeSpec:
     return draft_pb2.TreeSpec(mode=cfg.mode, total_tokens=cfg.total_tokens, depth=cfg.depth,
-                              top_k=cfg.top_k, draft_window=cfg.draft_window, budget=cfg.budget)
+                              top_k=cfg.top_k, draft_window=cfg.draft_window, budget=cfg.budget,
+                              lookup=cfg.lookup)
 
 
 def tree_from_spec(spec: draft_pb2.TreeSpec) -> TreeConfig:
+    lookup = {"lookup": spec.lookup} if spec.HasField("lookup") else {}  # else the default
     return TreeConfig(spec.mode, spec.total_tokens, spec.depth, spec.top_k, spec.draft_window,
-                      spec.budget or "auto")
+                      spec.budget or "auto", **lookup)
 
 
 def draft_tree_to_proto(tree: DraftTree) -> draft_pb2.DraftResponse:
@@ -47,13 +49,16 @@ def draft_tree_to_proto(tree: DraftTree) -> draft_pb2.DraftResponse:
                                    parents=tensor_to_proto(tree.parents),
                                    depths=tensor_to_proto(tree.depths),
                                    num_nodes=tensor_to_proto(tree.num_nodes),
-                                   values=tensor_to_proto(tree.values.float()))
+                                   values=tensor_to_proto(tree.values.float()),
+                                   lookup=tensor_to_proto(tree.lookup))
 
 
 def draft_tree_from_proto(msg: draft_pb2.DraftResponse) -> DraftTree:
     values = tensor_from_proto(msg.values) if msg.HasField("values") else None
+    lookup = tensor_from_proto(msg.lookup) if msg.HasField("lookup") else None
     return finish_tree(tensor_from_proto(msg.tokens), tensor_from_proto(msg.parents),
-                       tensor_from_proto(msg.depths), tensor_from_proto(msg.num_nodes), values)
+                       tensor_from_proto(msg.depths), tensor_from_proto(msg.num_nodes), values,
+                       lookup)
 
 
 def sampling_from_request(req: eagle2_pb2.GenerateRequest, default_max_tokens: int,

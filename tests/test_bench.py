@@ -134,7 +134,7 @@ def test_replay_matches_the_engine_step_by_step(one_thread):
         engine = make_engine(target, head_seed=0, max_batch=1)
         engine.add(Request("s", tuple(prompt), SamplingParams(max_tokens=40, ignore_eos=True),
                            TreeConfig("eagle2", total_tokens=n, depth=depth, top_k=k,
-                                      budget="fixed")))
+                                      budget="fixed", lookup=0)))  # head nodes only
         produced, output = [], []
         while engine.has_work():
             for ev in engine.step():

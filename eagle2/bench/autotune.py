@@ -13,7 +13,8 @@ Three measurements on this hardware, then a pure choice:
    off it. This replay is exact for greedy verification: a dynamic tree of depth d holds the
    first d + 1 levels of the deepest tree's candidates (the frontier does not depend on
    depth), total_tokens only cuts the global rerank, and the accepted length is the longest
-   prefix of the target's continuation found in the kept set.
+   prefix of the target's continuation found in the kept set. The replay models the head's
+   candidates only; prompt-lookup nodes (`TreeConfig.lookup`) are not part of it.
 
 `choose` then ranks configs by estimated tokens/s = (E[accepted] + 1) / (draft_s + verify_s(N)
 + overhead_s), all from this run's measurements.

@@ -4,6 +4,10 @@ Runs the engine greedily with a large fixed tree and an uncalibrated drafter, re
 every draft node its raw path value and whether it lies on the target's greedy path
 (`calibration.accepted_nodes`), fits `Calibration` on half of the steps and checks it on the
 other half: the predicted number of accepted draft tokens per tree against the measured one.
+It also measures prompt lookup (docs/DESIGN.md "Prompt lookup"): every chain the drafter
+proposed is compared with the target's greedy output after its root, and the acceptance rate
+of the tokens the head had not proposed itself, by match length and depth, becomes the
+calibration's lookup table (fitted and checked the same way).
 The prompts are training-source prompts the shipped head was not trained on (see its model
 card); nothing from MT-bench or HumanEval.
 """
@@ -14,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--tree-top-k", type=int, default=8)
     p.add_argument("--bins", type=int, default=20)
+    p.add_argument("--lookup", type=int, default=TreeConfig.lookup,
+                   help="prompt-lookup chain length to measure (0: no lookup table)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--samples", default=None,
                    help="also save the recorded (value, accepted) samples here (torch.save)")
@@ -65,8 +72,9 @@ class Recorder:
             return
         acc = accepted_nodes(tree.tokens, tree.parents, tree.tree_mask, tree.num_nodes,
                              logits.argmax(-1).to(tree.tokens.device))
-        self.values.append(tree.values[:, 1:].cpu())
-        self.accepted.append(acc[:, 1:].cpu())
+        head = ~tree.lookup[:, 1:]  # lookup nodes are fitted from the drafter's log
+        self.values.append(torch.where(head, tree.values[:, 1:], 0.0).cpu())
+        self.accepted.append((acc[:, 1:] & head).cpu())
 
 
 def run(args) -> int:
@@ -82,20 +90,27 @@ def run(args) -> int:
         raise ValueError("calibration needs a draft head")
     llm.engine.drafter = Drafter(llm.head, llm.target.embed, llm.target.lm_head,
                                  max_slots=args.batch, max_len=llm.max_context, calibrated=False)
+    llm.engine.drafter.lookup_log = []
     rec = Recorder()
     _observe_verification(llm.engine.runner, rec)
-    tree = TreeConfig("eagle2", args.total_tokens, args.depth, args.tree_top_k, budget="fixed")
+    tree = TreeConfig("eagle2", args.total_tokens, args.depth, args.tree_top_k, budget="fixed",
+                      lookup=args.lookup)
     params = SamplingParams(max_tokens=args.max_tokens)
     prompts = held_out_prompts(args)
+    full: dict[str, list[int]] = {}  # seq id -> the drafter's history at the end
     t0 = time.perf_counter()
     for i in range(0, len(prompts), args.batch):
         reqs = [llm.request(llm.encode(p), params, tree) for p in prompts[i:i + args.batch]]
-        llm.generate_ids(reqs)
+        for req, out in zip(reqs, llm.generate_ids(reqs), strict=True):
+            full[req.seq_id] = list(req.prompt_ids[1:]) + out.token_ids
         print(f"{min(i + args.batch, len(prompts))}/{len(prompts)} prompts, "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     report = fit_and_check(rec, args.bins)
     out = Path(args.out) if args.out else Path(args.draft or _shipped(llm)) / FILE_NAME
     calib = report.pop("calibration")
+    if args.lookup:
+        report["lookup"] = fit_lookup(llm.engine.drafter.lookup_log, full, args.lookup)
+        calib = replace(calib, lookup=report["lookup"].pop("table"))
     calib.save(out)
     if args.samples:
         torch.save({"values": rec.values, "accepted": rec.accepted}, args.samples)
@@ -149,6 +164,53 @@ def fit_and_check(rec: Recorder, bins: int) -> dict:
             "predicted_per_tree_calibrated": round(pred_cal / trees, 4),
             "predicted_per_tree_raw": round(pred_raw / trees, 4),
             "rates": [round(r, 4) for r in calib.rates]}
+
+
+def lookup_outcomes(log, full: dict[str, list[int]], depth: int, max_ngram: int):
+    """Per logged proposal: [(match length, depth, accepted)] of its tokens new to the head's
+    candidates, judged against the greedy continuation after its root (tokens past the end
+    of the output are unknown and left out)."""
+    out = []
+    for sid, length, match, toks, fresh in log:
+        truth = full[sid][length:length + depth]
+        on_path = True
+        nodes = []
+        for d, (tok, new) in enumerate(zip(toks[:len(truth)], fresh, strict=False)):
+            on_path = on_path and tok == truth[d]
+            if new:
+                nodes.append((min(match, max_ngram), d + 1, on_path))
+        out.append(nodes)
+    return out
+
+
+def _lookup_counts(outcomes, max_ngram: int, depth: int):
+    counts = [[0] * depth for _ in range(max_ngram)]
+    accepted = [[0] * depth for _ in range(max_ngram)]
+    for nodes in outcomes:
+        for m, d, ok in nodes:
+            counts[m - 1][d - 1] += 1
+            accepted[m - 1][d - 1] += ok
+    return counts, accepted
+
+
+def fit_lookup(log, full: dict[str, list[int]], depth: int) -> dict:
+    """Fit the lookup table on the even proposals, check it on the odd ones, ship one fitted
+    on all (like `fit_and_check`)."""
+    from eagle2.lookup import MAX_NGRAM, LookupTable
+
+    outcomes = lookup_outcomes(log, full, depth, MAX_NGRAM)
+    fit = LookupTable.fit(*_lookup_counts(outcomes[0::2], MAX_NGRAM, depth))
+    check = outcomes[1::2]
+    predicted = sum(fit.value(m, d) for nodes in check for m, d, _ in nodes)
+    measured = sum(ok for nodes in check for _, _, ok in nodes)
+    counts, accepted = _lookup_counts(outcomes, MAX_NGRAM, depth)
+    shipped = LookupTable.fit(counts, accepted)
+    return {"table": shipped, "proposals": len(outcomes),
+            "check_proposals": len(check), "accepted_per_check_proposal": round(
+                measured / max(len(check), 1), 4),
+            "predicted_per_check_proposal": round(predicted / max(len(check), 1), 4),
+            "nodes_by_match_length": [sum(row) for row in counts],
+            "rates": [[round(r, 4) for r in row] for row in shipped.rates]}
 
 
 def _shipped(llm) -> str:

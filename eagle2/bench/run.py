@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eagle2.cli import add_model_arguments
+from eagle2.cli import add_lookup_argument, add_model_arguments
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.tree import static_shape
 
@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. the root")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None, help="draft tree branching")
+    add_lookup_argument(p)
     p.add_argument("--out", default=None, help="output folder (default runs/bench-<timestamp>)")
     p.add_argument("--warmup", action="store_true", help="one short untimed run per mode first")
     p.add_argument("--threads", type=int, default=None,
@@ -254,6 +255,7 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
                          "nodes_chosen": dict(sorted(stats.nodes_chosen.items())),
                          "predicted_accepted": round(stats.predicted_accepted, 1),
                          "accepted": stats.accepted}
+    machine["lookup"] = {"offered": stats.lookup_offered, "accepted": stats.lookup_accepted}
     report.write_json(out_dir / "runs.json", {
         "config": config, "machine": machine, "wall_s": wall_s,
         "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
@@ -280,12 +282,18 @@ def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner
     results["wall_s"] = round(wall_s, 2)
     report.write_json(out_dir / "results.json", results)
     report.plot(out_dir / "bench.png", results["suites"])
-    print("trees  " + "; ".join(f"{m}: N={t['num_nodes']} depth={t['depth']} top_k={t['top_k']}"
-                                for m, t in config["trees"].items() if m != "vanilla"))
+    print("trees  " + "; ".join(
+        f"{m}: N={t['num_nodes']} depth={t['depth']} top_k={t['top_k']}"
+        + (f" lookup={t['lookup']}" if m == "eagle2" and t.get("lookup") else "")
+        for m, t in config["trees"].items() if m != "vanilla"))
     print(report.summary_table(results["suites"]))
     for name, suite in results["suites"].items():
         for m in suite["mismatches"]:
             print(f"LOSSLESS FAILURE {name} {m}", file=sys.stderr)
+    for machine in machines:
+        if machine.get("lookup", {}).get("offered"):
+            lk = machine["lookup"]
+            print(f"prompt lookup: {lk['accepted']} of {lk['offered']} lookup nodes accepted")
     print(f"lossless: {report.fmt_bool(results['lossless'])}; wrote "
           f"{out_dir / 'results.json'} and {out_dir / 'bench.png'}")
     return 1 if results["lossless"] is False else 0
@@ -347,6 +355,8 @@ def _trees(llm, args, modes: list[str], source: str):
         tree = fixed_tree(args)
         chain = TreeConfig("chain", total_tokens=tree.depth + 2, depth=tree.depth, top_k=1,
                            budget="fixed")
+    if getattr(args, "lookup", None) is not None:
+        tree = replace(tree, lookup=args.lookup)
     return mode_trees(modes, tree, chain), tuned
 
 

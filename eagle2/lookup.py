@@ -1,0 +1,204 @@
+"""Prompt-lookup branches of the draft tree (docs/DESIGN.md "Prompt lookup").
+
+Text often repeats itself: code reuses names, answers quote the question. `TokenHistory`
+keeps one sequence's tokens (prompt and output so far) with an index of its n-grams, and
+proposes a chain under the root with no model cost: the longest suffix (max_ngram tokens
+down to 1) that occurred earlier, its most recent earlier occurrence, and the tokens that
+followed it there. Where the copy runs into the end of the history it repeats itself
+(period = distance between the two occurrences), as a copied loop would.
+
+E.g. history [5, 6, 7, 9, 5, 6], max_ngram 4: suffix [5, 6] occurred at 0..1, followed by
+[7, 9, 5, 6]; depth 3 proposes [7, 9, 5] with match length 2.
+
+`LookupTable` gives a proposed node its value: the measured probability that verification
+accepts it, by match length and depth (fitted by `eagle2 calibrate`, stored in the head's
+calibration.json; a conservative default otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+
+MAX_NGRAM = 4
+
+
+class TokenHistory:
+    """One sequence's tokens and, per n-gram (n <= max_ngram), where its most recent
+    occurrence was followed: index[ngram] = position of the next token."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        toks, index = self.tokens, self.index
+        for tok in tokens:
+            end = len(toks)  # the n-grams ending just before `end` are now followed by tok
+            for n in range(1, min(self.max_ngram, end) + 1):
+                index[tuple(toks[end - n:end])] = end
+            toks.append(tok)
+
+    def truncate(self, length: int) -> None:
+        """Forget the tokens from `length` on (the index is rebuilt: rewinds are rare)."""
+        if length < len(self.tokens):
+            kept = self.tokens[:length]
+            self.tokens, self.index = [], {}
+            self.extend(kept)
+
+    def propose(self, depth: int) -> tuple[list[int], int]:
+        """The `depth` tokens that follow the longest earlier match of the history's suffix,
+        and the match length ([] and 0 when nothing matches)."""
+        toks = self.tokens
+        num_t = len(toks)
+        for n in range(min(self.max_ngram, num_t), 0, -1):
+            start = self.index.get(tuple(toks[num_t - n:]))
+            if start is not None:
+                out: list[int] = []
+                for i in range(depth):  # past the end the copy repeats what it proposed
+                    src = start + i
+                    out.append(toks[src] if src < num_t else out[src - num_t])
+                return out, n
+        return [], 0
+
+
+# Default acceptance per match length (rows 1..4) and depth (columns 1..), for heads without a
+# fitted table: conservative, about half the rates of all proposals on greedy SmolLM2 answers.
+DEFAULT_RATES: tuple[tuple[float, ...], ...] = (
+    (0.10, 0.05, 0.03),
+    (0.20, 0.12, 0.08, 0.06),
+    (0.30, 0.20, 0.15, 0.10),
+    (0.40, 0.35, 0.30, 0.25, 0.20, 0.18, 0.16, 0.14),
+)
+
+
+@dataclass(frozen=True)
+class LookupTable:
+    """rates[m - 1][d - 1]: probability that a lookup node at depth d, proposed after a match
+    of length m, is accepted. Non-increasing in d; depths past a row's end repeat its last rate
+    times `decay` per extra level; match lengths past the last row use the last row."""
+
+    rates: tuple[tuple[float, ...], ...] = DEFAULT_RATES
+    decay: float = 0.85
+    num_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.rates or any(not row for row in self.rates):
+            raise ValueError("a lookup table needs at least one rate per match length")
+        for row in self.rates:
+            if any(not 0 <= r <= 1 for r in row):
+                raise ValueError(f"lookup rates must lie in [0, 1], got {row}")
+            if any(b > a for a, b in pairwise(row)):
+                raise ValueError(f"lookup rates must not increase with depth, got {row}")
+
+    def value(self, match_len: int, depth: int) -> float:
+        row = self.rates[min(max(match_len, 1), len(self.rates)) - 1]
+        if depth <= len(row):
+            return row[depth - 1]
+        return row[-1] * self.decay ** (depth - len(row))
+
+    def to_json(self) -> dict:
+        return {"rates": [list(r) for r in self.rates], "decay": self.decay,
+                "num_samples": self.num_samples}
+
+    @classmethod
+    def from_json(cls, data: dict) -> LookupTable:
+        return cls(tuple(tuple(r) for r in data["rates"]), data.get("decay", 0.85),
+                   data.get("num_samples", 0))
+
+    @classmethod
+    def fit(cls, counts: list[list[int]], accepted: list[list[int]], min_count: int = 20,
+            default: LookupTable | None = None) -> LookupTable:
+        """counts[m - 1][d - 1] proposed nodes and accepted[m - 1][d - 1] of them -> rates.
+
+        A cell with fewer than min_count samples takes the default's rate; each row is then
+        made non-increasing in depth (running minimum) and cut after its last measured cell."""
+        default = default or cls()
+        rows = []
+        for m, (cs, accs) in enumerate(zip(counts, accepted, strict=True), start=1):
+            measured = [d for d, c in enumerate(cs) if c >= min_count]
+            row: list[float] = []
+            for d in range(max(measured, default=-1) + 1):
+                rate = accs[d] / cs[d] if cs[d] >= min_count else default.value(m, d + 1)
+                row.append(min(rate, row[-1]) if row else rate)
+            rows.append(tuple(row) if row else tuple(default.rates[min(m, len(default.rates)) - 1]))
+        return cls(tuple(rows), default.decay, sum(map(sum, counts)))
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """A flat candidate list as `eagle2.tree.build_tree` takes it, in depth order."""
+
+    tokens: torch.Tensor  # [B, C]
+    parents: torch.Tensor  # [B, C] index into the list, -1 = the root
+    scores: torch.Tensor  # [B, C] what the rerank sorts by (log scale; -inf: no candidate)
+    depths: torch.Tensor  # [B, C] from 1
+    values: torch.Tensor  # [B, C] acceptance estimates the tree reports
+    lookup: torch.Tensor  # [B, C] bool: proposed by lookup alone
+
+
+def add_chains(cands: Candidates, chain_tokens: torch.Tensor, chain_len: torch.Tensor,
+               chain_scores: torch.Tensor, chain_values: torch.Tensor
+               ) -> tuple[Candidates, torch.Tensor]:
+    """Merge one lookup chain per row under the root into the head's candidates.
+
+    chain_tokens, chain_scores, chain_values: [B, D] (row b uses its first chain_len[b]);
+    scores and values must not increase along a chain. Walking down the chain, a token that
+    the head proposed under the same parent reuses that candidate (score and value: the
+    larger of the two); from the first one it did not, the chain adds new candidates. The
+    result is back in depth order (stable: lookup nodes after the head's at each depth), with
+    [B, D] bool: which chain tokens became new candidates.
+    E.g. head [a, b | a1] (a1 under a), chain [a, x]: a stays (value max), x joins under a.
+    """
+    num_b, num_c = cands.tokens.shape
+    num_d = chain_tokens.shape[1]
+    dev = cands.tokens.device
+    scores, values = cands.scores.clone(), cands.values.clone()
+    cur = torch.full((num_b,), -1, dtype=torch.long, device=dev)  # the chain's node so far
+    head_depth = int(cands.depths.max()) if num_c else 0  # no reuse below the head's nodes
+    new_parents, new_real = [], []
+    for d in range(num_d):
+        active = d < chain_len
+        found, idx = torch.zeros_like(active), cur
+        if d < head_depth:
+            hit = (cands.parents == cur[:, None]) & (cands.tokens == chain_tokens[:, d:d + 1])
+            found = hit.any(1) & active
+            idx = hit.long().argmax(1)
+            for x, chain_x in ((scores, chain_scores), (values, chain_values)):
+                old = x.gather(1, idx[:, None])[:, 0]
+                x.scatter_(1, idx[:, None], torch.where(
+                    found, torch.maximum(old, chain_x[:, d].to(x.dtype)), old)[:, None])
+        fresh = active & ~found
+        new_parents.append(cur)
+        new_real.append(fresh)
+        cur = torch.where(found, idx, torch.where(fresh, num_c + d, cur))
+    real = torch.stack(new_real, 1)  # [B, D]
+    lookup = Candidates(
+        chain_tokens, torch.stack(new_parents, 1),
+        torch.where(real, chain_scores.to(scores.dtype), float("-inf")),
+        torch.arange(1, num_d + 1, device=dev).expand(num_b, num_d),
+        torch.where(real, chain_values.to(values.dtype), 0.0), real)
+    merged = Candidates(*(torch.cat([a, b], 1) for a, b in zip(
+        (cands.tokens, cands.parents, scores, cands.depths, values, cands.lookup),
+        (lookup.tokens, lookup.parents, lookup.scores, lookup.depths, lookup.values,
+         lookup.lookup), strict=True)))
+    return _depth_order(merged), real
+
+
+def _depth_order(c: Candidates) -> Candidates:
+    """Stable sort by depth, parents renumbered. E.g. depths [1, 2, 1] -> order [0, 2, 1]."""
+    order = torch.sort(c.depths, dim=1, stable=True).indices  # [B, C]
+    new_of = torch.empty_like(order).scatter_(
+        1, order, torch.arange(order.shape[1], device=order.device).expand_as(order).contiguous())
+    old_parents = torch.gather(c.parents, 1, order)
+    parents = torch.where(old_parents >= 0,
+                          torch.gather(new_of, 1, old_parents.clamp(min=0)), -1)
+    return Candidates(torch.gather(c.tokens, 1, order), parents,
+                      torch.gather(c.scores, 1, order), torch.gather(c.depths, 1, order),
+                      torch.gather(c.values, 1, order), torch.gather(c.lookup, 1, order))
