@@ -120,7 +120,8 @@ def test_training_lowers_the_loss_and_its_drafts_get_accepted_losslessly(tiny, t
     head = load_head(tmp_path / "head")
     assert head.d2t.numel() == 24 and head.feature_layers(LAYERS) == (1, 2, 3)
     prompts = [s.input_ids[:6].tolist() for s in seqs[:6]]  # contexts it was trained on
-    tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3, budget="fixed")
+    tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3, budget="fixed",
+                      lookup=0)  # the head's own drafts only
     got, accepted = accepted_drafts(target, head, prompts, tree)
     _, accepted_untrained = accepted_drafts(target, untrained, prompts, tree)
     vanilla = Engine(LocalRunner(target, 8, 256 + Engine.tree_margin), None, max_batch=8,
