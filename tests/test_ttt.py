@@ -20,7 +20,7 @@ from eagle2.attention import step_inputs
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.drafter import Drafter
 from eagle2.engine import Engine, Request
-from eagle2.head import load_head, save_head
+from eagle2.head import load_head, new_head, save_head
 from eagle2.runner import LocalRunner
 from eagle2.train import data
 from eagle2.train.ttt import TTTConfig, TTTTrainer, build_eagle3_head, collate, target_pass, unroll
@@ -54,11 +54,15 @@ def make_trainer(target, seqs, out: Path, cfg: TTTConfig = CFG, vocab: int = 0) 
     return TTTTrainer(head, target, seqs, seqs[:3], cfg, out)
 
 
-def test_unrolled_steps_equal_chain_drafting_through_the_cache(tiny):
+@pytest.mark.parametrize("kind", ["eagle3", "eagle2"])
+def test_unrolled_steps_equal_chain_drafting_through_the_cache(tiny, kind):
     """Step k at position t == the head run at tree depth k over the committed prefix 0..t
     (true features) and the chain of its own outputs, as Drafter does it."""
     target, seqs = tiny
-    head = build_eagle3_head(target, seqs, 0, seed=1, aux_layer_ids=AUX).eval()
+    if kind == "eagle3":
+        head = build_eagle3_head(target, seqs, 0, seed=1, aux_layer_ids=AUX).eval()
+    else:
+        head = new_head(target.config, seed=1).eval()
     torch.manual_seed(0)
     with torch.no_grad():  # make the later steps differ visibly from step 0
         for p in head.parameters():
@@ -166,3 +170,37 @@ def test_bf16_autocast_trains_too(tiny, tmp_path):
     t.run()
     assert t.evaluate(seqs)["loss"] < 0.8 * before["loss"]
     assert all(p.dtype == torch.float32 for p in t.head.parameters())  # fp32 master weights
+
+
+def test_an_eagle2_head_fine_tuned_for_depth(tiny, tmp_path):
+    """--init-head: an EAGLE-1/2 head trained for one step ahead (the stored-feature trainer)
+    then trained with the training-time test drafts deeper steps better and stays lossless."""
+    from eagle2.train.trainer import TrainConfig, Trainer, build_head
+
+    target, seqs = tiny
+    feats = data.target_features(target.hf, [s.input_ids.tolist() for s in seqs])
+    stored = [data.Sequence(s.input_ids, s.loss_mask, f.half()) for s, f in
+              zip(seqs, feats, strict=True)]
+    first = Trainer(build_head(target, stored, 24, "random", seed=0), target.embed,
+                    target.lm_head, stored, [], TrainConfig(lr=3e-3, warmup=2, epochs=40.0,
+                                                            batch_tokens=4096, noise=0.0),
+                    tmp_path / "first")
+    first.run()
+    save_head(first.head.eval(), tmp_path / "one-step")
+    head = load_head(tmp_path / "one-step")
+    t = TTTTrainer(head, target, seqs, seqs[:3], replace(CFG, epochs=40.0), tmp_path / "ttt")
+    before = t.evaluate(seqs)
+    t.run()
+    after = t.evaluate(seqs)
+    assert after["acc"][2] > before["acc"][2] + 0.05  # the deepest unrolled step gained
+    assert after["loss"] < before["loss"]
+    save_head(t.head.eval(), tmp_path / "deep")
+    tuned = load_head(tmp_path / "deep")
+    assert tuned.kind == "eagle2" and tuned.d2t.tolist() == head.d2t.tolist()
+    prompts = [s.input_ids[:6].tolist() for s in seqs[:6]]
+    tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3, budget="fixed", lookup=0)
+    got, _ = accepted_drafts(target, tuned, prompts, tree)
+    vanilla = Engine(LocalRunner(target, 8, 256 + Engine.tree_margin), None, max_batch=8,
+                     max_context=256)
+    assert got == run(vanilla, prompts, SamplingParams(max_tokens=24, ignore_eos=True),
+                      TreeConfig("vanilla"))

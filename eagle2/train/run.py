@@ -52,14 +52,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eagle2: fc(2H) head on stored final features (needs the features "
                         "stage); eagle3: three-layer features and the training-time test, "
                         "target run online (no features stage)")
+    t.add_argument("--ttt", action="store_true",
+                   help="train with the training-time test (always for eagle3; for eagle2 it "
+                        "runs the target online instead of reading stored features)")
+    t.add_argument("--init-head", default=None, metavar="DIR",
+                   help="with the training-time test: start from this head (its kind and draft "
+                        "vocabulary), e.g. to fine-tune a head for depth")
     t.add_argument("--ttt-steps", type=int, default=4,
-                   help="eagle3: unrolled draft steps of the training-time test")
+                   help="unrolled draft steps of the training-time test")
     t.add_argument("--eval-every", type=int, default=200,
-                   help="eagle3: steps between held-out evaluations (early stopping)")
+                   help="TTT: steps between held-out evaluations (early stopping)")
     t.add_argument("--bf16", default="auto", choices=("auto", "on", "off"),
-                   help="eagle3: bf16 autocast (auto: CUDA, or a CPU with AMX/AVX512-BF16)")
+                   help="TTT: bf16 autocast (auto: CUDA, or a CPU with AMX/AVX512-BF16)")
     t.add_argument("--patience", type=int, default=3,
-                   help="eagle3: stop after this many evaluations without improvement")
+                   help="TTT: stop after this many evaluations without improvement")
     t.add_argument("--extra-data", action="append", default=[], metavar="DIR",
                    help="also train on the feature shards of another --out (repeatable), "
                         "e.g. a stdlib-code run next to the synthetic one")
@@ -108,8 +114,8 @@ def run(args) -> int:
             raise ValueError(f"no conversations under {root}; run the 'data' stage first")
     if "train" in stages:
         target = target or _load_target(args)
-        if args.arch == "eagle3":
-            from eagle2.train.ttt import train_eagle3_from_args as train_from_args
+        if args.arch == "eagle3" or args.ttt or args.init_head:
+            from eagle2.train.ttt import train_ttt_from_args as train_from_args
         else:
             from eagle2.train.trainer import train_from_args
 

@@ -1,4 +1,9 @@
-"""Training an EAGLE-3 head with the training-time test (docs/DESIGN.md "Training a head").
+"""Training a head with the training-time test (docs/DESIGN.md "Training a head").
+
+Written for EAGLE-3 heads; EAGLE-1/2 heads train the same way (their step feature is the
+target's final hidden state, then their own predicted feature; fc mixes it with the
+embedding at every step; draft logits through the target's frozen lm_head rows), which lets
+an existing head be fine-tuned for depth (`--init-head`).
 
 The head is unrolled for `cfg.steps` draft steps over whole sequences, as it runs when it
 drafts a tree: step 0 reads the target's three-layer features; step k >= 1 reads the head's
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagle2.eagle3 import Eagle3Head, new_eagle3_head
+from eagle2.head import DraftHead
 from eagle2.train.batches import epoch_batches
 from eagle2.train.data import Sequence, atomic_write, draft_vocab, loss_mask
 from eagle2.train.trainer import Resumable, lr_at, split
@@ -96,14 +102,40 @@ def conversation_sequences(root: Path, max_len: int = 2048) -> list[Sequence]:
 
 
 @torch.no_grad()
-def target_pass(hf_model, batch: Batch, layers: tuple[int, ...]
+def target_pass(hf_model, batch: Batch, layers: tuple[int, ...] | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (features [B, T, 3H]: the inputs of `layers`, target logits [B, T, V] fp32)."""
+    """-> (features, target logits [B, T, V] fp32). Features: the inputs of `layers`
+    concatenated [B, T, 3H] (EAGLE-3), or the last hidden state after the final norm
+    [B, T, H] when layers is None (EAGLE-1/2)."""
     attn = (torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
             < batch.lengths[:, None]).long()
-    out = hf_model(input_ids=batch.input_ids, attention_mask=attn, output_hidden_states=True)
+    out = hf_model.model(input_ids=batch.input_ids, attention_mask=attn,
+                         output_hidden_states=layers is not None)
+    logits = hf_model.lm_head(out.last_hidden_state)
+    if layers is None:
+        return out.last_hidden_state.float(), logits.float()
     feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-    return feats.float(), out.logits.float()
+    return feats.float(), logits.float()
+
+
+def _first_feature(head, feats: torch.Tensor) -> torch.Tensor:
+    """Step 0's feature: fc(three layers) for EAGLE-3; the target's feature for EAGLE-1/2
+    (its fc mixes feature and embedding at every step)."""
+    feats = feats.to(head.fc.weight.dtype)
+    return head.fc(feats) if head.kind == "eagle3" else feats
+
+
+def _layer_input(head, emb: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention input, residual) of the head's decoder layer for embedding + feature."""
+    if head.kind == "eagle3":
+        layer = head.midlayer
+        return torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], dim=-1), g
+    x = head.fuse(emb, g)  # EAGLE-1/2: fc(cat(embed, feature)), no input norm
+    return x, x
+
+
+def _decoder(head):
+    return head.midlayer if head.kind == "eagle3" else head.layers[0]
 
 
 @dataclass
@@ -115,19 +147,21 @@ class StepStats:
     extra: dict = field(default_factory=dict)
 
 
-def unroll(head: Eagle3Head, embed: torch.nn.Module, input_ids: torch.Tensor,
+def unroll(head: DraftHead | Eagle3Head, embed: torch.nn.Module, input_ids: torch.Tensor,
            lengths: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """The head's outputs g' [B, T, H] for each unrolled step (see the module doc).
+    """The head's outputs [B, T, H] for each unrolled step (see the module doc).
 
-    input_ids: [B, T]; feats: [B, T, 3H] the target's features at every position. Step k at
-    position t reads token[t + 1 + k] and (k >= 1) the step k - 1 output at t."""
+    input_ids: [B, T]; feats: [B, T, F] the target's features at every position (F = 3H for
+    an EAGLE-3 head, H for EAGLE-1/2). Step k at position t reads token[t + 1 + k] and
+    (k >= 1) the step k - 1 output at t."""
     num_b, num_t = input_ids.shape
     device = feats.device
-    layer, attn = head.midlayer, head.midlayer.self_attn
+    layer = _decoder(head)
+    attn = layer.self_attn
     dh = head.head_dim
     num_heads, num_kv = head.config.num_attention_heads, head.config.num_key_value_heads
     groups = num_heads // num_kv
-    g = head.fc(feats.to(head.fc.weight.dtype))  # [B, T, H]
+    g = _first_feature(head, feats)  # [B, T, H]
     ids = F.pad(input_ids, (0, steps + 1))  # token[t + 1 + k] exists for every k
     causal = torch.tril(torch.ones(num_t, num_t, dtype=torch.bool, device=device))
     keys0 = values0 = None
@@ -137,7 +171,7 @@ def unroll(head: Eagle3Head, embed: torch.nn.Module, input_ids: torch.Tensor,
     for k in range(steps):
         with torch.no_grad():  # the target's embedding is frozen
             emb = embed(ids[:, 1 + k:1 + k + num_t]).to(g.dtype)  # token[t + 1 + k]
-        h = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], dim=-1)
+        h, residual = _layer_input(head, emb, g)
         q = attn.q_proj(h).view(num_b, num_t, num_heads, dh).transpose(1, 2)
         key = attn.k_proj(h).view(num_b, num_t, num_kv, dh).transpose(1, 2)
         val = attn.v_proj(h).view(num_b, num_t, num_kv, dh).transpose(1, 2)
@@ -159,19 +193,21 @@ def unroll(head: Eagle3Head, embed: torch.nn.Module, input_ids: torch.Tensor,
         for j, sv in enumerate(side_v):
             out = out + w[..., num_t + j:num_t + j + 1] * sv[:, :, None]
         out = out.reshape(num_b, num_heads, num_t, dh).transpose(1, 2).reshape(num_b, num_t, -1)
-        x = g + attn.o_proj(out)
-        g = x + layer.mlp(layer.post_attention_layernorm(x))  # g' of step k
+        x = residual + attn.o_proj(out)
+        g = x + layer.mlp(layer.post_attention_layernorm(x))  # the output of step k
         outs.append(g)
     return outs
 
 
-def unrolled_loss(head: Eagle3Head, embed: torch.nn.Module, batch: Batch, feats: torch.Tensor,
-                  logits: torch.Tensor, cfg: TTTConfig, t2d: torch.Tensor,
-                  feature_rms: float = 1.0, gen: torch.Generator | None = None) -> StepStats:
+def unrolled_loss(head: DraftHead | Eagle3Head, embed: torch.nn.Module, batch: Batch,
+                  feats: torch.Tensor, logits: torch.Tensor, cfg: TTTConfig, t2d: torch.Tensor,
+                  lm_weight: torch.Tensor, feature_rms: float = 1.0,
+                  gen: torch.Generator | None = None) -> StepStats:
     """The training-time test over one batch (see the module doc).
 
-    feats: [B, T, 3H] target features at every position; logits: [B, T, V] the target's.
-    t2d: [V] long, the draft index of each target token (-1 outside the draft vocabulary)."""
+    feats: target features at every position; logits: [B, T, V] the target's. t2d: [V] long,
+    the draft index of each target token (-1 outside the draft vocabulary). lm_weight: [Vd, H]
+    the draft logits' matrix (`head.output_weight`: the head's own or the target's rows)."""
     num_t = batch.input_ids.shape[1]
     device = feats.device
     if cfg.noise > 0 and head.training:
@@ -181,7 +217,7 @@ def unrolled_loss(head: Eagle3Head, embed: torch.nn.Module, batch: Batch, feats:
     valid = torch.arange(num_t, device=device)[None] < batch.lengths[:, None]
     total = torch.zeros((), device=device)
     stats = StepStats(total, [], [], [])
-    draft_ids = head.d2t.to(device)
+    draft_ids = draft_vocabulary(head, logits.shape[-1]).to(device)
     with torch.no_grad():  # once per batch: the full-vocabulary tensors are large
         top = t2d[logits.argmax(-1)]  # [B, T] draft index of the target's argmax, -1 outside
         probs = torch.softmax(logits[..., draft_ids], dim=-1)  # [B, T, Vd] renormalised
@@ -196,7 +232,7 @@ def unrolled_loss(head: Eagle3Head, embed: torch.nn.Module, batch: Batch, feats:
             continue
         rows, cols = mask.nonzero(as_tuple=True)
         p = probs[rows, cols + 1 + k]  # [M, Vd]
-        draft_logits = head.lm_head(head.norm(g[rows, cols]))  # [M, Vd]
+        draft_logits = head.pre_logits(g[rows, cols]) @ lm_weight.T  # [M, Vd]
         logp = torch.log_softmax(draft_logits.float(), dim=-1)
         ce = -(p * logp).sum(-1).mean()
         total = total + cfg.decay ** k * ce
@@ -219,18 +255,28 @@ def use_bf16(setting: str, device: torch.device) -> bool:
                 or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
+def draft_vocabulary(head, vocab_size: int) -> torch.Tensor:
+    """Target ids of the head's draft vocabulary (all of them for a full-vocabulary head)."""
+    return head.d2t if head.d2t.numel() else torch.arange(vocab_size)
+
+
 class TTTTrainer(Resumable):
     """Head + optimizer + step counter + RNGs; resumable; keeps the best head on held-out
     data and stops early when it stops improving."""
 
-    def __init__(self, head: Eagle3Head, target, train: list[Sequence], val: list[Sequence],
-                 cfg: TTTConfig, out: Path):
+    def __init__(self, head: DraftHead | Eagle3Head, target, train: list[Sequence],
+                 val: list[Sequence], cfg: TTTConfig, out: Path):
         self.head, self.target, self.cfg, self.out = head.train(), target, cfg, Path(out)
         self.device = head.fc.weight.device
         self.layers = head.feature_layers(target.num_layers)
         vocab = target.config.vocab_size
+        ids = draft_vocabulary(head, vocab).to(self.device)
         self.t2d = torch.full((vocab,), -1, dtype=torch.long, device=self.device)
-        self.t2d[head.d2t.to(self.device)] = torch.arange(head.d2t.numel(), device=self.device)
+        self.t2d[ids] = torch.arange(ids.numel(), device=self.device)
+        # the draft logits' matrix: trained with an EAGLE-3 head (its own lm_head), the
+        # target's frozen rows for EAGLE-1/2
+        self.frozen_weight = None if head.kind == "eagle3" else \
+            head.output_weight(target.lm_head).to(self.device).float()
         self.train_seqs, self.val_seqs = train, val
         self.lengths = [len(s.input_ids) for s in train]
         self.steps_per_epoch = len(epoch_batches(self.lengths, cfg.batch_tokens, cfg.seed, 0))
@@ -269,8 +315,10 @@ class TTTTrainer(Resumable):
     def loss(self, batch: Batch, gen: torch.Generator | None = None) -> StepStats:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             feats, logits = target_pass(self.target.hf, batch, self.layers)
+            weight = self.head.lm_head.weight if self.frozen_weight is None else \
+                self.frozen_weight
             return unrolled_loss(self.head, self.target.embed, batch, feats, logits, self.cfg,
-                                 self.t2d, self.feature_rms, gen)
+                                 self.t2d, weight, self.feature_rms, gen)
 
     def train_loss(self) -> StepStats:
         return self.loss(self.batch_at(self.step), self.gen)
@@ -365,9 +413,9 @@ def build_eagle3_head(target, train: list[Sequence], vocab_size: int, seed: int,
     return head.to(target.device)
 
 
-def train_eagle3_from_args(args, target, root: Path) -> dict:
-    """The `train` stage of `eagle2 train-head --arch eagle3`: conversations of OUT and
-    --extra-data -> split -> TTT training -> the head saved in the published layout."""
+def train_ttt_from_args(args, target, root: Path) -> dict:
+    """The `train` stage of `eagle2 train-head --arch eagle3` (or `--ttt`): conversations of
+    OUT and --extra-data -> split -> TTT training -> the head saved in the published layout."""
     from eagle2.head import save_head
     from eagle2.train.plot import plot_ttt_log
 
@@ -383,8 +431,17 @@ def train_eagle3_from_args(args, target, root: Path) -> dict:
                     checkpoint_seconds=60 * args.checkpoint_minutes,
                     max_seconds=60 * args.train_minutes if args.train_minutes else None,
                     seed=args.seed)
-    head = build_eagle3_head(target, train, args.draft_vocab, args.seed)
-    out = root / "train-eagle3"
+    if args.init_head:  # fine-tune an existing head (its kind and draft vocabulary)
+        from eagle2.head import load_head
+
+        head = load_head(args.init_head, dtype=torch.float32, device=target.device)
+    elif args.arch == "eagle3":
+        head = build_eagle3_head(target, train, args.draft_vocab, args.seed)
+    else:
+        from eagle2.train.trainer import build_head
+
+        head = build_head(target, train, args.draft_vocab, args.init, args.seed)
+    out = root / f"train-ttt-{head.kind}"
     trainer = TTTTrainer(head, target, train, val, cfg, out)
     if trainer.maybe_resume():
         print(f"resumed from step {trainer.step}/{trainer.total_steps}", flush=True)
@@ -393,7 +450,7 @@ def train_eagle3_from_args(args, target, root: Path) -> dict:
                    trained_positions=sum(int(s.loss_mask.sum()) for s in train),
                    draft_vocab=int(head.d2t.numel()), feature_layers=trainer.layers,
                    feature_rms=trainer.feature_rms, config=asdict(cfg))
-    save = Path(args.save) if args.save else root / "head-eagle3"
+    save = Path(args.save) if args.save else root / f"head-{head.kind}"
     save_head(trainer.head.eval(), save, target_config=target.config)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     plot_ttt_log(trainer.log_path, out / "curves.png")
