@@ -14,6 +14,7 @@ unaffected; only which tokens can be proposed changes.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -170,9 +171,12 @@ def read_head_config(path: str | Path) -> dict:
     return json.loads(cfg_path.read_text())
 
 
-def head_feature_layers(path: str | Path | None, num_layers: int) -> tuple[int, ...] | None:
+def head_feature_layers(path: str | Path | None, num_layers: int | Callable[[], int]
+                        ) -> tuple[int, ...] | None:
     """The target layers whose inputs a head directory's head reads (EAGLE-3), or None (the
-    final hidden state), from its config.json alone: what the target side must produce."""
+    final hidden state), from its config.json alone: what the target side must produce.
+    num_layers: the target's decoder layer count, or a function giving it (only called for an
+    EAGLE-3 head without explicit layer ids)."""
     if path is None or path == "untrained":
         return None
     raw = read_head_config(path)
@@ -183,7 +187,9 @@ def head_feature_layers(path: str | Path | None, num_layers: int) -> tuple[int, 
     if not is_eagle3(raw, names):
         return None
     aux = (raw.get("eagle_config") or {}).get(AUX_IDS_KEY)
-    return tuple(i + 1 for i in aux) if aux else default_feature_layers(num_layers)
+    if aux:
+        return tuple(i + 1 for i in aux)
+    return default_feature_layers(num_layers() if callable(num_layers) else num_layers)
 
 
 def _state_names(path: Path) -> set[str]:

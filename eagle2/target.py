@@ -235,6 +235,17 @@ class TargetModel:
         return self.lm_head(features).float()  # e.g. a TP-sharded lm_head with its own gather
 
 
+def target_num_layers(spec: str | None) -> int:
+    """Decoder layers of a target given as for `TargetModel.load` (a directory, a .gguf file
+    or None for the embedded model), from its config alone."""
+    from transformers import AutoConfig
+
+    path = embedded_model_dir() if spec is None else Path(spec)
+    if path.is_file():
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name).num_hidden_layers
+    return AutoConfig.from_pretrained(path).num_hidden_layers
+
+
 def load_vocab_modules(spec: str | None, dtype: str | torch.dtype | None = None,
                        device: str | None = None, lm_head: bool = True
                        ) -> tuple[torch.nn.Embedding, torch.nn.Linear | None]:

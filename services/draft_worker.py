@@ -45,16 +45,13 @@ def head_dir(cfg: ServiceConfig) -> str | None:
 def feature_layers(cfg: ServiceConfig) -> tuple[int, ...] | None:
     """The target layers whose inputs the service's head reads (EAGLE-3), None for EAGLE-1/2:
     read from the head's config.json so the target side never loads the head."""
-    from transformers import AutoConfig
-
     from eagle2.head import head_feature_layers
-    from eagle2.target import embedded_model_dir
+    from eagle2.target import target_num_layers
 
     path = head_dir(cfg)
     if path is None:
         return None
-    tcfg = AutoConfig.from_pretrained(cfg.target or embedded_model_dir())
-    return head_feature_layers(path, tcfg.num_hidden_layers)
+    return head_feature_layers(path, lambda: target_num_layers(cfg.target))
 
 
 def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:

@@ -266,3 +266,22 @@ def test_draft_worker_builds_an_eagle3_head_with_the_target_embedding_only(tmp_p
     assert desc == str(tmp_path / "head") and isinstance(drafter.head, Eagle3Head)
     assert torch.equal(drafter.draft_lm_head, drafter.head.lm_head.weight)
     torch.testing.assert_close(drafter.embed.weight, target.embed.weight)
+
+
+def test_the_target_config_is_read_only_for_an_eagle3_head_without_layer_ids(tmp_path, target):
+    """An EAGLE-1/2 head never needs the target's layer count (a GGUF or remote target is not
+    opened); an EAGLE-3 head without explicit ids takes the default of the target's depth."""
+    from eagle2.head import new_head
+    from eagle2.target import target_num_layers
+    from services.config import ServiceConfig
+    from services.draft_worker import feature_layers
+
+    save_head(new_head(target.config), tmp_path / "eagle2-head")
+    missing = str(tmp_path / "no-such-target.gguf")
+    assert feature_layers(ServiceConfig(target=missing, draft=str(tmp_path / "eagle2-head"))) \
+        is None
+    target.hf.save_pretrained(tmp_path / "target")
+    assert target_num_layers(str(tmp_path / "target")) == LAYERS
+    published_checkpoint(tmp_path / "eagle3-head")  # no eagle_config: the default ids
+    cfg = ServiceConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "eagle3-head"))
+    assert feature_layers(cfg) == (2, LAYERS // 2, LAYERS - 3)
