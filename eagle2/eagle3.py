@@ -142,12 +142,15 @@ class Eagle3Head(nn.Module):
         return self.step(token_embeds, features, cache, inp)
 
 
+def config_says_eagle3(raw_config: dict) -> bool:
+    """An EAGLE-3 config: `draft_vocab_size`, or an architecture name containing "Eagle3"."""
+    return "draft_vocab_size" in raw_config or any(
+        "Eagle3" in a for a in raw_config.get("architectures") or ())
+
+
 def is_eagle3(raw_config: dict, keys: set[str]) -> bool:
     """Does a head directory hold an EAGLE-3 checkpoint (by config or by its tensor names)?"""
-    if "draft_vocab_size" in raw_config or any("Eagle3" in a for a in
-                                               raw_config.get("architectures") or ()):
-        return True
-    return any(k.endswith("hidden_norm.weight") for k in keys)
+    return config_says_eagle3(raw_config) or any(k.endswith("hidden_norm.weight") for k in keys)
 
 
 def normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

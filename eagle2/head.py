@@ -29,6 +29,7 @@ from eagle2.calibration import Calibration
 from eagle2.eagle3 import (
     AUX_IDS_KEY,
     Eagle3Head,
+    config_says_eagle3,
     default_feature_layers,
     is_eagle3,
     published_config,
@@ -180,10 +181,8 @@ def head_feature_layers(path: str | Path | None, num_layers: int | Callable[[], 
     if path is None or path == "untrained":
         return None
     raw = read_head_config(path)
-    names = set()
-    if not ("draft_vocab_size" in raw or any("Eagle3" in a for a in raw.get("architectures")
-                                              or ())):
-        names = _state_names(Path(path))
+    # the tensor names are read only when the config alone does not say EAGLE-3
+    names = set() if config_says_eagle3(raw) else _state_names(Path(path))
     if not is_eagle3(raw, names):
         return None
     aux = (raw.get("eagle_config") or {}).get(AUX_IDS_KEY)

@@ -49,9 +49,8 @@ def feature_layers(cfg: ServiceConfig) -> tuple[int, ...] | None:
     from eagle2.target import target_num_layers
 
     path = head_dir(cfg)
-    if path is None:
-        return None
-    return head_feature_layers(path, lambda: target_num_layers(cfg.target))
+    return None if path is None else head_feature_layers(
+        path, lambda: target_num_layers(cfg.target))
 
 
 def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
@@ -60,7 +59,7 @@ def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
     device = pick_device(cfg.device())
     dtype = pick_dtype(cfg.dtype, device)
     path = head_dir(cfg)
-    eagle3 = path is not None and feature_layers(cfg) is not None
+    eagle3 = feature_layers(cfg) is not None  # None for an untrained or EAGLE-1/2 head
     embed, lm_head = load_vocab_modules(cfg.target, dtype, str(device), lm_head=not eagle3)
     if path is None:
         from transformers import AutoConfig
