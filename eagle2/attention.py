@@ -80,11 +80,73 @@ class StepInputs:
     sin: torch.Tensor  # [B, N, Dh]
     contiguous: bool  # slots == arange(B): read the cache through a view, not a copy
     write_start: int | None = None  # contiguous and one common write offset: slice writes
+    window: CanonicalWindow | None = None  # set: attend with `canonical_attention`
+
+
+ATTN_CHUNK = 32  # keys per chunk of `canonical_attention`, aligned to absolute positions
+
+
+@dataclass
+class CanonicalWindow:
+    """Where each query's keys sit in canonical order (docs/DESIGN.md, "Exact bf16 attention").
+
+    Query i of request b (committed length L_b) attends to the prefix [0, L_b) and to its
+    tree ancestors, which plain decoding would have seen at positions L_b, L_b + 1, ...
+    Keys are taken in chunks of ATTN_CHUNK aligned at absolute position 0. The first
+    `shared` positions are read where they are in the cache, masked by `shared_bias`; the
+    window [a0_b, a0_b + W) of each query (a0_b = L_b rounded down to a chunk) is gathered from
+    `pos`: the committed keys from a0_b on, then the ancestors in depth order. When every
+    query's ancestors already sit at L_b, L_b + 1, ... (plain decoding, chains, prompts) there
+    is no window and the shared part covers all keys.
+    """
+
+    shared: int  # a multiple of ATTN_CHUNK
+    shared_bias: torch.Tensor  # [B, 1, 1, N or 1, shared] fp32: 0 = attend, -inf = not
+    pos: torch.Tensor | None  # [B * N * W] flat index into [B * S] cache rows, or None
+    bias: torch.Tensor | None  # [B, 1, 1, N, W] fp32 mask of the window keys
+
+
+def canonical_window(base: torch.Tensor, tree_mask: torch.Tensor, mask: torch.Tensor,
+                     span: int, chunk: int = ATTN_CHUNK) -> CanonicalWindow:
+    """base [B]: committed lengths; tree_mask [B, N, T]: the scratch entries (cache positions
+    base + m) each new token sees, ancestors before descendants; mask [B, N, S]: the whole
+    attention mask; span: cache positions available for reading (the cache's length)."""
+    num_b, num_n, num_t = tree_mask.shape
+    dev = base.device
+    t_idx = torch.arange(num_t, device=dev)
+    count = tree_mask.sum(-1)  # [B, N] ancestors incl. itself
+    order = torch.where(tree_mask, t_idx, num_t + t_idx).sort(-1).values  # theirs first
+    rank = torch.arange(num_t, device=dev)
+    in_place = bool(((order == rank) | (rank >= count[..., None])).all())
+
+    def bias(valid: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
+
+    if in_place:
+        shared = min(-(-mask.shape[-1] // chunk) * chunk, span // chunk * chunk)
+        if shared >= mask.shape[-1]:
+            valid = F.pad(mask, (0, shared - mask.shape[-1]))
+            return CanonicalWindow(shared, bias(valid)[:, None, None], None, None)
+    a0 = base // chunk * chunk
+    lead = base - a0  # committed keys inside the window
+    width = -(-int((lead[:, None] + count).max()) // chunk) * chunk
+    w = torch.arange(width, device=dev)
+    committed = w[None, None, :] < lead[:, None, None]  # [B, 1, W]
+    offset = w[None, None, :] - lead[:, None, None]  # [B, 1, W]
+    in_tree = (offset >= 0) & (offset < count[:, :, None])  # [B, N, W]
+    anc = order.gather(-1, offset.clamp(0, num_t - 1).expand(num_b, num_n, width))
+    pos = torch.where(committed, a0[:, None, None] + w, base[:, None, None] + anc)
+    valid = committed | in_tree
+    rows = torch.arange(num_b, device=dev)[:, None, None] * span + torch.where(valid, pos, 0)
+    shared = int(a0.max()) if num_b else 0
+    shared_valid = torch.arange(shared, device=dev)[None, :] < a0[:, None]  # [B, A]
+    return CanonicalWindow(shared, bias(shared_valid)[:, None, None, None], rows.reshape(-1),
+                           bias(valid)[:, None, None])
 
 
 def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
                 positions: torch.Tensor, rotary: torch.nn.Module, like: torch.Tensor,
-                window: int | None = None) -> StepInputs:
+                window: int | None = None, canonical: bool = False) -> StepInputs:
     """Build the shared per-forward inputs for N new tokens per request.
 
     The new tokens are the last N entries of a scratch region of T >= N entries that starts at
@@ -92,6 +154,7 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     per call, so its earlier levels are the first T - N entries).
     tree_mask: [B, N, T] bool, which scratch entries each new token sees (itself included).
     positions: [B, N] RoPE positions. window: also hide prefix entries older than this.
+    canonical: attend with `canonical_attention` (results independent of the tree's shape).
     """
     num_b, num_n = positions.shape
     num_t = tree_mask.shape[2]
@@ -113,7 +176,9 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     write_start = None
     if contiguous and bool((base == base[0]).all()):
         write_start = int(base[0]) + num_t - num_n
-    return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, write_start)
+    found = (canonical_window(base, tree_mask, mask, cache.max_len)
+             if canonical and window is None else None)
+    return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, write_start, found)
 
 
 def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache: KVCache,
@@ -145,6 +210,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
         cache.k[layer_idx][slot_idx, :, inp.write_pos] = k.transpose(1, 2).to(cache.k.dtype)
         cache.v[layer_idx][slot_idx, :, inp.write_pos] = v.transpose(1, 2).to(cache.v.dtype)
     s_used = inp.mask.shape[-1]
+    if inp.window is not None:
+        return canonical_attention(q, cache.k[layer_idx], cache.v[layer_idx], inp)
     if inp.contiguous:
         keys = cache.k[layer_idx, :num_b, :, :s_used]  # [B, KVH, S, Dh] (a view)
         values = cache.v[layer_idx, :num_b, :, :s_used]
@@ -155,6 +222,66 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
         q, keys.to(q.dtype), values.to(q.dtype), attn_mask=inp.mask,
         enable_gqa=q.shape[1] != keys.shape[1],
     )
+
+
+def canonical_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                        inp: StepInputs) -> torch.Tensor:
+    """Attention whose result for a query depends only on its own keys, in position order:
+    the same whether it is one token of plain decoding or a node of a verified tree, alone or
+    in a batch (docs/DESIGN.md, "Exact bf16 attention").
+
+    q [B, Hq, N, Dh]; cache_k, cache_v [slots, KVH, S, Dh] (this step's entries written) ->
+    [B, Hq, N, Dh]. Scores are one matmul (each score is one dot product, bitwise the same in
+    any bf16 matmul shape on CPU). Exp-sums and value products are formed per chunk of
+    ATTN_CHUNK keys aligned at absolute positions (the same chunk gives the same result),
+    and the chunks' results are added in position order by one sequential `cumsum`, so
+    whether a chunk came from the shared prefix or from a gathered window does not show.
+    """
+    cw = inp.window
+    num_b, num_hq, num_n, dim = q.shape
+    num_kv = cache_k.shape[1]
+    group, chunk, shared = num_hq // num_kv, ATTN_CHUNK, cw.shared
+    if inp.contiguous:
+        keys, values = cache_k[:num_b], cache_v[:num_b]  # views
+    else:
+        keys, values = cache_k[inp.slots], cache_v[inp.slots]  # copies
+    qg = (q * dim ** -0.5).reshape(num_b, num_kv, group * num_n, dim)
+    parts, sums = [], []
+    if cw.pos is not None:  # gather each query's window: scores, then values
+        width = cw.bias.shape[-1]
+        span = keys.shape[2]
+        flat_k = keys.transpose(1, 2).reshape(num_b * span, num_kv, dim)
+        k_win = flat_k.index_select(0, cw.pos).view(num_b, num_n, width, num_kv, dim)
+        s_win = torch.matmul(qg.view(num_b, num_kv, group, num_n, dim).permute(0, 1, 3, 2, 4),
+                             k_win.permute(0, 3, 1, 4, 2))  # [B, KVH, N, G, W]
+        s_win = s_win.transpose(2, 3).float() + cw.bias  # [B, KVH, G, N, W]
+    if shared:
+        s_sh = torch.matmul(qg, keys[:, :, :shared].transpose(-1, -2)).float()
+        s_sh = s_sh.view(num_b, num_kv, group, num_n, shared) + cw.shared_bias
+        top = s_sh.amax(-1, keepdim=True)
+        if cw.pos is not None:
+            top = torch.maximum(top, s_win.amax(-1, keepdim=True))
+        e_sh = torch.exp(s_sh - top)
+        sums.append(e_sh.unflatten(-1, (-1, chunk)).sum(-1))  # [B, KVH, G, N, A/C]
+        p_sh = e_sh.to(values.dtype).view(num_b, num_kv, group * num_n, -1, chunk)
+        v_sh = values[:, :, :shared].unflatten(2, (-1, chunk))  # [B, KVH, A/C, C, Dh]
+        parts.append(torch.matmul(p_sh.transpose(2, 3), v_sh))  # [B, KVH, A/C, G N, Dh]
+    else:
+        top = s_win.amax(-1, keepdim=True)
+    if cw.pos is not None:
+        e_win = torch.exp(s_win - top)  # [B, KVH, G, N, W]
+        sums.append(e_win.unflatten(-1, (-1, chunk)).sum(-1))
+        flat_v = values.transpose(1, 2).reshape(num_b * span, num_kv, dim)
+        v_win = flat_v.index_select(0, cw.pos).view(num_b, num_n, -1, chunk, num_kv, dim)
+        p_win = e_win.to(values.dtype).unflatten(-1, (-1, chunk))  # [B, KVH, G, N, W/C, C]
+        part = torch.matmul(p_win.permute(0, 1, 3, 4, 2, 5),  # [B, KVH, N, W/C, G, C]
+                            v_win.permute(0, 4, 1, 2, 3, 5))  # [B, KVH, N, W/C, C, Dh]
+        parts.append(part.permute(0, 1, 3, 4, 2, 5).reshape(num_b, num_kv, -1,
+                                                             group * num_n, dim))
+    total = torch.cat(parts, 2).cumsum(2)[:, :, -1]  # [B, KVH, G N, Dh]
+    z = torch.cat(sums, -1).cumsum(-1)[..., -1]  # [B, KVH, G, N]
+    out = total.view(num_b, num_kv, group, num_n, dim) / z[..., None]
+    return out.to(q.dtype).view(num_b, num_hq, num_n, dim)
 
 
 def sequence_inputs(cache: KVCache, lengths: torch.Tensor, num_t: int,

@@ -29,6 +29,29 @@ import torch.nn.functional as F
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # M is rounded up to one of these for the lookup
 BLOCK_BYTES = (0, 256 << 10, 512 << 10, 1 << 20, 2 << 20)  # 0: the whole weight, one call
+PACKED = -1  # not a block size: the whole weight pre-packed for oneDNN (bf16 on CPU)
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """bf16 weights pre-packed for oneDNN: on this CPU they cost about the same for 1 to 32+
+    rows, and each output row is bitwise the same whatever the row count (which exact bf16
+    verification needs, docs/DESIGN.md "Exact bf16 attention")."""
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def native_bf16_cpu() -> bool:
+    """The CPU has bf16 dot-product instructions (AMX-BF16 or AVX512-BF16) and oneDNN uses
+    them (so bf16 weights can be packed)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")),
+                         [])
+    except OSError:
+        return False
+    return (bool({"amx_bf16", "avx512_bf16"} & set(flags))
+            and packing_supported(torch.bfloat16, torch.device("cpu")))
 
 
 @dataclass
@@ -50,6 +73,7 @@ class BlockedWeight:
     def __init__(self, weight: torch.Tensor, plan: BlockPlan):
         self.weight, self.plan = weight, plan
         self._blocks: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._packed: torch.Tensor | None = None
 
     def blocks(self, block_bytes: int) -> tuple[torch.Tensor, ...]:
         if block_bytes not in self._blocks:
@@ -61,6 +85,10 @@ class BlockedWeight:
         """x [..., K] -> [..., O]."""
         num_rows = x.numel() // x.shape[-1]
         block_bytes = self.plan.for_rows(num_rows) if x.device.type == "cpu" else 0
+        if block_bytes == PACKED:
+            if self._packed is None:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
         if block_bytes == 0 or block_bytes >= self.weight.numel() * self.weight.element_size():
             return F.linear(x, self.weight)
         return torch.cat([F.linear(x, w) for w in self.blocks(block_bytes)], dim=-1)
@@ -73,6 +101,8 @@ def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = R
 
     -> (plan, {bucket: {block_bytes: ms}}). Best of `repeats` after one warm-up pass."""
     dtype, device = weights[0].dtype, weights[0].device
+    if packing_supported(dtype, device):
+        candidates = (PACKED,)  # row-invariant (exactness), and the fastest where measured
     timings: dict[int, dict[int, float]] = {}
     plan = BlockPlan()
     with torch.inference_mode():

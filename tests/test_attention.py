@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_target
 
 from eagle2.attention import causal_mask
+from eagle2.kernels import packing_supported
+from eagle2.target import TargetModel
 from eagle2.tree import finish_tree
 
 
@@ -65,3 +68,78 @@ def test_cache_after_commit_equals_recomputation():
     n = len(seq)
     torch.testing.assert_close(cache.k[:, 0, :, :n], ref.k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.v[:, 0, :, :n], ref.v[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+
+
+# --- exact bf16 attention (docs/DESIGN.md "Exact bf16 attention") ---------------------------
+
+def _bf16_target(seed: int):
+    target = tiny_target(seed=seed)
+    target.hf.to(torch.bfloat16)
+    return TargetModel(target.hf, name=f"tiny-bf16-{seed}")
+
+
+def _tree_step(target, prefixes: list[list[int]], tree):
+    """Prefill each prefix into its own slot, then one tree forward for all: features [B, N]."""
+    cache = target.allocate_cache(len(prefixes), 256)
+    for b, prompt in enumerate(prefixes):
+        n = len(prompt)
+        target.forward(torch.tensor([prompt]), torch.arange(n)[None],
+                       causal_mask(torch.tensor([n]), n), cache, torch.tensor([b]))
+        cache.lengths[b] = n
+    num_b = len(prefixes)
+    tokens = tree.tokens.expand(num_b, -1)
+    positions = cache.lengths[:, None] + tree.depths
+    mask = tree.tree_mask.expand(num_b, -1, -1)
+    return target.forward(tokens, positions, mask, cache, torch.arange(num_b)).features
+
+
+def _plain_decode(target, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Feed `tokens` one at a time after the prompt, like plain decoding: features [T, H]."""
+    cache = target.allocate_cache(1, 256)
+    n = len(prompt)
+    target.forward(torch.tensor([prompt]), torch.arange(n)[None],
+                   causal_mask(torch.tensor([n]), n), cache, torch.tensor([0]))
+    cache.lengths[0] = n
+    out = []
+    for t in tokens:
+        pos = cache.lengths[:1, None].clone()
+        f = target.forward(torch.tensor([[t]]), pos, torch.ones(1, 1, 1, dtype=torch.bool),
+                           cache, torch.tensor([0])).features[0, 0]
+        cache.lengths[0] += 1
+        out.append(f)
+    return torch.stack(out)
+
+
+needs_packed_bf16 = pytest.mark.skipif(
+    not packing_supported(torch.bfloat16, torch.device("cpu")),
+    reason="exact bf16 verification needs oneDNN's packed bf16 kernels (AVX512/AMX)")
+
+
+@needs_packed_bf16
+def test_bf16_tree_nodes_equal_plain_decoding_bitwise():
+    """Every node of a tree, verified together with other requests of other lengths (some
+    trees crossing an attention chunk boundary), gets bitwise the features plain decoding
+    would give the same token."""
+    target = _bf16_target(seed=11)
+    assert target.canonical
+    tree = sample_tree()
+    prefixes = [[1, 5, 2, 8, 13, 40], list(range(3, 33)), list(range(2, 64)) + [7, 9]]
+    feats = _tree_step(target, prefixes, tree)
+    for b, prompt in enumerate(prefixes):
+        for node in range(tree.size):
+            path = [int(tree.tokens[0, i]) for i in range(tree.size) if tree.tree_mask[0, node, i]]
+            plain = _plain_decode(target, prompt, path)[-1]
+            assert torch.equal(feats[b, node], plain), (b, node)
+
+
+@needs_packed_bf16
+def test_canonical_attention_matches_sdpa():
+    """Same numbers as PyTorch's attention up to bf16 rounding (it is attention, reordered)."""
+    target = _bf16_target(seed=12)
+    tree = sample_tree()
+    prefixes = [list(range(1, 40)), [4, 4, 4]]
+    exact = _tree_step(target, prefixes, tree).float()
+    target.canonical = False
+    sdpa = _tree_step(target, prefixes, tree).float()
+    torch.testing.assert_close(exact, sdpa, rtol=0.05, atol=0.05)
+    assert (exact - sdpa).abs().mean() < 0.01

@@ -10,6 +10,8 @@ import torch
 from conftest import make_engine, random_prompts, run, tiny_target
 
 from eagle2.config import SamplingParams, TreeConfig
+from eagle2.kernels import packing_supported
+from eagle2.target import TargetModel
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 TREES = {
@@ -116,3 +118,31 @@ def test_embedded_smollm2_modes_equal_hf_greedy(smol):
     for mode in ("eagle2", "static", "chain"):
         outs = smol.generate(prompts, params, mode=mode)
         assert [o.token_ids for o in outs] == ref, mode
+
+
+needs_packed_bf16 = pytest.mark.skipif(
+    not packing_supported(torch.bfloat16, torch.device("cpu")),
+    reason="exact bf16 verification needs oneDNN's packed bf16 kernels (AVX512/AMX)")
+
+
+def bf16_target(seed: int) -> TargetModel:
+    target = tiny_target(vocab=48, seed=seed, layers=3)
+    target.hf.to(torch.bfloat16)
+    return TargetModel(target.hf, name=f"tiny-bf16-{seed}")
+
+
+@needs_packed_bf16
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16_all_modes_equal_vanilla_in_a_batch(seed):
+    """bf16 on a CPU: every mode, eight prompts batched (64-token contexts cross several
+    attention chunks), equals plain decoding of each prompt alone, token for token."""
+    target = bf16_target(20 + seed)
+    prompts = random_prompts(8, 48, seed=seed, lo=3, hi=40)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    alone = [run(make_engine(target, None, max_batch=1), [p], params, TreeConfig("vanilla"))[0]
+             for p in prompts]
+    assert run(make_engine(target, None), prompts, params, TreeConfig("vanilla")) == alone
+    trees = {**TREES, "wide": TreeConfig("eagle2", total_tokens=60, depth=6, top_k=8,
+                                         budget="fixed")}
+    for name, tree in trees.items():
+        assert run(make_engine(target, seed), prompts, params, tree) == alone, name

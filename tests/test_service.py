@@ -49,7 +49,7 @@ def client(service):
 def local():
     from eagle2.api import Eagle2
 
-    return Eagle2.load(max_batch=1, max_context=512, dtype="float32", device="cpu")
+    return Eagle2.load(max_batch=1, max_context=512, device="cpu")  # the service's dtype: auto
 
 
 def stream_ids(client, prompt, **kw) -> tuple[list[int], str, object]:

@@ -85,7 +85,7 @@ def split_forward(runner, tokens, positions, mask, slots) -> dict[str, float]:
     for ev in prof.key_averages():
         us = ev.self_cpu_time_total
         totals["all"] += us
-        if ev.key in ("aten::mm", "aten::addmm", "aten::bmm"):
+        if ev.key in ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"):
             totals["linears"] += us
         elif "scaled_dot_product" in ev.key:
             totals["attention"] += us
