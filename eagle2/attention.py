@@ -83,65 +83,67 @@ class StepInputs:
     window: CanonicalWindow | None = None  # set: attend with `canonical_attention`
 
 
-ATTN_CHUNK = 32  # keys per chunk of `canonical_attention`, aligned to absolute positions
+ATTN_CHUNK = 32  # window starts are multiples of this
+WINDOW_DEPTH = 32  # deepest tree node (depth below the root) exact attention takes
 
 
 @dataclass
 class CanonicalWindow:
-    """Where each query's keys sit in canonical order (docs/DESIGN.md, "Exact bf16 attention").
+    """Which keys each query reads where (docs/DESIGN.md, "Exact bf16 attention").
 
-    Query i of request b (committed length L_b) attends to the prefix [0, L_b) and to its
-    tree ancestors, which plain decoding would have seen at positions L_b, L_b + 1, ...
-    Keys are taken in chunks of ATTN_CHUNK aligned at absolute position 0. The first
-    `shared` positions are read where they are in the cache, masked by `shared_bias`; the
-    window [a0_b, a0_b + W) of each query (a0_b = L_b rounded down to a chunk) is gathered from
-    `pos`: the committed keys from a0_b on, then the ancestors in depth order. When every
-    query's ancestors already sit at L_b, L_b + 1, ... (plain decoding, chains, prompts) there
-    is no window and the shared part covers all keys.
+    A token at position p attends to keys [0, p]. Its window starts at
+    ws(p) = ATTN_CHUNK * floor(max(p - WINDOW_DEPTH, 0) / ATTN_CHUNK), a function of p alone,
+    and never after the committed prefix of a tree of depth <= WINDOW_DEPTH. Keys [0, ws) are
+    read where they lie in the cache (one matmul for all queries, masked per query past its
+    ws); keys [ws, p] are gathered into a window of fixed width in position order: committed
+    keys, then the query's tree ancestors, which is where plain decoding has them.
     """
 
-    shared: int  # a multiple of ATTN_CHUNK
-    shared_bias: torch.Tensor  # [B, 1, 1, N or 1, shared] fp32: 0 = attend, -inf = not
-    pos: torch.Tensor | None  # [B * N * W] flat index into [B * S] cache rows, or None
-    bias: torch.Tensor | None  # [B, 1, 1, N, W] fp32 mask of the window keys
+    shared: int  # keys read in place: max ws over the batch
+    used: int  # cache positions read: [0, used)
+    shared_bias: torch.Tensor | None  # [B, 1, 1, N, shared] fp32: 0 = attend, -inf = not
+    pos: torch.Tensor  # [B, N, W] cache position of each window key (0 where invalid)
+    rows: torch.Tensor  # [B * N * W] the same as rows of [B, used] flattened
+    bias: torch.Tensor  # [B, 1, 1, N, W] fp32 mask of the window keys
 
 
-def canonical_window(base: torch.Tensor, tree_mask: torch.Tensor, mask: torch.Tensor,
-                     span: int, chunk: int = ATTN_CHUNK) -> CanonicalWindow:
+def canonical_window(base: torch.Tensor, tree_mask: torch.Tensor, limit: int,
+                     chunk: int = ATTN_CHUNK, depth: int = WINDOW_DEPTH) -> CanonicalWindow:
     """base [B]: committed lengths; tree_mask [B, N, T]: the scratch entries (cache positions
-    base + m) each new token sees, ancestors before descendants; mask [B, N, S]: the whole
-    attention mask; span: cache positions available for reading (the cache's length)."""
+    base + m) each new token sees, ancestors before descendants; limit: the cache's length.
+    The positions read are rounded up to 2 chunks (at most `limit`), so that the matmuls'
+    shapes, and oneDNN's kernels for them (about 0.5 ms to build), change every 64 tokens."""
     num_b, num_n, num_t = tree_mask.shape
     dev = base.device
+    count = tree_mask.sum(-1)  # [B, N] ancestors incl. itself = depth + 1
+    start = (base[:, None] + count - 1 - depth).clamp(min=0) // chunk * chunk  # [B, N] ws(p)
+    width = depth + chunk
     t_idx = torch.arange(num_t, device=dev)
-    count = tree_mask.sum(-1)  # [B, N] ancestors incl. itself
-    order = torch.where(tree_mask, t_idx, num_t + t_idx).sort(-1).values  # theirs first
-    rank = torch.arange(num_t, device=dev)
-    in_place = bool(((order == rank) | (rank >= count[..., None])).all())
-
-    def bias(valid: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
-
-    if in_place:
-        shared = min(-(-mask.shape[-1] // chunk) * chunk, span // chunk * chunk)
-        if shared >= mask.shape[-1]:
-            valid = F.pad(mask, (0, shared - mask.shape[-1]))
-            return CanonicalWindow(shared, bias(valid)[:, None, None], None, None)
-    a0 = base // chunk * chunk
-    lead = base - a0  # committed keys inside the window
-    width = -(-int((lead[:, None] + count).max()) // chunk) * chunk
-    w = torch.arange(width, device=dev)
-    committed = w[None, None, :] < lead[:, None, None]  # [B, 1, W]
-    offset = w[None, None, :] - lead[:, None, None]  # [B, 1, W]
-    in_tree = (offset >= 0) & (offset < count[:, :, None])  # [B, N, W]
-    anc = order.gather(-1, offset.clamp(0, num_t - 1).expand(num_b, num_n, width))
-    pos = torch.where(committed, a0[:, None, None] + w, base[:, None, None] + anc)
+    order = torch.where(tree_mask, t_idx, num_t + t_idx).sort(-1).values  # ancestors first
+    # keys [base, ws) are read in place: only right if they are the query's first ancestors
+    # in order (a chain, e.g. a prompt); a tree of depth <= WINDOW_DEPTH never has any
+    ahead = (start - base[:, None]).clamp(min=0)
+    if bool((ahead > 0).any()) and not bool(
+            ((order == t_idx) | (t_idx >= ahead[..., None])).all()):
+        raise ValueError(f"exact attention takes trees of depth <= {depth} (or chains)")
+    canon = start[..., None] + torch.arange(width, device=dev)  # [B, N, W] positions
+    rank = canon - base[:, None, None]
+    committed = rank < 0
+    in_tree = (rank >= 0) & (rank < count[..., None])
+    anc = order.gather(-1, rank.clamp(0, num_t - 1))
     valid = committed | in_tree
-    rows = torch.arange(num_b, device=dev)[:, None, None] * span + torch.where(valid, pos, 0)
-    shared = int(a0.max()) if num_b else 0
-    shared_valid = torch.arange(shared, device=dev)[None, :] < a0[:, None]  # [B, A]
-    return CanonicalWindow(shared, bias(shared_valid)[:, None, None, None], rows.reshape(-1),
-                           bias(valid)[:, None, None])
+    pos = torch.where(valid, torch.where(committed, canon, base[:, None, None] + anc), 0)
+    shared = int(start.max()) if num_b else 0
+    used = min(-(-max(int(pos.max()) + 1, shared) // (2 * chunk)) * 2 * chunk, limit)
+    rows = (torch.arange(num_b, device=dev)[:, None, None] * used + pos).reshape(-1)
+
+    def bias(ok: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(ok.shape, device=dev).masked_fill_(~ok, float("-inf"))[:, None, None]
+
+    shared_bias = None
+    if shared:
+        shared_bias = bias(torch.arange(shared, device=dev) < start[..., None])
+    return CanonicalWindow(shared, used, shared_bias, pos, rows, bias(valid))
 
 
 def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
@@ -176,7 +178,7 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     write_start = None
     if contiguous and bool((base == base[0]).all()):
         write_start = int(base[0]) + num_t - num_n
-    found = (canonical_window(base, tree_mask, mask, cache.max_len)
+    found = (canonical_window(base, tree_mask, cache.max_len)
              if canonical and window is None else None)
     return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, write_start, found)
 
@@ -231,57 +233,45 @@ def canonical_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.T
     in a batch (docs/DESIGN.md, "Exact bf16 attention").
 
     q [B, Hq, N, Dh]; cache_k, cache_v [slots, KVH, S, Dh] (this step's entries written) ->
-    [B, Hq, N, Dh]. Scores are one matmul (each score is one dot product, bitwise the same in
-    any bf16 matmul shape on CPU). Exp-sums and value products are formed per chunk of
-    ATTN_CHUNK keys aligned at absolute positions (the same chunk gives the same result),
-    and the chunks' results are added in position order by one sequential `cumsum`, so
-    whether a chunk came from the shared prefix or from a gathered window does not show.
+    [B, Hq, N, Dh]. It rests on what bf16 matmuls do on a CPU with packed bf16 kernels (tested
+    in tests/test_attention.py): an output element does not depend on the other rows or
+    columns, nor on zero rows appended in whole chunks to the reduced dimension. So: scores
+    are one matmul; the keys before the window start ws(p) go through one matmul with the
+    probabilities of other queries' keys past their own ws masked to 0; the window goes through
+    one matmul per query on its gathered keys; a column of ones appended to the values gives
+    each part's sum of probabilities from the same products.
     """
     cw = inp.window
     num_b, num_hq, num_n, dim = q.shape
     num_kv = cache_k.shape[1]
-    group, chunk, shared = num_hq // num_kv, ATTN_CHUNK, cw.shared
+    group, shared, width, used = num_hq // num_kv, cw.shared, cw.pos.shape[-1], cw.used
     if inp.contiguous:
-        keys, values = cache_k[:num_b], cache_v[:num_b]  # views
+        keys, values = cache_k[:num_b, :, :used], cache_v[:num_b, :, :used]  # views
     else:
-        keys, values = cache_k[inp.slots], cache_v[inp.slots]  # copies
+        keys, values = cache_k[inp.slots, :, :used], cache_v[inp.slots, :, :used]  # copies
     qg = (q * dim ** -0.5).reshape(num_b, num_kv, group * num_n, dim)
-    parts, sums = [], []
-    if cw.pos is not None:  # gather each query's window: scores, then values
-        width = cw.bias.shape[-1]
-        span = keys.shape[2]
-        flat_k = keys.transpose(1, 2).reshape(num_b * span, num_kv, dim)
-        k_win = flat_k.index_select(0, cw.pos).view(num_b, num_n, width, num_kv, dim)
-        s_win = torch.matmul(qg.view(num_b, num_kv, group, num_n, dim).permute(0, 1, 3, 2, 4),
-                             k_win.permute(0, 3, 1, 4, 2))  # [B, KVH, N, G, W]
-        s_win = s_win.transpose(2, 3).float() + cw.bias  # [B, KVH, G, N, W]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float()
+    scores = scores.view(num_b, num_kv, group, num_n, used)  # [B, KVH, G, N, S]
+    idx = cw.pos[:, None, None].expand(num_b, num_kv, group, num_n, width)
+    s_win = scores.gather(-1, idx) + cw.bias
+    top = s_win.amax(-1, keepdim=True)
     if shared:
-        s_sh = torch.matmul(qg, keys[:, :, :shared].transpose(-1, -2)).float()
-        s_sh = s_sh.view(num_b, num_kv, group, num_n, shared) + cw.shared_bias
-        top = s_sh.amax(-1, keepdim=True)
-        if cw.pos is not None:
-            top = torch.maximum(top, s_win.amax(-1, keepdim=True))
-        e_sh = torch.exp(s_sh - top)
-        sums.append(e_sh.unflatten(-1, (-1, chunk)).sum(-1))  # [B, KVH, G, N, A/C]
-        p_sh = e_sh.to(values.dtype).view(num_b, num_kv, group * num_n, -1, chunk)
-        v_sh = values[:, :, :shared].unflatten(2, (-1, chunk))  # [B, KVH, A/C, C, Dh]
-        parts.append(torch.matmul(p_sh.transpose(2, 3), v_sh))  # [B, KVH, A/C, G N, Dh]
-    else:
-        top = s_win.amax(-1, keepdim=True)
-    if cw.pos is not None:
-        e_win = torch.exp(s_win - top)  # [B, KVH, G, N, W]
-        sums.append(e_win.unflatten(-1, (-1, chunk)).sum(-1))
-        flat_v = values.transpose(1, 2).reshape(num_b * span, num_kv, dim)
-        v_win = flat_v.index_select(0, cw.pos).view(num_b, num_n, -1, chunk, num_kv, dim)
-        p_win = e_win.to(values.dtype).unflatten(-1, (-1, chunk))  # [B, KVH, G, N, W/C, C]
-        part = torch.matmul(p_win.permute(0, 1, 3, 4, 2, 5),  # [B, KVH, N, W/C, G, C]
-                            v_win.permute(0, 4, 1, 2, 3, 5))  # [B, KVH, N, W/C, C, Dh]
-        parts.append(part.permute(0, 1, 3, 4, 2, 5).reshape(num_b, num_kv, -1,
-                                                             group * num_n, dim))
-    total = torch.cat(parts, 2).cumsum(2)[:, :, -1]  # [B, KVH, G N, Dh]
-    z = torch.cat(sums, -1).cumsum(-1)[..., -1]  # [B, KVH, G, N]
-    out = total.view(num_b, num_kv, group, num_n, dim) / z[..., None]
-    return out.to(q.dtype).view(num_b, num_hq, num_n, dim)
+        s_sh = scores[..., :shared] + cw.shared_bias
+        top = torch.maximum(top, s_sh.amax(-1, keepdim=True))
+    ones = torch.ones(num_b, used, num_kv, 1, dtype=values.dtype, device=values.device)
+    flat_v = torch.cat([values.transpose(1, 2), ones], -1).view(num_b * used, num_kv, dim + 1)
+    v_win = flat_v.index_select(0, cw.rows).view(num_b, num_n, width, num_kv, dim + 1)
+    p_win = torch.exp(s_win - top).to(values.dtype)  # [B, KVH, G, N, W]
+    total = torch.matmul(p_win.permute(0, 1, 3, 2, 4),  # [B, KVH, N, G, W]
+                         v_win.permute(0, 3, 1, 2, 4))  # [B, KVH, N, W, Dh + 1]
+    total = total.transpose(2, 3).float()  # [B, KVH, G, N, Dh + 1]
+    if shared:
+        p_sh = torch.exp(s_sh - top).to(values.dtype).view(num_b, num_kv, group * num_n, shared)
+        v_sh = flat_v.view(num_b, used, num_kv, dim + 1)[:, :shared].transpose(1, 2)
+        part = torch.matmul(p_sh, v_sh)  # [B, KVH, G N, Dh + 1]
+        total = total + part.view(num_b, num_kv, group, num_n, dim + 1).float()
+    out = total[..., :dim] / total[..., dim:]
+    return out.to(q.dtype).reshape(num_b, num_hq, num_n, dim)
 
 
 def sequence_inputs(cache: KVCache, lengths: torch.Tensor, num_t: int,

