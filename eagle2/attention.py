@@ -37,11 +37,20 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 ones_column: bool = False) -> KVCache:
+        """ones_column: V gets a last column of ones (`canonical_attention` reads the sums of
+        its probabilities from the same matmul as the values)."""
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device),
+        v = torch.zeros(*shape[:-1], head_dim + int(ones_column), dtype=dtype, device=device)
+        v[..., head_dim:] = 1
+        return cls(torch.zeros(shape, dtype=dtype, device=device), v,
                    torch.zeros(num_slots, dtype=torch.long, device=device))
+
+    @property
+    def values(self) -> torch.Tensor:
+        """V without the column of ones, if it has one."""
+        return self.v[..., : self.k.shape[-1]]
 
     @property
     def max_len(self) -> int:
@@ -100,20 +109,24 @@ class CanonicalWindow:
     """
 
     shared: int  # keys read in place: max ws over the batch
-    used: int  # cache positions read: [0, used)
-    shared_bias: torch.Tensor | None  # [B, 1, 1, N, shared] fp32: 0 = attend, -inf = not
+    used: int  # cache positions whose scores are computed: [0, used)
+    shared_bias: torch.Tensor | None  # [B, 1, N, 1, shared] fp32: 0 = attend, -inf = not
     pos: torch.Tensor  # [B, N, W] cache position of each window key (0 where invalid)
-    rows: torch.Tensor  # [B * N * W] the same as rows of [B, used] flattened
-    bias: torch.Tensor  # [B, 1, 1, N, W] fp32 mask of the window keys
+    bias: torch.Tensor  # [B, 1, N, 1, W] fp32 mask of the window keys
+    rows: torch.Tensor  # [B * KVH * Np * W] rows of one layer's V cache viewed [-1, Dh + 1]
+    group: int  # queries per block-diagonal matmul of the window; Np = N rounded up to it
 
 
-def canonical_window(base: torch.Tensor, tree_mask: torch.Tensor, limit: int,
-                     chunk: int = ATTN_CHUNK, depth: int = WINDOW_DEPTH) -> CanonicalWindow:
+def canonical_window(base: torch.Tensor, tree_mask: torch.Tensor, slots: torch.Tensor,
+                     cache_shape: tuple[int, ...], chunk: int = ATTN_CHUNK,
+                     depth: int = WINDOW_DEPTH) -> CanonicalWindow:
     """base [B]: committed lengths; tree_mask [B, N, T]: the scratch entries (cache positions
-    base + m) each new token sees, ancestors before descendants; limit: the cache's length.
-    The positions read are rounded up to 2 chunks (at most `limit`), so that the matmuls'
-    shapes, and oneDNN's kernels for them (about 0.5 ms to build), change every 64 tokens."""
+    base + m) each new token sees, ancestors before descendants; slots [B]; cache_shape: one
+    layer's K cache [slots, KVH, S, Dh]. The positions whose scores are computed are rounded
+    up to 2 chunks, so that the matmuls' shapes (and oneDNN's kernels for them, ~0.5 ms to
+    build) change every 64 tokens."""
     num_b, num_n, num_t = tree_mask.shape
+    _, num_kv, limit, _ = cache_shape
     dev = base.device
     count = tree_mask.sum(-1)  # [B, N] ancestors incl. itself = depth + 1
     start = (base[:, None] + count - 1 - depth).clamp(min=0) // chunk * chunk  # [B, N] ws(p)
@@ -135,15 +148,19 @@ def canonical_window(base: torch.Tensor, tree_mask: torch.Tensor, limit: int,
     pos = torch.where(valid, torch.where(committed, canon, base[:, None, None] + anc), 0)
     shared = int(start.max()) if num_b else 0
     used = min(-(-max(int(pos.max()) + 1, shared) // (2 * chunk)) * 2 * chunk, limit)
-    rows = (torch.arange(num_b, device=dev)[:, None, None] * used + pos).reshape(-1)
+    group = min(num_n, 8)
+    padded = F.pad(pos, (0, 0, 0, -num_n % group))  # [B, Np, W]
+    heads = (slots[:, None] * num_kv + torch.arange(num_kv, device=dev)) * limit  # [B, KVH]
+    rows = (heads[:, :, None, None] + padded[:, None]).reshape(-1)
 
-    def bias(ok: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(ok.shape, device=dev).masked_fill_(~ok, float("-inf"))[:, None, None]
+    def bias(ok: torch.Tensor) -> torch.Tensor:  # [B, N, X] -> [B, 1, N, 1, X]
+        out = torch.zeros(ok.shape, device=dev).masked_fill_(~ok, float("-inf"))
+        return out[:, None, :, None]
 
     shared_bias = None
     if shared:
         shared_bias = bias(torch.arange(shared, device=dev) < start[..., None])
-    return CanonicalWindow(shared, used, shared_bias, pos, rows, bias(valid))
+    return CanonicalWindow(shared, used, shared_bias, pos, bias(valid), rows, group)
 
 
 def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
@@ -178,7 +195,7 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     write_start = None
     if contiguous and bool((base == base[0]).all()):
         write_start = int(base[0]) + num_t - num_n
-    found = (canonical_window(base, tree_mask, cache.max_len)
+    found = (canonical_window(base, tree_mask, slots, cache.k.shape[1:])
              if canonical and window is None else None)
     return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, write_start, found)
 
@@ -203,23 +220,24 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
     """Write the new k, v [B, KVH, N, Dh] into the cache, attend q [B, Hq, N, Dh] over the
     prefix and the tree (inp.mask): -> [B, Hq, N, Dh]."""
     num_b, num_n = q.shape[0], q.shape[2]
+    cache_v = cache.values[layer_idx]
     if inp.write_start is not None:  # contiguous slots, all at one length: slice copies
         end = inp.write_start + num_n
         cache.k[layer_idx, :num_b, :, inp.write_start:end] = k
-        cache.v[layer_idx, :num_b, :, inp.write_start:end] = v
+        cache_v[:num_b, :, inp.write_start:end] = v
     else:
         slot_idx = inp.slots[:, None]  # [B, 1]
         cache.k[layer_idx][slot_idx, :, inp.write_pos] = k.transpose(1, 2).to(cache.k.dtype)
-        cache.v[layer_idx][slot_idx, :, inp.write_pos] = v.transpose(1, 2).to(cache.v.dtype)
+        cache_v[slot_idx, :, inp.write_pos] = v.transpose(1, 2).to(cache.v.dtype)
     s_used = inp.mask.shape[-1]
     if inp.window is not None:
         return canonical_attention(q, cache.k[layer_idx], cache.v[layer_idx], inp)
     if inp.contiguous:
         keys = cache.k[layer_idx, :num_b, :, :s_used]  # [B, KVH, S, Dh] (a view)
-        values = cache.v[layer_idx, :num_b, :, :s_used]
+        values = cache_v[:num_b, :, :s_used]
     else:
         keys = cache.k[layer_idx][inp.slots, :, :s_used]  # a copy
-        values = cache.v[layer_idx][inp.slots, :, :s_used]
+        values = cache_v[inp.slots, :, :s_used]
     return F.scaled_dot_product_attention(
         q, keys.to(q.dtype), values.to(q.dtype), attn_mask=inp.mask,
         enable_gqa=q.shape[1] != keys.shape[1],
@@ -232,46 +250,50 @@ def canonical_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.T
     the same whether it is one token of plain decoding or a node of a verified tree, alone or
     in a batch (docs/DESIGN.md, "Exact bf16 attention").
 
-    q [B, Hq, N, Dh]; cache_k, cache_v [slots, KVH, S, Dh] (this step's entries written) ->
-    [B, Hq, N, Dh]. It rests on what bf16 matmuls do on a CPU with packed bf16 kernels (tested
-    in tests/test_attention.py): an output element does not depend on the other rows or
-    columns, nor on zero rows appended in whole chunks to the reduced dimension. So: scores
-    are one matmul; the keys before the window start ws(p) go through one matmul with the
-    probabilities of other queries' keys past their own ws masked to 0; the window goes through
-    one matmul per query on its gathered keys; a column of ones appended to the values gives
-    each part's sum of probabilities from the same products.
+    q [B, Hq, N, Dh]; one layer's cache_k [slots, KVH, S, Dh] and cache_v [slots, KVH, S,
+    Dh + 1] (a last column of ones; this step's entries written) -> [B, Hq, N, Dh]. It rests
+    on what bf16 matmuls do on a CPU with packed bf16 kernels (tests/test_attention.py): an
+    output element does not depend on the other rows or columns, nor on zeros in whole chunks
+    of the reduced dimension. So: scores are one matmul; the keys before the window start go
+    through one matmul with the probabilities of keys past each query's own ws set to 0; the
+    windows go through block-diagonal matmuls of `group` queries; the ones column gives each
+    part's sum of probabilities from the same products.
     """
     cw = inp.window
     num_b, num_hq, num_n, dim = q.shape
     num_kv = cache_k.shape[1]
-    group, shared, width, used = num_hq // num_kv, cw.shared, cw.pos.shape[-1], cw.used
+    group, shared, used, width = num_hq // num_kv, cw.shared, cw.used, cw.pos.shape[-1]
     if inp.contiguous:
-        keys, values = cache_k[:num_b, :, :used], cache_v[:num_b, :, :used]  # views
+        keys = cache_k[:num_b, :, :used]  # a view
     else:
-        keys, values = cache_k[inp.slots, :, :used], cache_v[inp.slots, :, :used]  # copies
-    qg = (q * dim ** -0.5).reshape(num_b, num_kv, group * num_n, dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float()
-    scores = scores.view(num_b, num_kv, group, num_n, used)  # [B, KVH, G, N, S]
-    idx = cw.pos[:, None, None].expand(num_b, num_kv, group, num_n, width)
-    s_win = scores.gather(-1, idx) + cw.bias
+        keys = cache_k[inp.slots, :, :used]  # a copy
+    qn = q.view(num_b, num_kv, group, num_n, dim).transpose(2, 3) * dim ** -0.5
+    scores = torch.matmul(qn.reshape(num_b, num_kv, num_n * group, dim), keys.transpose(-1, -2))
+    scores = scores.float().view(num_b, num_kv, num_n, group, used)  # [B, KVH, N, G, S]
+    idx = cw.pos[:, None, :, None].expand(num_b, num_kv, num_n, group, width)
+    s_win = scores.gather(-1, idx) + cw.bias  # [B, KVH, N, G, W]
     top = s_win.amax(-1, keepdim=True)
     if shared:
         s_sh = scores[..., :shared] + cw.shared_bias
         top = torch.maximum(top, s_sh.amax(-1, keepdim=True))
-    ones = torch.ones(num_b, used, num_kv, 1, dtype=values.dtype, device=values.device)
-    flat_v = torch.cat([values.transpose(1, 2), ones], -1).view(num_b * used, num_kv, dim + 1)
-    v_win = flat_v.index_select(0, cw.rows).view(num_b, num_n, width, num_kv, dim + 1)
-    p_win = torch.exp(s_win - top).to(values.dtype)  # [B, KVH, G, N, W]
-    total = torch.matmul(p_win.permute(0, 1, 3, 2, 4),  # [B, KVH, N, G, W]
-                         v_win.permute(0, 3, 1, 2, 4))  # [B, KVH, N, W, Dh + 1]
-    total = total.transpose(2, 3).float()  # [B, KVH, G, N, Dh + 1]
+    # windows: block-diagonal [q G, q W] @ [q W, Dh + 1] for blocks of q = cw.group queries
+    blk = cw.group
+    num_p = cw.rows.numel() // (num_b * num_kv * width)  # N rounded up to blk
+    p_win = F.pad(torch.exp(s_win - top).to(cache_v.dtype), (0, 0, 0, 0, 0, num_p - num_n))
+    diag = p_win.new_zeros(num_b, num_kv, num_p // blk, blk, group, blk, width)
+    diag.diagonal(0, 3, 5).copy_(p_win.view(num_b, num_kv, num_p // blk, blk, group, width)
+                                 .permute(0, 1, 2, 4, 5, 3))
+    v_win = cache_v.reshape(-1, dim + 1).index_select(0, cw.rows)
+    total = torch.matmul(diag.view(num_b, num_kv, num_p // blk, blk * group, blk * width),
+                         v_win.view(num_b, num_kv, num_p // blk, blk * width, dim + 1))
+    total = total.view(num_b, num_kv, num_p, group, dim + 1)[:, :, :num_n].float()
     if shared:
-        p_sh = torch.exp(s_sh - top).to(values.dtype).view(num_b, num_kv, group * num_n, shared)
-        v_sh = flat_v.view(num_b, used, num_kv, dim + 1)[:, :shared].transpose(1, 2)
-        part = torch.matmul(p_sh, v_sh)  # [B, KVH, G N, Dh + 1]
-        total = total + part.view(num_b, num_kv, group, num_n, dim + 1).float()
-    out = total[..., :dim] / total[..., dim:]
-    return out.to(q.dtype).reshape(num_b, num_hq, num_n, dim)
+        p_sh = torch.exp(s_sh - top).to(cache_v.dtype)  # [B, KVH, N, G, A]
+        v_sh = cache_v[:num_b, :, :shared] if inp.contiguous else cache_v[inp.slots, :, :shared]
+        part = torch.matmul(p_sh.view(num_b, num_kv, num_n * group, shared), v_sh)
+        total = total + part.view(num_b, num_kv, num_n, group, dim + 1).float()
+    out = (total[..., :dim] / total[..., dim:]).to(q.dtype)  # [B, KVH, N, G, Dh]
+    return out.permute(0, 1, 3, 2, 4).reshape(num_b, num_hq, num_n, dim)
 
 
 def sequence_inputs(cache: KVCache, lengths: torch.Tensor, num_t: int,

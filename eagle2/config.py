@@ -13,6 +13,7 @@ from dataclasses import dataclass
 MODES = ("eagle2", "static", "chain", "vanilla")
 BUDGETS = ("auto", "fixed")
 MAX_LOOKUP = 32
+MAX_DEPTH = 31  # the deepest drafted node (depth + 1) stays within attention.WINDOW_DEPTH
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ class TreeConfig:
             )
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.depth < 1:
-            raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if not 1 <= self.depth <= MAX_DEPTH:
+            raise ValueError(f"depth must be in [1, {MAX_DEPTH}], got {self.depth}")
         if self.budget not in BUDGETS:
             raise ValueError(f"unknown tree budget {self.budget!r}; use one of {BUDGETS}")
         if self.draft_window < 16:

@@ -222,7 +222,8 @@ class TargetModel:
 
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache.allocate(self.num_layers, num_slots, self.local_kv_heads(), max_len,
-                                self.head_dim, self.dtype, self.device)
+                                self.head_dim, self.dtype, self.device,
+                                ones_column=self.canonical)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,

@@ -143,3 +143,12 @@ def test_canonical_attention_matches_sdpa():
     sdpa = _tree_step(target, prefixes, tree).float()
     torch.testing.assert_close(exact, sdpa, rtol=0.05, atol=0.05)
     assert (exact - sdpa).abs().mean() < 0.01
+
+
+def test_window_depth_covers_every_tree_the_config_allows():
+    from eagle2.attention import WINDOW_DEPTH
+    from eagle2.config import MAX_DEPTH, MAX_LOOKUP, TreeConfig
+
+    assert MAX_DEPTH + 1 <= WINDOW_DEPTH and MAX_LOOKUP <= WINDOW_DEPTH
+    with pytest.raises(ValueError, match="depth must be in"):
+        TreeConfig("eagle2", depth=MAX_DEPTH + 1)
