@@ -41,8 +41,9 @@ class TargetEngine:
         self.cfg = cfg = ServiceConfig(**config)
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
-        self.engine = Engine(self._new_runner(), self.drafter, cfg.max_batch_size,
-                             cfg.max_context, costs=_cost_path(cfg))
+        runner = self._new_runner()
+        self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
+                             costs=_cost_path(cfg, runner.info))
         self.tree = cfg.tree.to_core()
         if self.drafter is not None and self.tree.budget == "auto":
             _ = self.engine.costs  # measured (or read) before serving, not at the first request
@@ -229,7 +230,7 @@ class TargetEngine:
             self.last_rank_recovery_s = time.monotonic() - t0
             log.warning("tensor-parallel ranks rebuilt in %.1f s", self.last_rank_recovery_s)
         self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context,
-                             costs=_cost_path(self.cfg))  # cached: not measured again
+                             costs=_cost_path(self.cfg, runner.info))  # cached: not measured
 
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":
@@ -267,11 +268,13 @@ def _event_dict(ev: Event) -> dict:
             "accepted_at_depth": ev.accepted_at_depth, "time": time.time()}
 
 
-def _cost_path(cfg: ServiceConfig):
-    """This machine's measured forward costs for this deployment's target and layout."""
+def _cost_path(cfg: ServiceConfig, rank_info: dict):
+    """This machine's measured forward costs for this deployment's target and layout, and for
+    how the ranks run it (fused layers or the modules: costs measured one way misguide the
+    tree budget the other way)."""
     from eagle2.kernels import machine_key
     from eagle2.target import cache_root
 
     key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{cfg.dtype}|{cfg.use_gpu}|"
-                      f"{cfg.cpus_per_rank}")
+                      f"{cfg.cpus_per_rank}|fused={rank_info.get('fused')}")
     return cache_root() / "costs" / f"{key}.json"

@@ -64,7 +64,8 @@ class TPRank:
         target.set_feature_layers(self.feature_layers)
         self.runner = LocalRunner(target, self.num_slots, self.max_len)
         return {"vocab_size": target.vocab_size, "device": str(target.device),
-                "dtype": str(target.dtype), "local_kv_heads": target.local_kv_heads()}
+                "dtype": str(target.dtype), "local_kv_heads": target.local_kv_heads(),
+                "fused": target.fused is not None}  # fused layers (eagle2.fused) or modules
 
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
         """Rank 0 returns (features, logits) on CPU; the others return None (same values)."""
@@ -155,7 +156,7 @@ class ShardedRunner:
         except BaseException:
             self.shutdown()
             raise
-        self.info = infos[0]  # vocab_size, device, dtype and local_kv_heads of rank 0
+        self.info = infos[0]  # vocab_size, device, dtype, local_kv_heads, fused of rank 0
         self.vocab_size = infos[0]["vocab_size"]
         self.traffic: Counter = Counter()  # bytes_out (to ranks), bytes_in (from rank 0), calls
 
