@@ -114,6 +114,7 @@ class TargetEngine:
         s = self.engine.stats
         out = asdict(s)
         out["pid"] = os.getpid()
+        out["torch_threads"] = torch.get_num_threads()
         out["active"] = len(self.engine.seqs) + len(self.engine.waiting)
         out["draft"] = self.draft_desc
         d = self.drafter
@@ -255,11 +256,15 @@ class TargetEngine:
 
 def traffic_stats(runner, drafter) -> dict:
     """Bytes moved between processes so far: engine <-> TP ranks (tensors in the calls, the
-    same inputs counted once per rank) and engine <-> draft worker (serialized protobuf)."""
+    same inputs counted once per rank) and engine <-> draft worker (serialized protobuf);
+    seconds the engine waited for its rank calls and rank 0 computed in them (their
+    difference is the cost of the hop)."""
     traffic = getattr(runner, "traffic", {})
+    busy = getattr(runner, "rank_busy_s", None)
     return {"rank_bytes_out": traffic.get("bytes_out"), "rank_bytes_in": traffic.get("bytes_in"),
             "draft_bytes_out": getattr(drafter, "bytes_sent", None),
-            "draft_bytes_in": getattr(drafter, "bytes_received", None)}
+            "draft_bytes_in": getattr(drafter, "bytes_received", None),
+            "rank_wait_s": traffic.get("wait_s"), "rank_busy_s": busy() if busy else None}
 
 
 def _event_dict(ev: Event) -> dict:
