@@ -8,7 +8,9 @@ draft_placement "inprocess". Both live at once so that their requests can be int
 
 1. concurrency 1, greedy, mode eagle2, the same prompts: the in-process API
    (`Eagle2.load().generate`, one prompt at a time, torch threads = the TP rank's 1, the
-   service's tree sizes and budget) against
+   service's tree sizes, budget and measured forward and draft costs: both choose the
+   same trees)
+   against
    the service over gRPC GenerateStream (`Eagle2Client.stream`), both apps, the three paths
    interleaved per prompt (order rotated); tokens/s = new tokens / client wall time;
 2. aggregate tokens/s through the service at each --concurrency (threads, each its own
@@ -278,6 +280,7 @@ def run(args) -> int:
     import torch
 
     from eagle2.api import Eagle2
+    from eagle2.budget import CostModel
     from services.config import ServiceConfig
 
     t_start = time.time()
@@ -309,24 +312,29 @@ def run(args) -> int:
 
     try:
         handles = _start(apps, args.port, http_port)
-        torch.set_num_threads(args.inprocess_threads)
-        t0 = time.perf_counter()
-        # the service's tree (sizes and budget), so that both decode alike
-        tree = ServiceConfig(**apps[names["worker"]]).tree.to_core()
-        llm = Eagle2.load(args.target, args.draft, tree=tree,
-                          max_batch=args.max_batch_size, max_context=args.max_context)
-        _log(f"in-process model loaded in {time.perf_counter() - t0:.0f} s "
-             f"(torch threads {torch.get_num_threads()})")
         from services.client import Eagle2Client
 
         clients = {pl: Eagle2Client(address, application=names[pl]) for pl in names}
         report["draft"] = {pl: handles[names[pl]].engine_stats.remote().result()["draft"]
                            for pl in names}
-
         # warm-up: one short request per path (first-call costs out of the numbers)
-        _inprocess_one(llm, prompts[0], 8, args.mode)
         for pl in names:
             _stream_one(clients[pl], prompts[0], 8, args.mode)
+
+        torch.set_num_threads(args.inprocess_threads)
+        t0 = time.perf_counter()
+        # the service's tree (sizes, budget) and its measured forward and draft costs, so
+        # that both choose the same trees: costs are measured once per process and cached,
+        # and two measurements on a shared machine differ enough to change the choices
+        tree = ServiceConfig(**apps[names["inprocess"]]).tree.to_core()
+        costs = handles[names["inprocess"]].engine_stats.remote().result()["costs"]
+        report["inproc_costs"] = "service" if costs else "own"
+        llm = Eagle2.load(args.target, args.draft, tree=tree, max_batch=args.max_batch_size,
+                          max_context=args.max_context,
+                          costs=CostModel.from_json(costs) if costs else None)
+        _log(f"in-process model loaded in {time.perf_counter() - t0:.0f} s "
+             f"(torch threads {torch.get_num_threads()})")
+        _inprocess_one(llm, prompts[0], 8, args.mode)
         if report["draft"]["inprocess"] == "untrained":
             report["note"] = ("no trained draft head for this target: the head is untrained, "
                               "so tau ~ 1 (lossless, slow); draft/verify costs per step are "

@@ -42,8 +42,9 @@ class TargetEngine:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         runner = self._new_runner()
+        self.cost_path = _cost_path(cfg, runner.info)
         self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
-                             costs=_cost_path(cfg, runner.info))
+                             costs=self.cost_path)
         self.tree = cfg.tree.to_core()
         if self.drafter is not None and self.tree.budget == "auto":
             _ = self.engine.costs  # measured (or read) before serving, not at the first request
@@ -115,6 +116,9 @@ class TargetEngine:
         out = asdict(s)
         out["pid"] = os.getpid()
         out["torch_threads"] = torch.get_num_threads()
+        costs = self.engine.known_costs  # what the tree budget decides with
+        out["costs"] = None if costs is None else costs.to_json()
+        out["costs_path"] = str(self.cost_path)
         out["active"] = len(self.engine.seqs) + len(self.engine.waiting)
         out["draft"] = self.draft_desc
         d = self.drafter

@@ -70,3 +70,4 @@ def test_traffic_per_step_divides_by_steps_and_sums():
                    "draft_bytes_out_per_step": None, "draft_bytes_in_per_step": None,
                    "bytes_per_step": 400}
     assert traffic_per_step(delta, 0)["bytes_per_step"] is None
+
