@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from eagle2.budget import CostModel
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.drafter import Drafter
 from eagle2.eagle3 import Eagle3Head
@@ -52,7 +53,9 @@ class Eagle2:
 
     def __init__(self, target: TargetModel, head: DraftHead | Eagle3Head | None,
                  tree: TreeConfig = TreeConfig(), max_batch: int = 8,
-                 max_context: int | None = None):
+                 max_context: int | None = None, costs: CostModel | Path | None = None):
+        """costs: the forward costs the tree budget decides with (`Engine`); default: this
+        machine's cache for the target (measured at the first auto-budget step if absent)."""
         self.target, self.head, self.tree = target, head, tree
         self.tokenizer = target.tokenizer
         self.max_context = min(max_context or 2048, target.max_position)
@@ -63,16 +66,17 @@ class Eagle2:
                               max_len=self.max_context)
         runner = LocalRunner(target, max_batch, self.max_context + Engine.tree_margin)
         self.engine = Engine(runner, drafter, max_batch=max_batch, max_context=self.max_context,
-                             costs=cost_cache_path(target))
+                             costs=costs or cost_cache_path(target))
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None,
              tree: TreeConfig = TreeConfig(), dtype: str | None = None, device: str | None = None,
-             max_batch: int = 8, max_context: int | None = None) -> Eagle2:
+             max_batch: int = 8, max_context: int | None = None,
+             costs: CostModel | Path | None = None) -> Eagle2:
         """target: None = embedded SmolLM2. draft: a head directory, "untrained", or None for
         the head shipped for this target (an untrained one if there is none)."""
         tgt = TargetModel.load(target, dtype=dtype, device=device)
-        return cls(tgt, resolve_head(tgt, draft), tree, max_batch, max_context)
+        return cls(tgt, resolve_head(tgt, draft), tree, max_batch, max_context, costs)
 
     # ----- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:

@@ -206,6 +206,12 @@ class Engine:
                 self._costs = CostModel.measure(self.runner, self.max_batch, prefix=prefix)
         return self._costs
 
+    @property
+    def known_costs(self) -> CostModel | None:
+        """The costs measured or read so far (draft costs included once measured); None
+        before the first auto-budget step. Never measures."""
+        return self._costs if isinstance(self._costs, CostModel) else None
+
     def _draft_costs(self) -> CostModel:
         """The costs with the drafter's per-level time (measured once, on first need)."""
         costs = self.costs

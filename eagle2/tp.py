@@ -101,7 +101,12 @@ def shard_index(name: str, shape: tuple[int, ...], tp_size: int, rank: int) -> t
     return tuple(index)
 
 
-def _mark_row_parallel(model: torch.nn.Module) -> None:
+def _mark_row_parallel(model: torch.nn.Module, tp_size: int) -> None:
+    """o_proj / down_proj sum their partial outputs over the ranks. One rank holds whole
+    weights: nothing to sum, and plain nn.Linear layers keep the fused layers and blocked
+    kernels (`TargetModel.fuse`), so a tp_size 1 rank runs as fast as the in-process target."""
+    if tp_size == 1:
+        return
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ROW:
             assert type(module) is torch.nn.Linear, f"{name} is a {type(module)}"
@@ -128,7 +133,7 @@ def apply_tp(target: TargetModel, tp_size: int, rank: int | None = None,
             if split_dim(name) is not None and tp_size > 1:
                 piece = param.data[shard_index(name, tuple(param.shape), tp_size, rank)]
                 param.data = piece.contiguous()
-    _mark_row_parallel(model)
+    _mark_row_parallel(model, tp_size)
     return TargetModel(model.to(pick_device(device)).eval(), target.tokenizer, target.name)
 
 
@@ -188,7 +193,7 @@ def load_sharded(path: str | Path, tp_size: int, rank: int, dtype: torch.dtype,
             loaded[key] = part.to(device=dev, dtype=dtype, copy=True).contiguous()
         _set_param(model, pname, loaded[key])
     _rebuild_buffers(model, config, dev)
-    _mark_row_parallel(model)
+    _mark_row_parallel(model, tp_size)
     return TargetModel(model.eval(), None, name or str(path))
 
 
@@ -196,12 +201,13 @@ def load_rank(spec: str | None, tp_size: int, rank: int, dtype: torch.dtype,
               device: str | None = None) -> TargetModel:
     """This rank's shard of a target given as for `TargetModel.load` (a directory, a .gguf or
     None for the embedded model). Safetensors directories are read slice by slice
-    (`load_sharded`); a GGUF is loaded whole on CPU, then sharded (`apply_tp`)."""
-    from eagle2.target import embedded_model_dir
+    (`load_sharded`); a GGUF is loaded whole on CPU, then sharded (`apply_tp`). The name is
+    `TargetModel.load`'s, so that a whole-model rank finds the same cached kernel plan."""
+    from eagle2.target import EMBEDDED_NAME, embedded_model_dir
 
     path = embedded_model_dir() if spec is None else Path(spec)
     if path.is_dir() and any(path.glob("*.safetensors")):
-        return load_sharded(path, tp_size, rank, dtype, device, name=spec)
+        return load_sharded(path, tp_size, rank, dtype, device, name=spec or EMBEDDED_NAME)
     return apply_tp(TargetModel.load(spec, dtype=dtype, device="cpu"), tp_size, rank, device)
 
 

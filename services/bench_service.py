@@ -7,7 +7,10 @@ draft_placement "inprocess". Both live at once so that their requests can be int
 (the machine is shared and noisy; an idle app costs nothing but memory). Then:
 
 1. concurrency 1, greedy, mode eagle2, the same prompts: the in-process API
-   (`Eagle2.load().generate`, one prompt at a time, torch threads = the TP rank's 1) against
+   (`Eagle2.load().generate`, one prompt at a time, torch threads = the TP rank's 1, the
+   service's tree sizes, budget and measured forward and draft costs: both choose the
+   same trees)
+   against
    the service over gRPC GenerateStream (`Eagle2Client.stream`), both apps, the three paths
    interleaved per prompt (order rotated); tokens/s = new tokens / client wall time;
 2. aggregate tokens/s through the service at each --concurrency (threads, each its own
@@ -49,7 +52,7 @@ DEFAULT_PROMPTS = [
 
 STAT_SCALARS = ("draft_s", "verify_s", "prefill_s", "other_s", "steps",
                 "draft_rpc_calls", "draft_rpc_s", "rank_bytes_out", "rank_bytes_in",
-                "draft_bytes_out", "draft_bytes_in")
+                "draft_bytes_out", "draft_bytes_in", "rank_wait_s", "rank_busy_s")
 TRAFFIC = ("rank_bytes_out", "rank_bytes_in", "draft_bytes_out", "draft_bytes_in")
 
 
@@ -134,6 +137,10 @@ def summarize(requests: list[dict], wall_s: float | None = None,
             # engine-side cost of the hop outside the RPC (tensor/tree proto en- and decoding)
             "draft_outside_rpc_ms_per_step": _ms(delta["draft_s"] - rpc_s, steps)
             if rpc_s is not None and delta.get("draft_s") is not None else None,
+            # the engine's wait for its TP rank calls (prefill included) and rank 0's compute
+            # inside them: their difference is the Ray hop
+            "rank_wait_ms_per_step": _ms(delta.get("rank_wait_s"), steps),
+            "rank_busy_ms_per_step": _ms(delta.get("rank_busy_s"), steps),
         }
         eng.update(traffic_per_step(delta, steps))
         out["engine"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in eng.items()}
@@ -273,7 +280,8 @@ def run(args) -> int:
     import torch
 
     from eagle2.api import Eagle2
-    from eagle2.config import TreeConfig
+    from eagle2.budget import CostModel
+    from services.config import ServiceConfig
 
     t_start = time.time()
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
@@ -304,22 +312,29 @@ def run(args) -> int:
 
     try:
         handles = _start(apps, args.port, http_port)
-        torch.set_num_threads(args.inprocess_threads)
-        t0 = time.perf_counter()
-        llm = Eagle2.load(args.target, args.draft, tree=TreeConfig(mode=args.mode),
-                          max_batch=args.max_batch_size, max_context=args.max_context)
-        _log(f"in-process model loaded in {time.perf_counter() - t0:.0f} s "
-             f"(torch threads {torch.get_num_threads()})")
         from services.client import Eagle2Client
 
         clients = {pl: Eagle2Client(address, application=names[pl]) for pl in names}
         report["draft"] = {pl: handles[names[pl]].engine_stats.remote().result()["draft"]
                            for pl in names}
-
         # warm-up: one short request per path (first-call costs out of the numbers)
-        _inprocess_one(llm, prompts[0], 8, args.mode)
         for pl in names:
             _stream_one(clients[pl], prompts[0], 8, args.mode)
+
+        torch.set_num_threads(args.inprocess_threads)
+        t0 = time.perf_counter()
+        # the service's tree (sizes, budget) and its measured forward and draft costs, so
+        # that both choose the same trees: costs are measured once per process and cached,
+        # and two measurements on a shared machine differ enough to change the choices
+        tree = ServiceConfig(**apps[names["inprocess"]]).tree.to_core()
+        costs = handles[names["inprocess"]].engine_stats.remote().result()["costs"]
+        report["inproc_costs"] = "service" if costs else "own"
+        llm = Eagle2.load(args.target, args.draft, tree=tree, max_batch=args.max_batch_size,
+                          max_context=args.max_context,
+                          costs=CostModel.from_json(costs) if costs else None)
+        _log(f"in-process model loaded in {time.perf_counter() - t0:.0f} s "
+             f"(torch threads {torch.get_num_threads()})")
+        _inprocess_one(llm, prompts[0], 8, args.mode)
         if report["draft"]["inprocess"] == "untrained":
             report["note"] = ("no trained draft head for this target: the head is untrained, "
                               "so tau ~ 1 (lossless, slow); draft/verify costs per step are "

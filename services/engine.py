@@ -41,8 +41,10 @@ class TargetEngine:
         self.cfg = cfg = ServiceConfig(**config)
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
-        self.engine = Engine(self._new_runner(), self.drafter, cfg.max_batch_size,
-                             cfg.max_context, costs=_cost_path(cfg))
+        runner = self._new_runner()
+        self.cost_path = _cost_path(cfg, runner.info)
+        self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
+                             costs=self.cost_path)
         self.tree = cfg.tree.to_core()
         if self.drafter is not None and self.tree.budget == "auto":
             _ = self.engine.costs  # measured (or read) before serving, not at the first request
@@ -113,6 +115,10 @@ class TargetEngine:
         s = self.engine.stats
         out = asdict(s)
         out["pid"] = os.getpid()
+        out["torch_threads"] = torch.get_num_threads()
+        costs = self.engine.known_costs  # what the tree budget decides with
+        out["costs"] = None if costs is None else costs.to_json()
+        out["costs_path"] = str(self.cost_path)
         out["active"] = len(self.engine.seqs) + len(self.engine.waiting)
         out["draft"] = self.draft_desc
         d = self.drafter
@@ -229,7 +235,7 @@ class TargetEngine:
             self.last_rank_recovery_s = time.monotonic() - t0
             log.warning("tensor-parallel ranks rebuilt in %.1f s", self.last_rank_recovery_s)
         self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context,
-                             costs=_cost_path(self.cfg))  # cached: not measured again
+                             costs=_cost_path(self.cfg, runner.info))  # cached: not measured
 
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":
@@ -254,11 +260,15 @@ class TargetEngine:
 
 def traffic_stats(runner, drafter) -> dict:
     """Bytes moved between processes so far: engine <-> TP ranks (tensors in the calls, the
-    same inputs counted once per rank) and engine <-> draft worker (serialized protobuf)."""
+    same inputs counted once per rank) and engine <-> draft worker (serialized protobuf);
+    seconds the engine waited for its rank calls and rank 0 computed in them (their
+    difference is the cost of the hop)."""
     traffic = getattr(runner, "traffic", {})
+    busy = getattr(runner, "rank_busy_s", None)
     return {"rank_bytes_out": traffic.get("bytes_out"), "rank_bytes_in": traffic.get("bytes_in"),
             "draft_bytes_out": getattr(drafter, "bytes_sent", None),
-            "draft_bytes_in": getattr(drafter, "bytes_received", None)}
+            "draft_bytes_in": getattr(drafter, "bytes_received", None),
+            "rank_wait_s": traffic.get("wait_s"), "rank_busy_s": busy() if busy else None}
 
 
 def _event_dict(ev: Event) -> dict:
@@ -267,11 +277,13 @@ def _event_dict(ev: Event) -> dict:
             "accepted_at_depth": ev.accepted_at_depth, "time": time.time()}
 
 
-def _cost_path(cfg: ServiceConfig):
-    """This machine's measured forward costs for this deployment's target and layout."""
+def _cost_path(cfg: ServiceConfig, rank_info: dict):
+    """This machine's measured forward costs for this deployment's target and layout, and for
+    how the ranks run it (fused layers or the modules: costs measured one way misguide the
+    tree budget the other way)."""
     from eagle2.kernels import machine_key
     from eagle2.target import cache_root
 
     key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{cfg.dtype}|{cfg.use_gpu}|"
-                      f"{cfg.cpus_per_rank}")
+                      f"{cfg.cpus_per_rank}|fused={rank_info.get('fused')}")
     return cache_root() / "costs" / f"{key}.json"

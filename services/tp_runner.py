@@ -9,7 +9,9 @@ See docs/DESIGN.md "Tensor parallelism".
   3. every rank joins the process group, reads only its own slices of the checkpoint
      (`eagle2.tp.load_rank`) and allocates its own KV cache (its share of the KV heads);
   4. every runner call is sent to all ranks with the same inputs and waited for (lockstep:
-     the all-reduces inside the model need every rank); rank 0's result is returned.
+     the all-reduces inside the model need every rank); rank 0's result is returned. Cache
+     updates (commit, copy_slot, set_lengths) return nothing: they ride with the next call,
+     one Ray task per step instead of two.
 Verification runs on rank 0, where the logits are: `verify_step` and `prefill_step` return
 token ids, node indices and accepted features only; a sampled request's generator state goes
 to rank 0 with the step and comes back advanced, so results equal in-process verification.
@@ -20,7 +22,9 @@ Committed lengths are mirrored on the driver so that the engine reads them witho
 from __future__ import annotations
 
 import dataclasses
+import io
 import socket
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -41,12 +45,14 @@ class TPRank:
                  num_slots: int, max_len: int, num_threads: int = 1,
                  feature_layers: tuple[int, ...] | None = None):
         torch.set_num_threads(num_threads)  # the rank's share of the node's cores (its bundle)
+        use_tensor_wire()  # the results it sends
         self.rank, self.tp_size = rank, tp_size
         self.target_spec, self.dtype = target, dtype
         self.num_slots, self.max_len = num_slots, max_len
         self.feature_layers = feature_layers  # EAGLE-3 head: TargetModel.set_feature_layers
         self.runner: LocalRunner | None = None
         self.device = pick_device()  # cuda:0 when Ray gave this actor a GPU
+        self.busy_s = 0.0  # seconds inside the calls (deferred cache updates included)
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: the rendezvous of the process group (rank 0)."""
@@ -64,7 +70,8 @@ class TPRank:
         target.set_feature_layers(self.feature_layers)
         self.runner = LocalRunner(target, self.num_slots, self.max_len)
         return {"vocab_size": target.vocab_size, "device": str(target.device),
-                "dtype": str(target.dtype), "local_kv_heads": target.local_kv_heads()}
+                "dtype": str(target.dtype), "local_kv_heads": target.local_kv_heads(),
+                "fused": target.fused is not None}  # fused layers (eagle2.fused) or modules
 
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
         """Rank 0 returns (features, logits) on CPU; the others return None (same values)."""
@@ -110,6 +117,16 @@ class TPRank:
     def lengths(self) -> torch.Tensor:
         return self.runner.lengths.cpu()
 
+    def run(self, deferred: list[tuple[str, tuple]], method: str, *args):
+        """The cache updates sent since the last call, in order, then `method`; rank 0's
+        result comes back with this rank's busy seconds so far."""
+        t0 = time.perf_counter()
+        for name, update_args in deferred:
+            getattr(self, name)(*update_args)
+        out = getattr(self, method)(*args)
+        self.busy_s += time.perf_counter() - t0
+        return out, self.busy_s
+
 
 class ShardedRunner:
     """The target split over tp_size `TPRank` actors, driven in lockstep (a TargetRunner)."""
@@ -129,6 +146,7 @@ class ShardedRunner:
         feature_layers: the layer inputs an EAGLE-3 head reads (None: the final hidden state).
         """
         _check_target(target, tp_size)
+        use_tensor_wire()  # the arguments this process sends to the ranks
         self.tp_size, self.timeout_s = tp_size, timeout_s
         self.device = torch.device("cpu")  # where the engine's tensors live (the driver)
         self._lengths = torch.zeros(num_slots, dtype=torch.long)  # [slots] mirror of the ranks'
@@ -139,7 +157,8 @@ class ShardedRunner:
                                         strategy="STRICT_PACK")
         self.placement = placement
         self.actors: list = []
-        self._unchecked: list = []  # refs of calls sent without waiting (commit, ...)
+        self._deferred: list = []  # cache updates for the next call: [(method, args)]
+        self._rank_busy_s = 0.0
         try:
             self._gather([placement.ready()])
             actor_cls = ray.remote(TPRank)
@@ -155,7 +174,7 @@ class ShardedRunner:
         except BaseException:
             self.shutdown()
             raise
-        self.info = infos[0]  # vocab_size, device, dtype and local_kv_heads of rank 0
+        self.info = infos[0]  # vocab_size, device, dtype, local_kv_heads, fused of rank 0
         self.vocab_size = infos[0]["vocab_size"]
         self.traffic: Counter = Counter()  # bytes_out (to ranks), bytes_in (from rank 0), calls
 
@@ -183,8 +202,8 @@ class ShardedRunner:
         _restore(generators, states)
         return feats, first
 
-    # Cache updates return nothing, so they are sent without waiting: each rank runs its calls
-    # in the order sent, and the next waiting call (the next forward) checks them for errors.
+    # Cache updates return nothing, so they wait for the next call (the next forward) and run
+    # first in it, in the order made; that call raises their errors.
     def commit(self, slots, node_idx, kept) -> None:
         self._all("commit", slots, node_idx, kept, wait=False)
         self._lengths[slots.cpu()] += kept.cpu()
@@ -206,36 +225,81 @@ class ShardedRunner:
         """Kill the rank actors and release the placement group (if this runner reserved it)."""
         for actor in self.actors:
             ray.kill(actor)
-        self.actors, self._unchecked = [], []
+        self.actors, self._deferred = [], []
         if self._own_placement and self.placement is not None:
             remove_placement_group(self.placement)
         self.placement = None
 
     def _all(self, method: str, *args, wait: bool = True) -> list:
         """Call `method` on every rank with the same arguments; all results in rank order
-        (wait=False: none, the calls are checked with the next waiting one)."""
+        (wait=False: none, the call goes with the next waiting one)."""
         if not self.actors:
             raise RuntimeError("this ShardedRunner is shut down")
-        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
         self.traffic["bytes_out"] += payload_bytes(args) * len(self.actors)
         self.traffic["calls"] += 1
-        if not wait:
-            self._unchecked += refs
+        if not wait:  # a snapshot, as a sent call would be
+            self._deferred.append((method, tuple(a.clone() if isinstance(a, torch.Tensor) else a
+                                                 for a in args)))
             return []
-        earlier, self._unchecked = self._unchecked, []
-        results = self._gather(earlier + refs)[len(earlier):]
+        deferred, self._deferred = self._deferred, []
+        refs = [actor.run.remote(deferred, method, *args) for actor in self.actors]
+        t0 = time.perf_counter()
+        results, busy = zip(*self._gather(refs), strict=True)
+        self.traffic["wait_s"] += time.perf_counter() - t0
+        self._rank_busy_s = busy[0]
         self.traffic["bytes_in"] += payload_bytes(results)
-        return results
+        return list(results)
+
+    def rank_busy_s(self) -> float:
+        """Seconds rank 0 spent inside the calls so far (as of the last one)."""
+        return self._rank_busy_s
 
     def _gather(self, refs: list) -> list:
         """ray.get, but a failed rank raises at once (its peers would wait in an all-reduce)."""
+        late = f"tensor-parallel call still running after {self.timeout_s} s"
+        if len(refs) == 1:  # one rank: nobody waits for it
+            try:
+                return [ray.get(refs[0], timeout=self.timeout_s)]
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(late) from None
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
             if not done:
-                raise TimeoutError(f"tensor-parallel call still running after {self.timeout_s} s")
+                raise TimeoutError(late)
             ray.get(done)
         return ray.get(refs)
+
+
+def use_tensor_wire() -> None:
+    """Send CPU tensors to and from the ranks as raw bytes in numpy arrays: torch's own
+    pickling costs ~100 us per tensor each way (a verify step sends a dozen), numpy's ~10.
+    Ray's serializer for this process; the receiving side only needs this module."""
+    ray.util.register_serializer(torch.Tensor, serializer=tensor_to_wire,
+                                 deserializer=tensor_from_wire)
+
+
+def tensor_to_wire(t: torch.Tensor) -> tuple:
+    """-> (bytes as uint8 [numel * itemsize], dtype name, shape); any dtype (bf16 included).
+    A tensor on a GPU goes as torch.save's bytes (and comes back on its device)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return buf.getvalue(), None, None
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), t.shape
+
+
+def tensor_from_wire(wire: tuple) -> torch.Tensor:
+    data, dtype, shape = wire
+    if dtype is None:
+        return torch.load(io.BytesIO(data))
+    dtype = getattr(torch, dtype)
+    if data.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    # a copy: the array may be a read-only view of Ray's buffer, and the rank writes in place
+    return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
 
 
 def payload_bytes(obj) -> int:

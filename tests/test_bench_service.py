@@ -39,6 +39,10 @@ def test_summarize_sequential_and_concurrent():
     assert e["batch_size_mean"] == 1.2 and e["batch_size_max"] == 2
     assert e["draft_rpc_ms_per_call"] == 15.0
     assert e["draft_outside_rpc_ms_per_step"] == 5.0
+    assert e["rank_wait_ms_per_step"] is None  # an in-process runner: no rank calls
+    ranks = summarize(reqs, wall_s=1.25, delta={**delta, "rank_wait_s": 0.55,
+                                                 "rank_busy_s": 0.5})["engine"]
+    assert ranks["rank_wait_ms_per_step"] == 55.0 and ranks["rank_busy_ms_per_step"] == 50.0
 
 
 def test_summarize_empty_engine_delta_has_no_division_errors():
@@ -66,3 +70,4 @@ def test_traffic_per_step_divides_by_steps_and_sums():
                    "draft_bytes_out_per_step": None, "draft_bytes_in_per_step": None,
                    "bytes_per_step": 400}
     assert traffic_per_step(delta, 0)["bytes_per_step"] is None
+

@@ -256,7 +256,9 @@ def test_costs_are_measured_once_and_cached_with_the_draft_levels(tmp_path):
     assert saved == engine.costs  # what the engine used is what was saved
     again = make_engine(target, 0, max_batch=2, max_context=64)
     again._costs, again._cost_path = path, path
+    assert again.known_costs is None  # not read before the first need, nor by asking
     assert again.costs == saved  # read, not measured again
+    assert again.known_costs == saved
 
 
 def test_cached_draft_costs_of_another_head_are_measured_again(tmp_path):

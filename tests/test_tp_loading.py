@@ -90,6 +90,7 @@ def rank_main(rank: int, tp_size: int, port: int, path: str, out: mp.Queue) -> N
     base = _memory_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
     target = load_sharded(path, tp_size, rank, torch.float32, "cpu")
+    target.fuse(measure=False)  # tp 1 fuses: no kernel plan measured for a throwaway model
     engine = Engine(LocalRunner(target, 2, 64), None, max_batch=2, max_context=32, tree_margin=8)
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     tokens: dict[str, list[int]] = {f"s{i}": [] for i in range(len(PROMPTS))}
