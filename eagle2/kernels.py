@@ -30,6 +30,10 @@ import torch.nn.functional as F
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # M is rounded up to one of these for the lookup
 BLOCK_BYTES = (0, 256 << 10, 512 << 10, 1 << 20, 2 << 20)  # 0: the whole weight, one call
 PACKED = -1  # not a block size: the whole weight pre-packed for oneDNN (bf16 on CPU)
+# Packed bf16 kernels give each output row bitwise the same for any row count only up to
+# about this many input features (measured: 512-1152 yes, 1536 no, 1 and 2 threads); wider
+# weights are multiplied in column chunks of at most this width and the chunks added in fp32.
+PACKED_MAX_K = 1024
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -73,7 +77,7 @@ class BlockedWeight:
     def __init__(self, weight: torch.Tensor, plan: BlockPlan):
         self.weight, self.plan = weight, plan
         self._blocks: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._packed: torch.Tensor | None = None
+        self._packed: list[torch.Tensor] | None = None
 
     def blocks(self, block_bytes: int) -> tuple[torch.Tensor, ...]:
         if block_bytes not in self._blocks:
@@ -86,12 +90,28 @@ class BlockedWeight:
         num_rows = x.numel() // x.shape[-1]
         block_bytes = self.plan.for_rows(num_rows) if x.device.type == "cpu" else 0
         if block_bytes == PACKED:
-            if self._packed is None:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+            return self.packed(x)
         if block_bytes == 0 or block_bytes >= self.weight.numel() * self.weight.element_size():
             return F.linear(x, self.weight)
         return torch.cat([F.linear(x, w) for w in self.blocks(block_bytes)], dim=-1)
+
+
+    def packed(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T through oneDNN's packed bf16 kernel, in column chunks of at most
+        PACKED_MAX_K features (exactness, see PACKED_MAX_K)."""
+        if self._packed is None:
+            k = self.weight.shape[1]
+            width = -(-k // -(-k // PACKED_MAX_K))  # equal chunks
+            self._packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+                            for w in self.weight.split(width, dim=1)]
+        if len(self._packed) == 1:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed[0], None, "none", [], "")
+        parts = x.split(-(-x.shape[-1] // len(self._packed)), dim=-1)
+        out = None
+        for part, w in zip(parts, self._packed, strict=True):
+            y = torch.ops.mkldnn._linear_pointwise(part, w, None, "none", [], "").float()
+            out = y if out is None else out.add_(y)
+        return out.to(x.dtype)
 
 
 def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = ROW_BUCKETS,

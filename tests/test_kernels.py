@@ -9,7 +9,14 @@ from conftest import make_engine, random_prompts, run, tiny_target
 
 from eagle2.bench.load import busy_processes
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.kernels import ROW_BUCKETS, BlockedWeight, BlockPlan, measure_plan
+from eagle2.kernels import (
+    PACKED,
+    ROW_BUCKETS,
+    BlockedWeight,
+    BlockPlan,
+    measure_plan,
+    packing_supported,
+)
 
 
 @pytest.mark.parametrize("block_bytes", [0, 1024, 4096, 1 << 20])
@@ -74,3 +81,20 @@ def test_background_load_processes_are_killed():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
+                    reason="needs oneDNN's packed bf16 kernels (AVX512/AMX)")
+@pytest.mark.parametrize("shape", [(576, 1536), (3072, 576), (1000, 64)])
+def test_packed_bf16_rows_do_not_depend_on_the_row_count(shape):
+    """What exact bf16 verification rests on: a row's output is bitwise the same whether it is
+    multiplied alone or with up to 600 others (wide weights go in column chunks)."""
+    torch.manual_seed(0)
+    weight = torch.randn(shape, dtype=torch.bfloat16) / 24
+    bw = BlockedWeight(weight, BlockPlan({rows: PACKED for rows in ROW_BUCKETS}))
+    x = torch.randn(600, shape[1], dtype=torch.bfloat16)
+    whole = bw(x)
+    for rows in (1, 2, 5, 8, 16, 26, 32, 33, 64, 100, 228, 512):
+        assert torch.equal(bw(x[:rows]), whole[:rows]), rows
+    torch.testing.assert_close(whole.float(), (x.float() @ weight.float().T), rtol=0.02,
+                               atol=0.05)

@@ -110,7 +110,7 @@ def tiny_tp2(ray_cluster, tiny):
     from services.tp_runner import ShardedRunner
 
     runner = ShardedRunner(2, MAX_BATCH, MAX_CONTEXT + Engine.tree_margin, target=tiny[1],
-                           cpus_per_rank=1)
+                           dtype="float32", cpus_per_rank=1)
     yield runner
     runner.shutdown()
 
