@@ -109,7 +109,8 @@ class BlockedWeight:
         parts = x.split(-(-x.shape[-1] // len(self._packed)), dim=-1)
         out = None
         for part, w in zip(parts, self._packed, strict=True):
-            y = torch.ops.mkldnn._linear_pointwise(part, w, None, "none", [], "").float()
+            y = torch.ops.mkldnn._linear_pointwise(part.contiguous(), w, None, "none", [],
+                                                   "").float()  # (a strided row is slow)
             out = y if out is None else out.add_(y)
         return out.to(x.dtype)
 
