@@ -15,6 +15,7 @@ E.g. SmolLM2-135M's gate|up weight [3072, 576] (7 MB) in blocks of 256 rows = 12
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -45,16 +46,24 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
+def cpu_info() -> tuple[str | None, frozenset[str]]:
+    """(model name, instruction-set flags) from /proc/cpuinfo; (None, {}) where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None, frozenset()
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
+                 None)
+    flags = next((ln.split(":", 1)[1] for ln in lines if ln.startswith("flags")), "")
+    return model, frozenset(flags.split())
+
+
 def native_bf16_cpu() -> bool:
     """The CPU has bf16 dot-product instructions (AMX-BF16 or AVX512-BF16) and oneDNN uses
     them (so bf16 weights can be packed)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")),
-                         [])
-    except OSError:
-        return False
-    return (bool({"amx_bf16", "avx512_bf16"} & set(flags))
+    return (bool({"amx_bf16", "avx512_bf16"} & cpu_info()[1])
             and packing_supported(torch.bfloat16, torch.device("cpu")))
 
 
@@ -95,7 +104,6 @@ class BlockedWeight:
             return F.linear(x, self.weight)
         return torch.cat([F.linear(x, w) for w in self.blocks(block_bytes)], dim=-1)
 
-
     def packed(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T through oneDNN's packed bf16 kernel, in column chunks of at most
         PACKED_MAX_K features (exactness, see PACKED_MAX_K)."""
@@ -122,8 +130,6 @@ def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = R
 
     -> (plan, {bucket: {block_bytes: ms}}). Best of `repeats` after one warm-up pass."""
     dtype, device = weights[0].dtype, weights[0].device
-    if packing_supported(dtype, device):
-        candidates = (PACKED,)  # row-invariant (exactness), and the fastest where measured
     timings: dict[int, dict[int, float]] = {}
     plan = BlockPlan()
     with torch.inference_mode():
@@ -148,16 +154,10 @@ def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = R
 
 def machine_key(extra: str = "") -> str:
     """Which CPU, how many threads, which torch: what the fastest kernel depends on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
-                   cpu)
-        flags = next((ln.split(":", 1)[1] for ln in lines if ln.startswith("flags")), "")
-        cpu += "|" + ",".join(sorted(f for f in flags.split() if f.startswith(("avx", "amx"))))
-    except OSError:
-        pass
+    model, flags = cpu_info()
+    cpu = model or platform.processor() or platform.machine()
+    if model is not None or flags:
+        cpu += "|" + ",".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))
     text = f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{extra}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
