@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,68 +72,141 @@ class CostModel:
                 "draft_level_s": list(self.draft_level_s), "draft_head": self.draft_head}
 
     @classmethod
-    def from_json(cls, data: dict) -> CostModel:
+    def from_json(cls, data: dict, draft_head: str | None = None) -> CostModel:
+        """draft_head: take the draft costs kept for this head in a cache file's "drafts"
+        (none if it has none); None: the ones the JSON names (draft_head/draft_level_s)."""
         batches = tuple(data.get("draft_batches", ()))
         levels = tuple(data.get("draft_level_s", ())) if batches else ()
+        head = data.get("draft_head", "")
+        if draft_head is not None and draft_head != head:
+            entry = data.get("drafts", {}).get(draft_head, {})
+            batches, levels = tuple(entry.get("batches", ())), tuple(entry.get("level_s", ()))
+            head = draft_head if batches else ""
         return cls(tuple(data["batches"]), tuple(data["nodes"]),
                    tuple(tuple(r) for r in data["seconds"]), data.get("prefix", 0),
-                   batches, levels, data.get("draft_head", ""))
+                   batches, levels, head)
 
     def save(self, path: Path) -> None:
+        """Write to a cache file, keeping the draft costs of other heads already there (two
+        deployments of one target, e.g. with the head in a worker or in the engine, share
+        the forward costs and keep their own draft costs)."""
+        with _locked(path):
+            self._write(path)
+
+    def _write(self, path: Path) -> None:
+        """save() with the lock already held."""
         from eagle2.kernels import write_json_atomic
 
-        write_json_atomic(path, self.to_json())
+        drafts = {}
+        if path.exists():
+            try:
+                drafts = json.loads(path.read_text()).get("drafts", {})
+            except (OSError, ValueError):
+                drafts = {}
+        if self.draft_head:
+            drafts[self.draft_head] = {"batches": list(self.draft_batches),
+                                       "level_s": list(self.draft_level_s)}
+        write_json_atomic(path, {**self.to_json(), "drafts": drafts})
 
     @classmethod
     def measure(cls, runner, max_batch: int, max_nodes: int = 32, prefix: int = 256,
                 repeats: int = 3) -> CostModel:
-        """Time runner.forward (logits included) over the grid; best of `repeats` per cell.
+        """Time runner.forward (logits included) over the grid (`time_grid`, 1 + `repeats`
+        passes), then take the lower envelope (`lower_envelope`).
 
         Runs on cache slots [0, B): each slot's length is raised to at least `prefix` for the
         measurement, so the tokens land in scratch entries past anything committed, and put
         back after. Safe between engine steps."""
         batches = tuple(b for b in BATCHES if b <= max_batch) or (1,)
         nodes = tuple(n for n in NODES if n <= max_nodes)
-        dev = runner.device
-        slots = torch.arange(batches[-1], device=dev)
-        old = runner.lengths[: batches[-1]].clone()
-        start = torch.clamp(old, min=prefix)
-        seconds = []
-        try:
-            runner.set_lengths(slots, start)
-            for num_b in batches:
-                row = []
-                for num_n in nodes:
-                    tokens = torch.zeros(num_b, num_n, dtype=torch.long, device=dev)
-                    positions = (start[:num_b, None].to(dev) +
-                                 torch.arange(num_n, device=dev)).expand(num_b, num_n)
-                    mask = torch.ones(num_n, num_n, dtype=torch.bool, device=dev).tril()
-                    mask = mask.expand(num_b, num_n, num_n)
-                    best = float("inf")
-                    for i in range(repeats + 1):  # the first run warms up
-                        t0 = time.perf_counter()
-                        runner.forward(tokens, positions, mask, slots[:num_b])
-                        if i:
-                            best = min(best, time.perf_counter() - t0)
-                    row.append(best)
-                # more tokens never cost less: a smaller time measured for a larger tree is noise
-                seconds.append(tuple(max(row[: i + 1]) for i in range(len(row))))
-        finally:
-            runner.set_lengths(slots, old)
-        return cls(batches, nodes, tuple(seconds), prefix)
+        seconds = time_grid(runner, batches, nodes, prefix, passes=repeats + 1)
+        return cls(batches, nodes, lower_envelope(seconds), prefix)
 
     @classmethod
     def cached(cls, runner, max_batch: int, path: Path, prefix: int = 256,
-               refresh: bool = False) -> CostModel:
+               refresh: bool = False, draft_head: str | None = None) -> CostModel:
         """From `path` (written by an earlier start or by `eagle2 bench-forward`), else
-        measured and saved there."""
-        if path.exists() and not refresh:
-            model = cls.from_json(json.loads(path.read_text()))
-            if model.batches[-1] >= min(max_batch, BATCHES[-1]):
-                return model
-        model = cls.measure(runner, max_batch, prefix=prefix)
-        model.save(path)
+        measured and saved there. Processes starting together take turns (a file lock): the
+        first measures, the others read, and no two measurements share the machine."""
+        with _locked(path):
+            if path.exists() and not refresh:
+                model = cls.from_json(json.loads(path.read_text()), draft_head)
+                if model.batches[-1] >= min(max_batch, BATCHES[-1]):
+                    return model
+            model = cls.measure(runner, max_batch, prefix=prefix)
+            model._write(path)
         return model
+
+
+def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...], prefix: int,
+              passes: int = 4) -> list[list[float]]:
+    """Best seconds of runner.forward for B requests x N tokens (a causal chain at position
+    `prefix` or past what is committed), for every (B, N) of the grid.
+
+    The grid is swept `passes` times, one call per cell and sweep, and each cell keeps its
+    fastest call. On a shared machine slow phases last seconds (another process or VM on the
+    core): timing one cell's calls back to back lets a phase spoil all of them, while across
+    sweeps a phase spoils one sample of many cells. The first sweep also warms each shape up
+    (kernel primitives are built at a shape's first call); its samples count only where no
+    later one is faster. Cache slots [0, max B) are used, lengths restored after."""
+    dev = runner.device
+    slots = torch.arange(batches[-1], device=dev)
+    old = runner.lengths[: batches[-1]].clone()
+    start = torch.clamp(old, min=prefix)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    inputs = {}
+    for num_b in batches:
+        for num_n in nodes:
+            tokens = torch.zeros(num_b, num_n, dtype=torch.long, device=dev)
+            positions = (start[:num_b, None].to(dev) +
+                         torch.arange(num_n, device=dev)).expand(num_b, num_n)
+            mask = torch.ones(num_n, num_n, dtype=torch.bool, device=dev).tril()
+            inputs[num_b, num_n] = (tokens, positions, mask.expand(num_b, num_n, num_n),
+                                    slots[:num_b])
+    best = {cell: float("inf") for cell in inputs}
+    try:
+        runner.set_lengths(slots, start)
+        for _ in range(max(passes, 1)):
+            for cell, args in inputs.items():
+                sync()
+                t0 = time.perf_counter()
+                runner.forward(*args)
+                sync()
+                best[cell] = min(best[cell], time.perf_counter() - t0)
+    finally:
+        runner.set_lengths(slots, old)
+    return [[best[b, n] for n in nodes] for b in batches]
+
+
+def lower_envelope(seconds) -> tuple[tuple[float, ...], ...]:
+    """c(B, N) = the least time measured at any (B' >= B, N' >= N).
+
+    Timing noise only ever adds time, and more requests or more tokens never cost less, so
+    a larger cell's time is also an upper bound for a smaller cell, and the least of the two
+    is the better estimate: one slow sample then does not price its cell (nor, as a running
+    maximum would, every larger one) above what the machine does."""
+    grid = [list(row) for row in seconds]
+    for i in reversed(range(len(grid))):
+        for j in reversed(range(len(grid[i]))):
+            if j + 1 < len(grid[i]):
+                grid[i][j] = min(grid[i][j], grid[i][j + 1])
+            if i + 1 < len(grid):
+                grid[i][j] = min(grid[i][j], grid[i + 1][j])
+    return tuple(tuple(row) for row in grid)
+
+
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path`'s lock file (a sibling) for the duration of the block."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 DRAFT_PROBE_TOP_K = 8

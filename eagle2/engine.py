@@ -200,8 +200,9 @@ class Engine:
         if not isinstance(self._costs, CostModel):
             prefix = min(256, self.max_context // 2)
             if self._cost_path is not None:
+                head = None if self.drafter is None else draft_key(self.drafter)
                 self._costs = CostModel.cached(self.runner, self.max_batch, self._cost_path,
-                                               prefix)
+                                               prefix, draft_head=head)
             else:
                 self._costs = CostModel.measure(self.runner, self.max_batch, prefix=prefix)
         return self._costs
@@ -225,7 +226,7 @@ class Engine:
         key = draft_key(self.drafter)
         measured = max(costs.draft_batches, default=0)
         if self._cost_path is not None and costs.draft_head != key:
-            measured = 0  # the cache holds another head's draft costs (given ones are kept)
+            measured = 0  # the cache holds no draft costs for this head (given ones are kept)
         if wanted and max(wanted) > measured:
             feats = self.seqs[0].pending_feats
             levels = measure_draft_levels(self.drafter, wanted, feats.shape[-1], feats.dtype)

@@ -261,9 +261,10 @@ def test_costs_are_measured_once_and_cached_with_the_draft_levels(tmp_path):
     assert again.known_costs == saved
 
 
-def test_cached_draft_costs_of_another_head_are_measured_again(tmp_path):
+def test_cached_draft_costs_of_another_head_are_measured_again(tmp_path, monkeypatch):
     """A cache written with an EAGLE-2 head is not trusted for an EAGLE-3 head's draft levels
-    (its own lm_head and 2H-wide projections cost differently); the target costs are kept."""
+    (its own lm_head and 2H-wide projections cost differently); the target costs are kept,
+    and so are the first head's draft costs: a third engine with it measures nothing."""
     from eagle2.budget import draft_key
 
     target = tiny_target(seed=5, layers=4)
@@ -280,7 +281,74 @@ def test_cached_draft_costs_of_another_head_are_measured_again(tmp_path):
     target.set_feature_layers(other.drafter.head.feature_layers(4))
     assert run(other, prompts, GREEDY, AUTO) == vanilla
     target.set_feature_layers(None)
-    resaved = CostModel.from_json(__import__("json").loads(path.read_text()))
+    data = __import__("json").loads(path.read_text())
+    resaved = CostModel.from_json(data)
     assert resaved.draft_head == draft_key(other.drafter)
     assert resaved.draft_head.startswith("eagle3|")
     assert (resaved.batches, resaved.seconds) == (saved.batches, saved.seconds)
+    assert set(data["drafts"]) == {saved.draft_head, resaved.draft_head}
+
+    third = make_engine(target, 0, max_batch=2, max_context=64)
+    third._costs, third._cost_path = path, path
+    measured = []
+    monkeypatch.setattr("eagle2.engine.measure_draft_levels",
+                        lambda *a, **k: measured.append(a))
+    assert run(third, prompts, GREEDY, AUTO) == vanilla
+    assert measured == []
+    assert third.known_costs.draft_level_s == saved.draft_level_s
+
+
+def test_lower_envelope_removes_one_sided_noise_and_never_goes_below_the_truth():
+    """Timing noise only adds time; the envelope of a noisy grid lies between the truth and
+    the measurement, and a slow first cell of a row (a shape's first calls) does not raise
+    the larger cells as a running maximum did."""
+    from eagle2.budget import lower_envelope
+
+    gen = torch.Generator().manual_seed(0)
+    batches, nodes = 4, 10
+    truth = [[0.05 + 0.002 * b + 0.001 * n * (b + 1) for n in range(nodes)]
+             for b in range(batches)]
+    for _ in range(20):
+        noisy = [[t * (1 + float(torch.rand(1, generator=gen)) *
+                       (1.0 if float(torch.rand(1, generator=gen)) < 0.3 else 0.02))
+                  for t in row] for row in truth]
+        env = lower_envelope(noisy)
+        for b in range(batches):
+            for n in range(nodes):
+                assert truth[b][n] <= env[b][n] <= noisy[b][n]
+                if n + 1 < nodes:
+                    assert env[b][n] <= env[b][n + 1]
+                if b + 1 < batches:
+                    assert env[b][n] <= env[b + 1][n]
+    spiked = [list(row) for row in truth]
+    spiked[0][0] = 0.09  # the observed failure: +40 ms on the first cell of a row
+    env = lower_envelope(spiked)[0]
+    assert env[0] == truth[0][1] and list(env[1:]) == truth[0][1:]
+    running_max = [max(spiked[0][: i + 1]) for i in range(nodes)]
+    assert running_max[3] == 0.09  # what the old envelope priced 4 tokens at
+
+
+def test_a_slow_phase_of_the_machine_spoils_no_cell():
+    """A few seconds of a busy core (here: calls 4-11 of the sweep made 30 ms slower, on a
+    real runner) cover every sample of two cells when cells are timed back to back; the
+    grid's sweeps spread each cell's samples over time, so every cell keeps a quiet one."""
+    import time as _time
+
+    from eagle2.budget import time_grid
+
+    target = tiny_target()
+    engine = make_engine(target, 0, max_batch=2, max_context=64)
+    runner = engine.runner
+    calls = [0]
+    real = runner.forward
+
+    def slow_phase(*args, **kwargs):
+        calls[0] += 1
+        if 4 <= calls[0] < 12:
+            _time.sleep(0.03)
+        return real(*args, **kwargs)
+
+    runner.forward = slow_phase
+    grid = time_grid(runner, (1, 2), (1, 2, 4), prefix=8, passes=4)
+    assert calls[0] == 4 * 6
+    assert max(max(row) for row in grid) < 0.03  # no cell kept a slow sample

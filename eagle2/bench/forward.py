@@ -2,8 +2,8 @@
 
 1. Read bandwidth: a sum over a tensor far larger than the last-level cache, best of several.
 2. The forward (logits included) for N tree tokens x B requests after a realistic prefix,
-   best of `--repeats`; one profiled run per cell splits it into linears, attention, lm_head
-   and other work.
+   best of 1 + `--repeats` sweeps of the whole grid (as the engine measures its costs); one
+   profiled run per cell splits it into linears, attention, lm_head and other work.
 3. Roofline fraction = (bytes a forward must stream: weights + the KV cache it reads) /
    (time x bandwidth): 1.0 means the forward is as fast as memory allows.
 The measured cost curve is also saved where the engine looks for this machine's costs, so
@@ -114,7 +114,7 @@ def kv_bytes(target, cache, num_b: int, length: int) -> int:
 
 def run(args) -> int:
     from eagle2.api import Eagle2
-    from eagle2.budget import CostModel
+    from eagle2.budget import CostModel, lower_envelope
     from eagle2.target import cost_cache_path
 
     batches = [int(x) for x in args.batches.split(",")]
@@ -137,8 +137,7 @@ def run(args) -> int:
         bandwidth, bw_bytes = read_bandwidth(target.device)
         cells, costs = measure(runner, target, batches, nodes, args.prefix, args.repeats,
                                bandwidth)
-    model = CostModel(tuple(batches), tuple(nodes), tuple(
-        tuple(max(row[: i + 1]) for i in range(len(row))) for row in costs), args.prefix)
+    model = CostModel(tuple(batches), tuple(nodes), lower_envelope(costs), args.prefix)
     if not args.no_save_costs:
         model.save(cost_cache_path(target))
     result = {
@@ -159,35 +158,29 @@ def run(args) -> int:
 
 
 def measure(runner, target, batches, nodes, prefix, repeats, bandwidth):
-    cells, costs = [], []
+    """Timed as the engine times its costs (`eagle2.budget.time_grid`: 1 + repeats sweeps of
+    the grid, best per cell), then one profiled forward per cell for the split."""
+    from eagle2.budget import time_grid
+
+    costs = time_grid(runner, tuple(batches), tuple(nodes), prefix, passes=repeats + 1)
+    cells = []
     dev = target.device
-    for num_b in batches:
+    for num_b, row in zip(batches, costs, strict=True):
         slots = torch.arange(num_b, device=dev)
         runner.set_lengths(slots, torch.full_like(slots, prefix))
-        row = []
-        for num_n in nodes:
+        for num_n, best in zip(nodes, row, strict=True):
             tokens = torch.randint(0, target.vocab_size, (num_b, num_n), device=dev)
             positions = prefix + torch.arange(num_n, device=dev).expand(num_b, num_n)
             mask = torch.ones(num_n, num_n, dtype=torch.bool, device=dev).tril()
-            mask = mask.expand(num_b, num_n, num_n)
-            best = float("inf")
-            for i in range(repeats + 1):
-                _sync(dev)
-                t0 = time.perf_counter()
-                runner.forward(tokens, positions, mask, slots)
-                _sync(dev)
-                if i:
-                    best = min(best, time.perf_counter() - t0)
-            shares = split_forward(runner, tokens, positions, mask, slots)
+            shares = split_forward(runner, tokens, positions, mask.expand(num_b, num_n, num_n),
+                                   slots)
             streamed = weight_bytes(target) + kv_bytes(target, runner.cache, num_b, prefix)
             cells.append({"batch": num_b, "nodes": num_n, "ms": round(best * 1e3, 3),
                           "shares": {k: round(v, 3) for k, v in shares.items()},
                           "bytes": streamed,
                           "roofline_ms": round(streamed / bandwidth * 1e3, 3),
                           "roofline_fraction": round(streamed / bandwidth / best, 3)})
-            row.append(best)
         runner.set_lengths(slots, torch.zeros_like(slots))
-        costs.append(row)
     return cells, costs
 
 
