@@ -45,12 +45,14 @@ def cache_root() -> Path:
 
 def cost_cache_path(target: TargetModel) -> Path:
     """Where this machine's measured forward costs of this target are kept."""
+    from eagle2.budget import COSTS_VERSION
     from eagle2.kernels import machine_key
 
     cfg = target.config
     shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
              cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
-    key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}")
+    key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}|"
+                      f"v{COSTS_VERSION}")
     return cache_root() / "costs" / f"{key}.json"
 
 
