@@ -77,8 +77,8 @@ class EngineStats:
     auto_steps: int = 0  # steps with auto-budget requests
     skipped_drafts: int = 0  # of those, steps decoded plainly because speculation did not pay
     nodes_chosen: Counter = field(default_factory=Counter)  # auto budget: tree size -> steps
-    # auto budget, drafted steps: accepted draft tokens the calibrated values promised, and
-    # how many verification accepted (the calibration's check in production)
+    # auto budget, drafted steps: accepted draft tokens the calibrated values promised (times
+    # each request's acceptance scale), and how many verification accepted (the check)
     predicted_accepted: float = 0.0
     accepted: int = 0
     # prompt-lookup nodes (proposed by lookup alone) in the verified trees, and how many of
@@ -97,6 +97,11 @@ class _Seq:
     num_steps: int = 1  # target forwards that produced output (prefill counted)
     accepted_at_depth: Counter = field(default_factory=Counter)
     drafted: bool = False  # the drafter consumed the pending pairs this step
+    # auto budget: decayed sums of the draft tokens its kept trees' calibrated values
+    # promised and of those verification accepted (`Engine._acceptance_scale`)
+    promised: float = 0.0
+    got: float = 0.0
+    kept_value: float = 0.0  # this step's promise (sum of the kept nodes' values)
 
     @property
     def auto(self) -> bool:
@@ -252,16 +257,34 @@ class Engine:
         costs = self._draft_costs()
         draft_s = (tree.head_depth() + 1) * costs.draft_level(len(self.seqs))
         fixed = tree.num_nodes[~auto]
-        choice = choose_num_nodes(tree.values[auto], costs, draft_s,
-                                  int(fixed.max()) if len(fixed) else 1)
+        values = tree.values[auto]
+        scale = torch.tensor([self._acceptance_scale(s) for s in self.seqs if s.auto])
+        values = torch.cat([values[:, :1], (values[:, 1:] * scale[:, None]).clamp(max=1)], 1)
+        choice = choose_num_nodes(values, costs, draft_s, int(fixed.max()) if len(fixed) else 1)
         self.gate.record(choice.pays)
         self._rate = choice.rate
         self.stats.nodes_chosen[choice.num_nodes] += 1
         self.stats.predicted_accepted += choice.expected_tokens - int(auto.sum())
         keep = torch.where(auto, choice.num_nodes, tree.num_nodes)
         pruned = prune_tree(tree, keep)
+        promised = pruned.values[:, 1:].float().clamp(0, 1).sum(1).tolist()
+        for s, value in zip(self.seqs, promised, strict=True):
+            s.kept_value = value
         self._depths_used = [*self._depths_used[-7:], pruned.select(auto).head_depth()]
         return pruned
+
+    ACCEPTANCE_DECAY = 0.9  # per step: the scale follows about the last 10 steps
+    ACCEPTANCE_PRIOR = 2.0  # draft tokens of trust in the calibration before any step
+
+    def _acceptance_scale(self, s: _Seq) -> float:
+        """How this request's drafts fare against the calibration: accepted / promised over
+        its recent steps, pulled toward 1 by a prior. The calibration is fitted on a mix of
+        texts, and a head is better at some (code, quoting) than at others (open chat): a
+        request whose drafts are accepted less often than the values promise gets smaller
+        trees (or none), one whose drafts do better gets bigger ones. It depends only on the
+        request's own accepted lengths, so seeded runs stay reproducible."""
+        prior = self.ACCEPTANCE_PRIOR
+        return (s.got + prior) / (s.promised + prior)
 
     def _count_lookup(self, tree: DraftTree, verified: Verified) -> None:
         if not bool(tree.lookup.any()):
@@ -334,6 +357,12 @@ class Engine:
             s.pending_feats, s.pending_tokens = new_feats, new_tokens
             if s.auto and s.drafted:
                 self.stats.accepted += n - 1
+                decay = self.ACCEPTANCE_DECAY
+                s.promised = decay * s.promised + s.kept_value
+                s.got = decay * s.got + (n - 1)
+            elif s.auto:  # a plain step: the evidence fades, so a text that changes is retried
+                s.promised *= self.ACCEPTANCE_DECAY
+                s.got *= self.ACCEPTANCE_DECAY
             s.num_steps += 1
             s.accepted_at_depth[n - 1] += 1
             events.append(self._emit(s, verified.tokens[b]))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -352,3 +354,38 @@ def test_a_slow_phase_of_the_machine_spoils_no_cell():
     grid = time_grid(runner, (1, 2), (1, 2, 4), prefix=8, passes=4)
     assert calls[0] == 4 * 6
     assert max(max(row) for row in grid) < 0.03  # no cell kept a slow sample
+
+
+def test_acceptance_scale_stops_drafting_that_promises_but_is_never_accepted(monkeypatch):
+    """A random head without prompt lookup: verification accepts none of its drafts, while
+    its tree values (x 4 here, at most 1) promise several tokens a step. Without the scale
+    the engine verifies promising trees every step; with it each request learns from its
+    own steps that the promise does not hold and decodes plainly on most steps. Outputs
+    stay those of plain decoding."""
+    from eagle2.engine import Engine
+
+    target = tiny_target(seed=3)
+    prompts = random_prompts(3, 64, seed=4)
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    vanilla = run(make_engine(target, None), prompts, params, TreeConfig("vanilla"))
+    stats = {}
+    for name, prior in (("scaled", Engine.ACCEPTANCE_PRIOR), ("unscaled", 1e12)):
+        monkeypatch.setattr(Engine, "ACCEPTANCE_PRIOR", prior)
+        engine = make_engine(target, 0)
+        engine._costs = flat_costs(0.002)  # a token costs a fifth of a step
+        real = engine.drafter.draft
+
+        def overpromising(*args, _real=real, **kwargs):
+            tree = _real(*args, **kwargs)
+            values = tree.values.clone()
+            values[:, 1:] = (values[:, 1:] * 4).clamp(max=1)
+            return dataclasses.replace(tree, values=values)
+
+        engine.drafter.draft = overpromising
+        assert run(engine, prompts, params, replace(AUTO, lookup=0)) == vanilla
+        stats[name] = engine.stats
+    scaled, unscaled = stats["scaled"], stats["unscaled"]
+    assert scaled.accepted == unscaled.accepted == 0
+    assert unscaled.skipped_drafts <= 0.1 * unscaled.auto_steps
+    assert scaled.skipped_drafts >= 0.6 * scaled.auto_steps
+    assert scaled.predicted_accepted < 0.2 * unscaled.predicted_accepted
