@@ -131,7 +131,8 @@ class Engine:
         self._costs = costs
         self._cost_path = costs if isinstance(costs, Path) else None
         # one gate per batch size: whether speculation pays depends on it, and what was learnt
-        # at a batch size holds for the next requests that run at that size
+        # at a batch size holds for the next requests that run at that size while the engine
+        # stays busy (cleared when a request joins an idle engine: `_prefill`)
         self.gates: dict[int, SpeculationGate] = {}
         self._rate = 0.0  # tokens/s predicted for the last speculative step
         self._depths_used: list[int] = []  # deepest kept node of recent auto trees
@@ -407,6 +408,7 @@ class Engine:
     # ----- prefill ----------------------------------------------------------------------------
     def _prefill(self) -> list[Event]:
         t0 = time.perf_counter()
+        idle = not self.seqs
         room = self.max_batch - len(self.seqs)
         batch, self.waiting = self.waiting[:room], self.waiting[room:]
         dev = self.runner.device
@@ -432,6 +434,12 @@ class Engine:
             self.seqs.append(s)
             events.append(self._emit(s, [tok]))
         self._drop_finished(events)
+        # what earlier steps learnt goes with the batch they ran: the rate and depths always;
+        # the gates too when the engine was idle, so a seeded request that runs alone samples
+        # the same whatever ran before it (its trees, so its sample, depend on them)
+        self._rate, self._depths_used = 0.0, []
+        if idle:
+            self.gates.clear()
         self.gate.probe_next()  # the gate of the new batch size
         self.stats.prefill_s += time.perf_counter() - t0
         return events

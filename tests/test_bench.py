@@ -240,6 +240,23 @@ def test_shards_merge_into_one_report(tmp_path):
                  "--out", str(tmp_path / "bad")]) == 2
 
 
+def test_repeats_run_every_group_again_with_the_mode_order_rotating(tmp_path):
+    from eagle2.cli import main
+
+    assert main(["bench", "--suite", "mt_bench", "--num-prompts", "2", "--max-tokens", "6",
+                 "--modes", "vanilla,eagle2", "--total-tokens", "4", "--depth", "2",
+                 "--tree-top-k", "2", "--dtype", "float32", "--device", "cpu", "--threads",
+                 "1", "--batch", "2", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["lossless"] is True and res["config"]["repeats"] == 2
+    for mode in ("vanilla", "eagle2"):
+        m = res["suites"]["mt_bench"]["modes"][mode]
+        assert m["num_prompts"] == 4  # 2 prompts x 2 repeats
+        ids = sorted(p["prompt_id"] for p in m["per_prompt"])
+        assert len(set(ids)) == 2 and ids[0] == ids[1] and ids[2] == ids[3]
+    assert main(["bench", "--repeats", "0"]) == 2
+
+
 def test_shard_needs_a_fixed_tree():
     from eagle2.cli import main
 

@@ -389,3 +389,23 @@ def test_acceptance_scale_stops_drafting_that_promises_but_is_never_accepted(mon
     assert unscaled.skipped_drafts <= 0.1 * unscaled.auto_steps
     assert scaled.skipped_drafts >= 0.6 * scaled.auto_steps
     assert scaled.predicted_accepted < 0.2 * unscaled.predicted_accepted
+
+
+def test_a_seeded_request_samples_the_same_whatever_ran_before_it():
+    """The engine's learnt state about the batch (the last step's predicted rate, which sets
+    how far the head expands; the depths recently kept) starts over when requests join, so
+    a seeded request's trees, and therefore its sample, do not depend on earlier requests."""
+    target = tiny_target(seed=5)
+    prompts = random_prompts(3, 64, seed=11)
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    costs = CostModel((1, 2, 4), (1, 2, 4, 8, 16), tuple(
+        tuple(0.02 + 0.004 * b * n ** 1.5 for n in (1, 2, 4, 8, 16)) for b in (1, 2, 4)),
+        draft_batches=(1, 2, 4), draft_level_s=(0.004, 0.005, 0.006))
+    outs = []
+    for before in ([], [prompts[1]], [prompts[2], prompts[1]]):
+        engine = make_engine(target, 0)
+        engine._costs = costs
+        for p in before:
+            run(engine, [p], params, AUTO, seeds=[99])
+        outs.append(run(engine, [prompts[0]], params, AUTO, seeds=[7]))
+    assert outs[0] == outs[1] == outs[2]

@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "given); fixed: the given sizes every step; tuned: the offline tuner")
     p.add_argument("--batch", type=int, default=1,
                    help="prompts generated together (continuous batching); hf needs 1")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every prompt group R times, the mode order rotating on: more "
+                        "alternations between modes, so that a shared machine's slow phases "
+                        "(seconds long) fall on every mode alike")
     p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. the root")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None, help="draft tree branching")
@@ -199,6 +203,8 @@ def run(args) -> int:
                          "--total-tokens/--depth/--tree-top-k (e.g. the tuner's pick)")
     if args.batch < 1 or (args.batch > 1 and "hf" in modes):
         raise ValueError(f"--batch must be >= 1 and 1 with mode hf, got {args.batch}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.threads is not None and args.threads < 1:
@@ -237,12 +243,14 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
         for mode in modes:
             run_mode(llm, mode, trees, [(first, SamplingParams(
                 **{**sampling, "max_tokens": 8}, seed=args.seed), "warmup")])
-    runs = _loop(llm, prompts, modes, trees, sampling, None if greedy else args.seed, args.batch)
+    runs = _loop(llm, prompts, modes, trees, sampling, None if greedy else args.seed, args.batch,
+                 args.repeats)
     config = {
         "suites": list(prompts), "num_prompts": args.num_prompts, **sampling,
         "seed": args.seed, "modes": modes,
         "order": "per prompt every mode, order rotating by one each prompt",
-        "batch_size": args.batch, "warmup": args.warmup, "background_load": args.background_load,
+        "batch_size": args.batch, "repeats": args.repeats, "warmup": args.warmup,
+        "background_load": args.background_load,
         "target": llm.target.name,
         "draft": _head_name(args, llm), "tree_source": source,
         "trees": {m: {**asdict(t), "num_nodes": tree_nodes(t)} for m, t in trees.items()},
@@ -361,15 +369,17 @@ def _trees(llm, args, modes: list[str], source: str):
 
 
 def _loop(llm, prompts: dict, modes: list[str], trees: dict, sampling: dict,
-          seed: int | None, batch: int = 1) -> dict[str, dict[str, list[PromptRun]]]:
-    """Every prompt group in every mode, the mode order rotating by one from group to group."""
+          seed: int | None, batch: int = 1,
+          repeats: int = 1) -> dict[str, dict[str, list[PromptRun]]]:
+    """Every prompt group in every mode, `repeats` times, the mode order rotating by one from
+    group to group."""
     from tqdm import tqdm
 
     runs: dict[str, dict[str, list[PromptRun]]] = {s: {m: [] for m in modes} for s in prompts}
-    total = sum(len(ps) for ps in prompts.values()) * len(modes)
+    total = sum(len(ps) for ps in prompts.values()) * len(modes) * repeats
     turn = 0
     with tqdm(total=total, desc="bench", unit="gen", file=sys.stderr) as bar:
-        for suite, suite_prompts in prompts.items():
+        for suite, suite_prompts in [*prompts.items()] * repeats:
             for start in range(0, len(suite_prompts), batch):
                 group = [(llm.encode(prompt.user_message),
                           SamplingParams(**sampling, seed=None if seed is None else seed + i),
