@@ -1,7 +1,8 @@
 """The service end to end: real Ray Serve, real gRPC, the embedded model (no mocks).
 
 One app is deployed for the module (about a minute to start on 2 cores): router -> target
-engine (one TP rank actor) -> draft worker (its own replica process, reached over gRPC).
+engine (holding the whole target: tp_size 1, target_placement "auto" = "engine") -> draft
+worker (its own replica process, reached over gRPC).
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ def test_draft_worker_is_another_process_reached_over_grpc(client, service):
     after = worker.health()
     assert after.draft_requests > health.draft_requests  # the worker's own gRPC counter
     assert service.engine_stats.remote().result()["draft_rpc_calls"] > stats["draft_rpc_calls"]
+
+
+def test_tp1_target_runs_in_the_engine_replica_without_rank_actors(client, service):
+    import ray
+
+    stats = service.engine_stats.remote().result()
+    assert stats["target_placement"] == "engine" and stats["torch_threads"] == 1
+    assert client.model_info().target_placement == "engine"
+    assert service.rank_pids.remote().result() == []
+    assert stats["rank_bytes_out"] is None  # no call to a rank process, ever
+    groups = ray.util.placement_group_table().values()  # a rank group would be one
+    assert not [g for g in groups if g["state"] != "REMOVED"], list(groups)
 
 
 @pytest.mark.parametrize("kwargs, message", [
