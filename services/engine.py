@@ -300,10 +300,11 @@ def _cost_path(cfg: ServiceConfig, placement: str, runner_info: dict):
     """This machine's measured forward costs for this deployment's target and layout, and for
     how it runs: in the engine or through Ray calls to ranks, in which dtype, fused layers or
     the modules (costs measured one way misguide the tree budget the other way)."""
+    from eagle2.budget import COSTS_VERSION
     from eagle2.kernels import machine_key
     from eagle2.target import cache_root
 
     key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{placement}|"
                       f"{runner_info.get('dtype')}|{cfg.use_gpu}|{cfg.cpus_per_rank}|"
-                      f"fused={runner_info.get('fused')}")
+                      f"fused={runner_info.get('fused')}|v{COSTS_VERSION}")
     return cache_root() / "costs" / f"{key}.json"
