@@ -53,13 +53,36 @@ class TargetRunner(Protocol):
 
 
 class LocalRunner:
-    """The whole target and its KV cache in this process."""
+    """The whole target (or one tensor-parallel rank's shard of it) and its KV cache in this
+    process."""
 
     def __init__(self, target: TargetModel, num_slots: int, max_len: int):
         self.target = target.fuse()  # fused layers where the model allows (eagle2.fused)
         self.vocab_size = target.vocab_size
         self.device = target.device
         self.cache = target.allocate_cache(num_slots, max_len)
+
+    @classmethod
+    def load(cls, spec: str | None, dtype: torch.dtype, device: torch.device, num_slots: int,
+             max_len: int, feature_layers: tuple[int, ...] | None = None, tp_size: int = 1,
+             rank: int = 0) -> LocalRunner:
+        """Rank `rank` of `tp_size` of the target given as for `TargetModel.load`, read
+        straight to `device` (`eagle2.tp.load_rank`; tp_size 1: the whole model), with a cache
+        of num_slots x max_len. tp_size > 1 needs `eagle2.tp.init_tp` first.
+        feature_layers: the layer inputs an EAGLE-3 head reads (None: the final hidden state)."""
+        from eagle2.tp import load_rank
+
+        target = load_rank(spec, tp_size, rank, dtype, str(device))
+        target.set_feature_layers(feature_layers)
+        return cls(target, num_slots, max_len)
+
+    @property
+    def info(self) -> dict:
+        """What a service reports about the target held here: vocab_size, device, dtype,
+        local_kv_heads (this shard's) and fused (fused layers, eagle2.fused, or the modules)."""
+        t = self.target
+        return {"vocab_size": t.vocab_size, "device": str(t.device), "dtype": str(t.dtype),
+                "local_kv_heads": t.local_kv_heads(), "fused": t.fused is not None}
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -15,19 +15,32 @@ from services.router import Router
 
 
 def build_app(args: dict | None = None) -> Application:
-    """Router -> TargetEngine (tp_size rank actors) -> DraftWorker (its own replica/GPU)."""
+    """Router -> TargetEngine (the target, or its tp_size rank actors) -> DraftWorker (its own
+    replica/GPU)."""
     cfg = ServiceConfig(**(args or {}))
     conf = cfg.model_dump()
-    gpu = 1 if cfg.use_gpu else 0
     draft = None
     if cfg.draft_placement == "worker" and not (cfg.tree.mode == "vanilla" and cfg.draft is None):
         draft = DraftWorker.options(
             num_replicas=cfg.num_replicas,
-            ray_actor_options={"num_cpus": 1, "num_gpus": gpu * cfg.draft_gpu_fraction},
+            ray_actor_options={"num_cpus": 1, "num_gpus": int(cfg.use_gpu) *
+                               cfg.draft_gpu_fraction},
         ).bind(conf)
     engine = TargetEngine.options(
-        num_replicas=cfg.num_replicas,
-        ray_actor_options={"num_cpus": 1, "num_gpus": gpu if draft is None and
-                           cfg.draft_placement == "inprocess" else 0},
+        num_replicas=cfg.num_replicas, ray_actor_options=engine_resources(cfg),
         max_queued_requests=cfg.max_queued_requests).bind(conf, draft)
     return Router.options(max_queued_requests=cfg.max_queued_requests).bind(conf, engine)
+
+
+def engine_resources(cfg: ServiceConfig) -> dict:
+    """The engine replica's Ray resources. Holding the target, it reserves what a rank would
+    (cpus_per_rank, the rank's GPU share); with the target on rank actors (their own
+    placement group), one CPU. A head in the replica (draft_placement "inprocess") gets a
+    whole GPU, shared with the target when the target is there too."""
+    inprocess_head = cfg.draft_placement == "inprocess"
+    gpus = 0.0
+    if cfg.use_gpu and inprocess_head:
+        gpus = 1.0
+    elif cfg.target_in_engine():
+        gpus = cfg.gpu_per_rank()
+    return {"num_cpus": cfg.cpus_per_rank if cfg.target_in_engine() else 1, "num_gpus": gpus}

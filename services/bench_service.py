@@ -7,9 +7,9 @@ draft_placement "inprocess". Both live at once so that their requests can be int
 (the machine is shared and noisy; an idle app costs nothing but memory). Then:
 
 1. concurrency 1, greedy, mode eagle2, the same prompts: the in-process API
-   (`Eagle2.load().generate`, one prompt at a time, torch threads = the TP rank's 1, the
-   service's tree sizes, budget and measured forward and draft costs: both choose the
-   same trees)
+   (`Eagle2.load().generate`, one prompt at a time, torch threads = the service target's 1
+   (cpus_per_rank), the service's tree sizes, budget and measured forward and draft costs:
+   both choose the same trees)
    against
    the service over gRPC GenerateStream (`Eagle2Client.stream`), both apps, the three paths
    interleaved per prompt (order rotated); tokens/s = new tokens / client wall time;
@@ -22,6 +22,9 @@ draft_placement "inprocess". Both live at once so that their requests can be int
    DraftServicer.busy_s (the worker's own compute) is not exposed by engine_stats or by the
    Health RPC, so it is reported as null; the in-process draft ms/step is the estimate of the
    worker's compute (same Drafter code, same head, one torch thread in both replicas).
+
+The target runs where the service config puts it (`target_placement`, "auto": in the engine
+replica at tp_size 1); "target_placement" in the JSON says where it ran in each app.
 
 Prints a summary and writes one JSON file (--out, default runs/bench-service-<ts>.json).
 """
@@ -73,7 +76,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--inprocess-threads", type=int, default=1,
-                   help="torch threads of the in-process API (the service's TP rank uses 1)")
+                   help="torch threads of the in-process API (the service's target uses 1)")
+    p.add_argument("--target-placement", default="auto", choices=["auto", "ranks", "engine"],
+                   help="where the service's target runs (auto: in the engine at tp 1)")
     p.add_argument("--sweep-apps", default="worker",
                    help="apps for the concurrency sweep: worker, inprocess or both (comma)")
     p.add_argument("--target", default=None)
@@ -294,6 +299,7 @@ def run(args) -> int:
             "default_max_tokens": min(args.max_tokens, args.max_context - 1),
             "grpc_port": args.port, "max_queued_requests": 64,
             "target": args.target, "draft": args.draft,
+            "target_placement": args.target_placement,
             "tree": {"mode": args.mode, **({"total_tokens": args.tree_tokens, "depth": 5,
                                             "top_k": 8} if args.tree_tokens else {})}}
     names = {"worker": "eagle2", "inprocess": "eagle2-ip"}
@@ -315,8 +321,10 @@ def run(args) -> int:
         from services.client import Eagle2Client
 
         clients = {pl: Eagle2Client(address, application=names[pl]) for pl in names}
-        report["draft"] = {pl: handles[names[pl]].engine_stats.remote().result()["draft"]
-                           for pl in names}
+        first = {pl: handles[names[pl]].engine_stats.remote().result() for pl in names}
+        report["draft"] = {pl: first[pl]["draft"] for pl in names}
+        report["target_placement"] = {pl: first[pl]["target_placement"] for pl in names}
+        report["target_dtype"] = {pl: first[pl]["target_dtype"] for pl in names}
         # warm-up: one short request per path (first-call costs out of the numbers)
         for pl in names:
             _stream_one(clients[pl], prompts[0], 8, args.mode)
@@ -419,8 +427,8 @@ def run(args) -> int:
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("concurrency1", "draft_hop", "concurrency_sweep")},
-                     indent=2))
+    print(json.dumps({k: report[k] for k in ("target_placement", "concurrency1", "draft_hop",
+                                              "concurrency_sweep")}, indent=2))
     print(format_summary(report), file=sys.stderr)
     print(f"wrote {out_path}", file=sys.stderr)
     return 0
@@ -428,7 +436,8 @@ def run(args) -> int:
 
 def format_summary(report: dict) -> str:
     c1, hop = report["concurrency1"], report["draft_hop"]
-    lines = ["", "== concurrency 1 (same prompts, greedy) ==",
+    lines = ["", f"target placement: {report.get('target_placement')}",
+             "== concurrency 1 (same prompts, greedy) ==",
              f"in-process API          {c1['inproc']['tokens_per_s']} tok/s"]
     for pl in ("worker", "inprocess"):
         s = c1[f"service_{pl}"]

@@ -27,6 +27,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drain-s", type=float, default=10.0,
                    help="on Ctrl-C / SIGTERM: seconds running requests get to finish")
     p.add_argument("--draft-placement", choices=["worker", "inprocess"], default=None)
+    p.add_argument("--target-placement", choices=["auto", "ranks", "engine"], default=None,
+                   help="engine: the target in the engine replica (tp 1); ranks: on rank "
+                        "actors; auto (default): engine at tp 1, else ranks")
     p.add_argument("--mode", default=None, help="default speculation mode")
 
 
@@ -40,7 +43,8 @@ def config_from_args(args) -> dict:
         apps = raw.get("applications") if isinstance(raw, dict) else None
         conf = dict(apps[0].get("args", {})) if apps else dict(raw)
     for key, field in (("target", "target"), ("draft", "draft"), ("tp_size", "tp_size"),
-                       ("port", "grpc_port"), ("draft_placement", "draft_placement")):
+                       ("port", "grpc_port"), ("draft_placement", "draft_placement"),
+                       ("target_placement", "target_placement")):
         if getattr(args, key) is not None:
             conf[field] = getattr(args, key)
     if args.mode:

@@ -44,7 +44,12 @@ class ServiceConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Tensor-parallel ranks for the target (one Ray actor each, in one placement group).
     tp_size: int = Field(1, ge=1, le=64)
-    # GPUs: each TP rank and the draft worker ask for one when true.
+    # Where the target runs: "ranks" = on the tp_size rank actors (a Ray call per step);
+    # "engine" = whole, inside the engine replica (tp_size 1 only; no call per step, as
+    # vLLM's uniprocess executor); "auto" = "engine" at tp_size 1, else "ranks".
+    target_placement: Literal["auto", "ranks", "engine"] = "auto"
+    # GPUs: each TP rank (or the engine replica holding the target) and the draft worker ask
+    # for one when true.
     use_gpu: bool = False
     # Engine replicas (each with its own tp_size ranks and draft worker); `eagle2 plan
     # --layouts` ranks replicas x tp for a node, e.g. 2 x tp4 on 8 GPUs.
@@ -52,7 +57,8 @@ class ServiceConfig(BaseModel):
     # The draft worker's GPU share: 1.0 = a GPU of its own; below 1 it shares a GPU with a TP
     # rank, and every rank then asks for 1 - draft_gpu_fraction (Ray packs the fractions).
     draft_gpu_fraction: float = Field(1.0, gt=0, le=1)
-    # CPUs reserved per TP rank (its placement-group bundle); also its torch threads.
+    # CPUs reserved per TP rank (its placement-group bundle, or the engine replica when it
+    # holds the target); also its torch threads.
     cpus_per_rank: float = Field(1.0, gt=0)
     # "worker": the head runs in its own deployment, reached over gRPC; "inprocess": in the
     # engine replica (single-GPU deployments), otherwise the same code path.
@@ -91,7 +97,20 @@ class ServiceConfig(BaseModel):
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         if self.max_tokens_limit >= self.max_context:
             raise ValueError("max_tokens_limit must be below max_context")
+        if self.target_placement == "engine" and self.tp_size > 1:
+            raise ValueError(f"target_placement 'engine' holds the whole target in the engine "
+                             f"replica, so it needs tp_size 1 (got tp_size {self.tp_size}); "
+                             f"use target_placement 'ranks' or 'auto' for tensor parallelism")
         return self
+
+    def resolved_target_placement(self) -> Literal["ranks", "engine"]:
+        """Where the target runs: target_placement with "auto" decided by tp_size."""
+        if self.target_placement == "auto":
+            return "engine" if self.tp_size == 1 else "ranks"
+        return self.target_placement
+
+    def target_in_engine(self) -> bool:
+        return self.resolved_target_placement() == "engine"
 
     def device(self) -> str:
         return "cuda" if self.use_gpu else "cpu"

@@ -1,9 +1,10 @@
-"""The target engine deployment: tensor-parallel target, continuous batching, one step loop.
+"""The target engine deployment: the target, continuous batching, one step loop.
 
 A background thread owns the core `Engine` and runs draft -> verify -> commit steps while any
 request is active; requests join between steps and leave when finished or cancelled. Each
 request's events go back to its caller (the router) through an asyncio queue, streamed over a
-Serve handle. The target runs on tp_size rank actors (`ShardedRunner`); the drafter is the
+Serve handle. The target runs in this process (`LocalRunner`, target_placement "engine", the
+default at tp_size 1) or on tp_size rank actors (`ShardedRunner`, "ranks"); the drafter is the
 draft worker over gRPC (`ResilientDrafter`: plain decoding while the worker is away) or, for
 single-GPU set-ups, in this process.
 
@@ -28,6 +29,8 @@ from ray import serve
 
 from eagle2.config import SamplingParams
 from eagle2.engine import Engine, Event, Request
+from eagle2.runner import LocalRunner
+from eagle2.target import pick_device, pick_dtype
 from services.config import ServiceConfig
 from services.metrics import EngineMetrics
 from services.tp_runner import ShardedRunner
@@ -39,10 +42,13 @@ log = logging.getLogger(__name__)
 class TargetEngine:
     async def __init__(self, config: dict, draft_worker=None):
         self.cfg = cfg = ServiceConfig(**config)
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.placement = cfg.resolved_target_placement()
+        # the target's threads where it runs here (as a rank actor's: its share of the cores)
+        torch.set_num_threads(max(1, int(cfg.cpus_per_rank)) if cfg.target_in_engine()
+                              else max(1, torch.get_num_threads()))
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         runner = self._new_runner()
-        self.cost_path = _cost_path(cfg, runner.info)
+        self.cost_path = _cost_path(cfg, self.placement, runner.info)
         self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
                              costs=self.cost_path)
         self.tree = cfg.tree.to_core()
@@ -58,10 +64,17 @@ class TargetEngine:
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
 
-    def _new_runner(self) -> ShardedRunner:
+    def _new_runner(self) -> LocalRunner | ShardedRunner:
+        """The whole target in this process (what a rank actor holds at tp_size 1), or the
+        rank actors."""
         from services.draft_worker import feature_layers
 
         cfg = self.cfg
+        if cfg.target_in_engine():
+            device = pick_device(cfg.device())
+            return LocalRunner.load(cfg.target, pick_dtype(cfg.dtype, device), device,
+                                    cfg.max_batch_size, cfg.max_context + Engine.tree_margin,
+                                    feature_layers(cfg))
         return ShardedRunner(cfg.tp_size, cfg.max_batch_size,
                              cfg.max_context + Engine.tree_margin, target=cfg.target,
                              dtype=None if cfg.dtype == "auto" else cfg.dtype,
@@ -116,6 +129,8 @@ class TargetEngine:
         out = asdict(s)
         out["pid"] = os.getpid()
         out["torch_threads"] = torch.get_num_threads()
+        out["target_placement"] = self.placement
+        out["target_dtype"] = self.engine.runner.info["dtype"]
         costs = self.engine.known_costs  # what the tree budget decides with
         out["costs"] = None if costs is None else costs.to_json()
         out["costs_path"] = str(self.cost_path)
@@ -136,17 +151,19 @@ class TargetEngine:
         return out
 
     def rank_pids(self) -> list[int]:
-        """The tensor-parallel rank actors' process ids (for fault tests and operators)."""
+        """The tensor-parallel rank actors' process ids (for fault tests and operators); []
+        when the target runs in this replica (its pid is stats()["pid"])."""
         import ray
 
-        actors = self.engine.runner.actors
+        actors = getattr(self.engine.runner, "actors", [])
         return ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in actors])
 
     def reset_stats(self) -> None:
         self.inbox.put(("reset_stats", None))
 
     def info(self) -> dict:
-        return {"draft": self.draft_desc, "tree": asdict(self.tree), "pid": os.getpid()}
+        return {"draft": self.draft_desc, "tree": asdict(self.tree), "pid": os.getpid(),
+                "target_placement": self.placement}
 
     def health(self) -> dict:
         """serving: the step loop runs, the ranks are up, and waiting work makes progress."""
@@ -201,11 +218,12 @@ class TargetEngine:
 
     def _step_failed(self, e: Exception) -> None:
         """End every running request with an error event and start over with a clean engine
-        (rebuilding the rank group when a rank died)."""
+        on the same runner (rebuilding the rank group when a rank died; the target in this
+        process has no rank to lose: its errors are INTERNAL)."""
         import ray.exceptions
 
-        rank_died = isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
-                                   TimeoutError))
+        rank_died = isinstance(self.engine.runner, ShardedRunner) and isinstance(
+            e, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, TimeoutError))
         if rank_died:
             log.error("a tensor-parallel rank failed (%s); failing %d requests and rebuilding "
                       "the ranks", type(e).__name__, len(self.engine.ids()))
@@ -235,7 +253,7 @@ class TargetEngine:
             self.last_rank_recovery_s = time.monotonic() - t0
             log.warning("tensor-parallel ranks rebuilt in %.1f s", self.last_rank_recovery_s)
         self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context,
-                             costs=_cost_path(self.cfg, runner.info))  # cached: not measured
+                             costs=_cost_path(self.cfg, self.placement, runner.info))  # cached
 
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":
@@ -262,7 +280,8 @@ def traffic_stats(runner, drafter) -> dict:
     """Bytes moved between processes so far: engine <-> TP ranks (tensors in the calls, the
     same inputs counted once per rank) and engine <-> draft worker (serialized protobuf);
     seconds the engine waited for its rank calls and rank 0 computed in them (their
-    difference is the cost of the hop)."""
+    difference is the cost of the hop). None where there is no such process (the target or
+    the head in the engine)."""
     traffic = getattr(runner, "traffic", {})
     busy = getattr(runner, "rank_busy_s", None)
     return {"rank_bytes_out": traffic.get("bytes_out"), "rank_bytes_in": traffic.get("bytes_in"),
@@ -277,13 +296,15 @@ def _event_dict(ev: Event) -> dict:
             "accepted_at_depth": ev.accepted_at_depth, "time": time.time()}
 
 
-def _cost_path(cfg: ServiceConfig, rank_info: dict):
+def _cost_path(cfg: ServiceConfig, placement: str, runner_info: dict):
     """This machine's measured forward costs for this deployment's target and layout, and for
-    how the ranks run it (fused layers or the modules: costs measured one way misguide the
-    tree budget the other way)."""
+    how it runs: in the engine or through Ray calls to ranks, in which dtype, fused layers or
+    the modules (costs measured one way misguide the tree budget the other way)."""
+    from eagle2.budget import COSTS_VERSION
     from eagle2.kernels import machine_key
     from eagle2.target import cache_root
 
-    key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{cfg.dtype}|{cfg.use_gpu}|"
-                      f"{cfg.cpus_per_rank}|fused={rank_info.get('fused')}")
+    key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{placement}|"
+                      f"{runner_info.get('dtype')}|{cfg.use_gpu}|{cfg.cpus_per_rank}|"
+                      f"fused={runner_info.get('fused')}|v{COSTS_VERSION}")
     return cache_root() / "costs" / f"{key}.json"

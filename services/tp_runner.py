@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from eagle2.runner import LocalRunner
 from eagle2.target import embedded_model_dir, pick_device, pick_dtype
-from eagle2.tp import check_tp_size, init_tp, load_rank
+from eagle2.tp import check_tp_size, init_tp
 
 
 class TPRank:
@@ -66,12 +66,10 @@ class TPRank:
         dtype = pick_dtype(self.dtype, self.device)
         _check_target(self.target_spec, self.tp_size)  # every rank fails alike, before joining
         init_tp(self.rank, self.tp_size, master_addr, master_port)
-        target = load_rank(self.target_spec, self.tp_size, self.rank, dtype, str(self.device))
-        target.set_feature_layers(self.feature_layers)
-        self.runner = LocalRunner(target, self.num_slots, self.max_len)
-        return {"vocab_size": target.vocab_size, "device": str(target.device),
-                "dtype": str(target.dtype), "local_kv_heads": target.local_kv_heads(),
-                "fused": target.fused is not None}  # fused layers (eagle2.fused) or modules
+        self.runner = LocalRunner.load(self.target_spec, dtype, self.device, self.num_slots,
+                                       self.max_len, self.feature_layers, self.tp_size,
+                                       self.rank)
+        return self.runner.info
 
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
         """Rank 0 returns (features, logits) on CPU; the others return None (same values)."""

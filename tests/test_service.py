@@ -1,7 +1,8 @@
 """The service end to end: real Ray Serve, real gRPC, the embedded model (no mocks).
 
 One app is deployed for the module (about a minute to start on 2 cores): router -> target
-engine (one TP rank actor) -> draft worker (its own replica process, reached over gRPC).
+engine (holding the whole target: tp_size 1, target_placement "auto" = "engine") -> draft
+worker (its own replica process, reached over gRPC).
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ def test_draft_worker_is_another_process_reached_over_grpc(client, service):
     after = worker.health()
     assert after.draft_requests > health.draft_requests  # the worker's own gRPC counter
     assert service.engine_stats.remote().result()["draft_rpc_calls"] > stats["draft_rpc_calls"]
+
+
+def test_tp1_target_runs_in_the_engine_replica_without_rank_actors(client, service):
+    import ray
+
+    stats = service.engine_stats.remote().result()
+    assert stats["target_placement"] == "engine" and stats["torch_threads"] == 1
+    assert client.model_info().target_placement == "engine"
+    assert service.rank_pids.remote().result() == []
+    assert stats["rank_bytes_out"] is None  # no call to a rank process, ever
+    groups = ray.util.placement_group_table().values()  # a rank group would be one
+    assert not [g for g in groups if g["state"] != "REMOVED"], list(groups)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -328,3 +341,33 @@ def test_short_soak_is_clean(client):
     out = soak.summary(healthy=True)
     assert out["ok"], out
     assert out["requests"] >= 6
+
+
+# ----- last: it replaces the engine replica ------------------------------------------------------
+def test_kill_engine_holding_the_target_gives_unavailable_then_recovers(client, service, local):
+    """At tp_size 1 the target dies with the engine replica: its streams end UNAVAILABLE at
+    once, and Serve's new replica serves the same output."""
+    import signal
+    import time
+
+    expected = local.generate([PROMPTS[0]], SamplingParams(max_tokens=24), mode="vanilla")[0]
+    pid = service.engine_stats.remote().result()["pid"]
+    stream = client.stream(PROMPTS[4], max_tokens=200, mode="vanilla")
+    assert next(stream).token_ids
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.value.details()
+    while True:  # clients retry UNAVAILABLE
+        try:
+            ids = stream_ids(client, PROMPTS[0], max_tokens=24)[0]
+            break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - killed < 240
+            time.sleep(1)
+    print(f"\nengine replica kill -9 -> a new request served: {time.monotonic() - killed:.1f} s")
+    assert ids == expected.token_ids
+    assert service.engine_stats.remote().result()["pid"] != pid

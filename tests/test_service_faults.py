@@ -2,7 +2,9 @@
 rank. Every accepted greedy request either ends with exactly the target's plain greedy output
 or with UNAVAILABLE and a message (never a truncated OK stream); the service recovers on its
 own and the recovery times are printed (run with -s to see them). The same deployment checks
-the metrics export and API-key authentication."""
+the metrics export and API-key authentication. The target runs on a rank actor
+(target_placement "ranks"; tp_size 1 would otherwise hold it in the engine replica), so
+that there is a rank to kill."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ pytest.importorskip("ray")
 PORT = 19010
 METRICS_PORT = 19091
 CONFIG = {"max_batch_size": 4, "max_context": 512, "max_tokens_limit": 256,
-          "default_max_tokens": 24, "grpc_port": PORT, "max_queued_requests": 16}
+          "default_max_tokens": 24, "grpc_port": PORT, "max_queued_requests": 16,
+          "target_placement": "ranks"}
 PROMPTS = ["Write a long story about a dragon.", "Explain in detail how a computer works.",
            "Describe the history of Rome.", "List twenty animals and describe each one."]
 MAX_TOKENS = 128  # long enough that every stream is still running when the worker dies
@@ -119,6 +122,7 @@ def test_kill_draft_worker_mid_stream_keeps_every_greedy_output(client, service,
 
 
 def test_kill_tp_rank_mid_stream_gives_unavailable_then_recovers(client, service, plain):
+    assert client.model_info().target_placement == "ranks"
     pid = service.rank_pids.remote().result()[0]
     stream = client.stream(PROMPTS[1], max_tokens=200, mode="vanilla")
     assert next(stream).token_ids

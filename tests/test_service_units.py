@@ -166,3 +166,31 @@ def test_exceptions_map_to_statuses_without_internal_details():
         err = to_request_error(exc)
         assert err.code == code
         assert "10.0.0.7" not in err.message and "pid" not in err.message
+
+
+def test_target_placement_resolves_by_tp_size_and_engine_needs_tp_1():
+    from services.config import ServiceConfig
+
+    assert ServiceConfig().resolved_target_placement() == "engine"
+    assert ServiceConfig(tp_size=2).resolved_target_placement() == "ranks"
+    assert not ServiceConfig(target_placement="ranks").target_in_engine()
+    assert ServiceConfig(target_placement="engine").target_in_engine()
+    with pytest.raises(ValueError, match=r"target_placement 'engine' .* needs tp_size 1"):
+        ServiceConfig(target_placement="engine", tp_size=2)
+
+
+def test_engine_replica_reserves_the_targets_resources_only_when_it_holds_it():
+    pytest.importorskip("ray")
+    from services.app import engine_resources
+    from services.config import ServiceConfig
+
+    def res(**kw):
+        return engine_resources(ServiceConfig(**kw))
+
+    assert res(cpus_per_rank=4) == {"num_cpus": 4, "num_gpus": 0}
+    assert res(cpus_per_rank=4, target_placement="ranks") == {"num_cpus": 1, "num_gpus": 0}
+    assert res(use_gpu=True) == {"num_cpus": 1, "num_gpus": 1.0}
+    assert res(use_gpu=True, draft_gpu_fraction=0.1) == {"num_cpus": 1, "num_gpus": 0.9}
+    assert res(use_gpu=True, tp_size=4) == {"num_cpus": 1, "num_gpus": 0}  # ranks have them
+    assert res(use_gpu=True, draft_placement="inprocess",
+               draft_gpu_fraction=0.1)["num_gpus"] == 1.0  # head and target share one GPU
