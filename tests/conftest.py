@@ -81,3 +81,23 @@ def smol():
     from eagle2.api import Eagle2
 
     return Eagle2.load(max_batch=4, max_context=1024, dtype="float32", device="cpu")
+
+
+def kill_mid_stream(client, pid: int, prompt: str):
+    """Start a long plain-decoding stream, kill -9 process `pid` once its first tokens have
+    arrived and read the stream to its end: -> (the grpc.RpcError it ended with, the
+    time.monotonic() of the kill)."""
+    import os
+    import signal
+    import time
+
+    import grpc
+
+    stream = client.stream(prompt, max_tokens=200, mode="vanilla")
+    assert next(stream).token_ids
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    return err.value, killed

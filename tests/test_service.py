@@ -12,6 +12,7 @@ import threading
 
 import grpc
 import pytest
+from conftest import kill_mid_stream
 
 from eagle2.config import SamplingParams
 
@@ -347,19 +348,12 @@ def test_short_soak_is_clean(client):
 def test_kill_engine_holding_the_target_gives_unavailable_then_recovers(client, service, local):
     """At tp_size 1 the target dies with the engine replica: its streams end UNAVAILABLE at
     once, and Serve's new replica serves the same output."""
-    import signal
     import time
 
     expected = local.generate([PROMPTS[0]], SamplingParams(max_tokens=24), mode="vanilla")[0]
     pid = service.engine_stats.remote().result()["pid"]
-    stream = client.stream(PROMPTS[4], max_tokens=200, mode="vanilla")
-    assert next(stream).token_ids
-    killed = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in stream:
-            pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.value.details()
+    err, killed = kill_mid_stream(client, pid, PROMPTS[4])
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.details()
     while True:  # clients retry UNAVAILABLE
         try:
             ids = stream_ids(client, PROMPTS[0], max_tokens=24)[0]

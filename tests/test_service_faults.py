@@ -15,6 +15,7 @@ import time
 
 import grpc
 import pytest
+from conftest import kill_mid_stream
 
 from eagle2.config import SamplingParams
 
@@ -124,15 +125,9 @@ def test_kill_draft_worker_mid_stream_keeps_every_greedy_output(client, service,
 def test_kill_tp_rank_mid_stream_gives_unavailable_then_recovers(client, service, plain):
     assert client.model_info().target_placement == "ranks"
     pid = service.rank_pids.remote().result()[0]
-    stream = client.stream(PROMPTS[1], max_tokens=200, mode="vanilla")
-    assert next(stream).token_ids
-    killed = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in stream:
-            pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    details = err.value.details()
+    err, killed = kill_mid_stream(client, pid, PROMPTS[1])
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    details = err.details()
     assert "retry" in details and "pid" not in details and "127.0.0.1" not in details
     from grpc_health.v1 import health_pb2
 
