@@ -43,7 +43,11 @@ def _interp(xs: tuple[int, ...], ys: list[float], x: float) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Forward time in seconds of B requests x N tree tokens, measured on a grid."""
+    """Forward time in seconds of B requests x N tree tokens, measured on a grid after
+    `prefix` committed tokens per request, and optionally on a second grid after
+    `long_prefix`: the attention's share grows with the context (at 8 requests x 1 token,
+    c = 57 ms after 64 tokens, 99 ms after 512, this machine), so a cost is read at the
+    batch's mean context, linear between (and beyond) the two."""
 
     batches: tuple[int, ...]  # ascending
     nodes: tuple[int, ...]  # ascending
@@ -56,9 +60,20 @@ class CostModel:
     draft_level_s: tuple[float, ...] = ()
     # which head the draft costs were measured with (`draft_key`): another head re-measures
     draft_head: str = ""
+    long_prefix: int = 0  # 0: one grid, the cost does not depend on the context
+    long_seconds: tuple[tuple[float, ...], ...] = ()  # like `seconds`, after long_prefix
 
-    def __call__(self, num_b: int, num_n: int) -> float:
-        per_batch = [_interp(self.nodes, list(row), num_n) for row in self.seconds]
+    def __call__(self, num_b: int, num_n: int, context: float | None = None) -> float:
+        """context: committed tokens per request (mean over the batch); None: the grid's."""
+        short = self._read(self.seconds, num_b, num_n)
+        if context is None or not self.long_prefix or self.long_prefix <= self.prefix:
+            return short
+        long = self._read(self.long_seconds, num_b, num_n)
+        frac = (context - self.prefix) / (self.long_prefix - self.prefix)
+        return max(short + (long - short) * frac, 0.5 * short)
+
+    def _read(self, grid, num_b: int, num_n: int) -> float:
+        per_batch = [_interp(self.nodes, list(row), num_n) for row in grid]
         return _interp(self.batches, per_batch, num_b)
 
     def draft_level(self, num_b: int) -> float:
@@ -71,7 +86,9 @@ class CostModel:
         return {"batches": list(self.batches), "nodes": list(self.nodes),
                 "seconds": [list(r) for r in self.seconds], "prefix": self.prefix,
                 "draft_batches": list(self.draft_batches),
-                "draft_level_s": list(self.draft_level_s), "draft_head": self.draft_head}
+                "draft_level_s": list(self.draft_level_s), "draft_head": self.draft_head,
+                "long_prefix": self.long_prefix,
+                "long_seconds": [list(r) for r in self.long_seconds]}
 
     @classmethod
     def from_json(cls, data: dict, draft_head: str | None = None) -> CostModel:
@@ -86,7 +103,8 @@ class CostModel:
             head = draft_head if batches else ""
         return cls(tuple(data["batches"]), tuple(data["nodes"]),
                    tuple(tuple(r) for r in data["seconds"]), data.get("prefix", 0),
-                   batches, levels, head)
+                   batches, levels, head, data.get("long_prefix", 0),
+                   tuple(tuple(r) for r in data.get("long_seconds", ())))
 
     def save(self, path: Path) -> None:
         """Write to a cache file, keeping the draft costs of other heads already there (two
@@ -111,39 +129,59 @@ class CostModel:
         write_json_atomic(path, {**self.to_json(), "drafts": drafts})
 
     @classmethod
-    def measure(cls, runner, max_batch: int, max_nodes: int = 32, prefix: int = 256,
-                repeats: int = 3) -> CostModel:
-        """Time runner.forward (logits included) over the grid (`time_grid`, 1 + `repeats`
-        passes), then take the lower envelope (`lower_envelope`).
+    def measure(cls, runner, max_batch: int, max_nodes: int = 32, prefix: int = 64,
+                long_prefix: int = 0, repeats: int = 3) -> CostModel:
+        """Time runner.forward (logits included) over the grid after `prefix` and, if
+        long_prefix > prefix, after long_prefix too (`time_grid`, 1 + `repeats` sweeps over
+        both), then take the lower envelope (`lower_envelope`; a cell of the short grid is
+        also bounded by the long one's).
 
-        Runs on cache slots [0, B): each slot's length is raised to at least `prefix` for the
-        measurement, so the tokens land in scratch entries past anything committed, and put
-        back after. Safe between engine steps."""
+        Runs on cache slots [0, B): each slot's length is raised to at least the prefix for
+        the measurement, so the tokens land in scratch entries past anything committed, and
+        put back after. Safe between engine steps."""
         batches = tuple(b for b in BATCHES if b <= max_batch) or (1,)
         nodes = tuple(n for n in NODES if n <= max_nodes)
-        seconds = time_grid(runner, batches, nodes, prefix, passes=repeats + 1)
-        return cls(batches, nodes, lower_envelope(seconds), prefix)
+        prefixes = (prefix, long_prefix) if long_prefix > prefix else (prefix,)
+        grids = time_grid(runner, batches, nodes, prefixes, passes=repeats + 1)
+        return cls.from_grids(batches, nodes, prefixes, grids)
 
     @classmethod
-    def cached(cls, runner, max_batch: int, path: Path, prefix: int = 256,
-               refresh: bool = False, draft_head: str | None = None) -> CostModel:
+    def from_grids(cls, batches: tuple[int, ...], nodes: tuple[int, ...],
+                   prefixes: tuple[int, ...], grids) -> CostModel:
+        """Timed grids, one per prefix (`time_grid`; one or two) -> the model: each grid's
+        lower envelope, and a cell after the short prefix also bounded by the long one's
+        (a longer context never costs less)."""
+        if len(grids) == 1:
+            return cls(batches, nodes, lower_envelope(grids[0]), prefixes[0])
+        long = lower_envelope(grids[1])
+        short = lower_envelope([[min(a, b) for a, b in zip(r, q, strict=True)]
+                                for r, q in zip(grids[0], long, strict=True)])
+        return cls(batches, nodes, short, prefixes[0], long_prefix=prefixes[1],
+                   long_seconds=long)
+
+    @classmethod
+    def cached(cls, runner, max_batch: int, path: Path, prefix: int = 64,
+               long_prefix: int = 0, refresh: bool = False,
+               draft_head: str | None = None) -> CostModel:
         """From `path` (written by an earlier start or by `eagle2 bench-forward`), else
         measured and saved there. Processes starting together take turns (a file lock): the
         first measures, the others read, and no two measurements share the machine."""
         with _locked(path):
             if path.exists() and not refresh:
                 model = cls.from_json(json.loads(path.read_text()), draft_head)
-                if model.batches[-1] >= min(max_batch, BATCHES[-1]):
+                if (model.batches[-1] >= min(max_batch, BATCHES[-1])
+                        and (model.long_prefix > model.prefix or long_prefix <= prefix)):
                     return model
-            model = cls.measure(runner, max_batch, prefix=prefix)
+            model = cls.measure(runner, max_batch, prefix=prefix, long_prefix=long_prefix)
             model._write(path)
         return model
 
 
-def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...], prefix: int,
-              passes: int = 4) -> list[list[float]]:
-    """Best seconds of runner.forward for B requests x N tokens (a causal chain at position
-    `prefix` or past what is committed), for every (B, N) of the grid.
+def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...],
+              prefix: int | tuple[int, ...], passes: int = 4):
+    """Best seconds of runner.forward for B requests x N tokens (a causal chain after
+    `prefix` committed tokens, or past what is committed), for every (B, N) of the grid:
+    [B][N]; prefix a tuple: one such grid per prefix, swept together.
 
     The grid is swept `passes` times, one call per cell and sweep, and each cell keeps its
     fastest call. On a shared machine slow phases last seconds (another process or VM on the
@@ -151,25 +189,29 @@ def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...], prefix: 
     sweeps a phase spoils one sample of many cells. The first sweep also warms each shape up
     (kernel primitives are built at a shape's first call); its samples count only where no
     later one is faster. Cache slots [0, max B) are used, lengths restored after."""
+    prefixes = prefix if isinstance(prefix, tuple) else (prefix,)
     dev = runner.device
     slots = torch.arange(batches[-1], device=dev)
     old = runner.lengths[: batches[-1]].clone()
-    start = torch.clamp(old, min=prefix)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     inputs = {}
-    for num_b in batches:
-        for num_n in nodes:
-            tokens = torch.zeros(num_b, num_n, dtype=torch.long, device=dev)
-            positions = (start[:num_b, None].to(dev) +
-                         torch.arange(num_n, device=dev)).expand(num_b, num_n)
-            mask = torch.ones(num_n, num_n, dtype=torch.bool, device=dev).tril()
-            inputs[num_b, num_n] = (tokens, positions, mask.expand(num_b, num_n, num_n),
-                                    slots[:num_b])
-    best = {cell: float("inf") for cell in inputs}
+    for pre in prefixes:
+        start = torch.clamp(old, min=pre)
+        for num_b in batches:
+            for num_n in nodes:
+                tokens = torch.zeros(num_b, num_n, dtype=torch.long, device=dev)
+                positions = (start[:num_b, None].to(dev) +
+                             torch.arange(num_n, device=dev)).expand(num_b, num_n)
+                mask = torch.ones(num_n, num_n, dtype=torch.bool, device=dev).tril()
+                inputs[pre, num_b, num_n] = (start, (tokens, positions,
+                                                     mask.expand(num_b, num_n, num_n),
+                                                     slots[:num_b]))
+    best = dict.fromkeys(inputs, float("inf"))
     try:
-        runner.set_lengths(slots, start)
         for _ in range(max(passes, 1)):
-            for cell, args in inputs.items():
+            for cell, (start, args) in inputs.items():
+                if cell[1:] == (batches[0], nodes[0]):  # a new prefix: set the lengths once
+                    runner.set_lengths(slots, start)
                 sync()
                 t0 = time.perf_counter()
                 runner.forward(*args)
@@ -177,7 +219,8 @@ def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...], prefix: 
                 best[cell] = min(best[cell], time.perf_counter() - t0)
     finally:
         runner.set_lengths(slots, old)
-    return [[best[b, n] for n in nodes] for b in batches]
+    grids = [[[best[pre, b, n] for n in nodes] for b in batches] for pre in prefixes]
+    return grids if isinstance(prefix, tuple) else grids[0]
 
 
 def lower_envelope(seconds) -> tuple[tuple[float, ...], ...]:
@@ -271,12 +314,13 @@ class BudgetChoice:
 
 
 def choose_num_nodes(values: torch.Tensor, costs: CostModel, draft_s: float,
-                     min_nodes: int = 1) -> BudgetChoice:
+                     min_nodes: int = 1, context: float | None = None) -> BudgetChoice:
     # draft_s: the draft time of this step, predicted from the cost model
     """values: [B, N] calibrated acceptance estimates of each tree's nodes (node 0 = root,
     padding 0). -> the N that maximises predicted tokens per second this step.
 
     min_nodes: trees that cannot be cut (fixed budgets) make every forward at least this big.
+    context: the batch's mean committed length (costs grow with it; None: the grid's own).
     E.g. one tree with values [1, .9, .5, .1], c(1, n) = .05, .052, .055, .07 s, draft .01 s:
     n = 3 gives (1 + 1.4) / .065 = 36.9 tokens/s, the best; plain gives 1 / .05 = 20.
     """
@@ -285,9 +329,9 @@ def choose_num_nodes(values: torch.Tensor, costs: CostModel, draft_s: float,
     best = drafts.sort(dim=1, descending=True).values.cumsum(dim=1)  # [B, N - 1]
     expected = torch.cat([torch.zeros(1), best.sum(0)]) + num_b  # [N] by tree size n = i + 1
     sizes = range(max(min_nodes, 1), num_n + 1)
-    rates = [(float(expected[n - 1]) / (draft_s + costs(num_b, n)), n) for n in sizes]
+    rates = [(float(expected[n - 1]) / (draft_s + costs(num_b, n, context)), n) for n in sizes]
     rate, n = max(rates)
-    plain = num_b / costs(num_b, max(min_nodes, 1))
+    plain = num_b / costs(num_b, max(min_nodes, 1), context)
     return BudgetChoice(n, float(expected[n - 1]), rate, plain)
 
 

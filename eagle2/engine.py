@@ -204,14 +204,21 @@ class Engine:
     def costs(self) -> CostModel:
         """The target's forward costs (measured or read once; draft costs may follow)."""
         if not isinstance(self._costs, CostModel):
-            prefix = min(256, self.max_context // 2)
+            # two contexts: a cost is read at the batch's mean context (`_context`)
+            short, long = min(64, self.max_context // 4), min(512, self.max_context // 2)
             if self._cost_path is not None:
                 head = None if self.drafter is None else draft_key(self.drafter)
                 self._costs = CostModel.cached(self.runner, self.max_batch, self._cost_path,
-                                               prefix, draft_head=head)
+                                               short, long, draft_head=head)
             else:
-                self._costs = CostModel.measure(self.runner, self.max_batch, prefix=prefix)
+                self._costs = CostModel.measure(self.runner, self.max_batch, prefix=short,
+                                                long_prefix=long)
         return self._costs
+
+    def _context(self) -> float:
+        """Committed tokens per running request, mean over the batch (what the forward's
+        attention reads; costs depend on it)."""
+        return float(self.runner.lengths[: len(self.seqs)].float().mean())
 
     @property
     def known_costs(self) -> CostModel | None:
@@ -245,7 +252,7 @@ class Engine:
     def _min_gain(self, num_b: int) -> float:
         """Expected accepted tokens one more tree level must promise to be worth drafting."""
         costs = self._draft_costs()
-        rate = max(self._rate, num_b / costs(num_b, 1))
+        rate = max(self._rate, num_b / costs(num_b, 1, self._context()))
         return rate * costs.draft_level(num_b)
 
     def _choose_budget(self, tree: DraftTree, drafted: bool) -> DraftTree:
@@ -261,7 +268,8 @@ class Engine:
         values = tree.values[auto]
         scale = torch.tensor([self._acceptance_scale(s) for s in self.seqs if s.auto])
         values = torch.cat([values[:, :1], (values[:, 1:] * scale[:, None]).clamp(max=1)], 1)
-        choice = choose_num_nodes(values, costs, draft_s, int(fixed.max()) if len(fixed) else 1)
+        choice = choose_num_nodes(values, costs, draft_s, int(fixed.max()) if len(fixed) else 1,
+                                  context=self._context())
         self.gate.record(choice.pays)
         self._rate = choice.rate
         self.stats.nodes_chosen[choice.num_nodes] += 1

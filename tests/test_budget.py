@@ -58,16 +58,62 @@ def test_cost_model_interpolates_and_round_trips():
     assert CostModel.from_json(m.to_json()) == m
 
 
+def test_cost_model_reads_costs_at_the_batch_context():
+    m = CostModel((1,), (1, 4), ((1.0, 2.0),), prefix=64, long_prefix=512,
+                  long_seconds=((3.0, 4.0),))
+    assert m(1, 1, 64) == pytest.approx(1.0) and m(1, 4, 512) == pytest.approx(4.0)
+    assert m(1, 1, 288) == pytest.approx(2.0)  # halfway
+    assert m(1, 1, 960) == pytest.approx(5.0)  # linear past the long grid
+    assert m(1, 1, 0) == pytest.approx(0.714, abs=1e-3)  # and below the short one
+    assert m(1, 4) == pytest.approx(2.0)  # no context: the short grid
+    assert CostModel.from_json(m.to_json()) == m
+    old = {k: v for k, v in m.to_json().items() if not k.startswith("long")}
+    assert CostModel.from_json(old)(1, 1, 512) == pytest.approx(1.0)  # one grid: flat
+
+
+def test_choice_follows_the_context():
+    """Verifying 4 tokens costs 2x one token after a short context, 1.2x after a long one
+    (the attention over the prefix is shared): the same tree pays only in the long one."""
+    costs = CostModel((1,), (1, 2, 4), ((0.05, 0.08, 0.10),), prefix=64, long_prefix=512,
+                      long_seconds=((0.10, 0.11, 0.12),))
+    values = torch.tensor([[1.0, 0.5, 0.3, 0.2]])
+    short, long = (choose_num_nodes(values, costs, 0.0, context=c) for c in (64, 512))
+    assert not short.pays
+    assert long.pays and long.num_nodes == 4 and long.rate == pytest.approx(2.0 / 0.12)
+
+
+def test_speculation_pays_only_past_the_margin():
+    from eagle2.budget import SPECULATION_MARGIN, BudgetChoice
+
+    assert not BudgetChoice(4, 2.0, 10.0 * (1 + SPECULATION_MARGIN / 2), 10.0).pays
+    assert BudgetChoice(4, 2.0, 10.0 * (1 + 2 * SPECULATION_MARGIN), 10.0).pays
+
+
 def test_cost_model_measures_a_runner_without_touching_committed_entries():
     target = tiny_target()
     engine = make_engine(target, 0, max_batch=2, max_context=64)
     engine.runner.cache.lengths[:] = torch.tensor([5, 0])
     before = engine.runner.cache.k[:, 0, :, :5].clone()
-    m = CostModel.measure(engine.runner, max_batch=2, max_nodes=4, prefix=16, repeats=1)
-    assert m.batches == (1, 2) and m.nodes == (1, 2, 3, 4)
-    assert all(row[i] <= row[i + 1] for row in m.seconds for i in range(3))
+    m = CostModel.measure(engine.runner, max_batch=2, max_nodes=4, prefix=8, long_prefix=32,
+                          repeats=1)
+    assert m.batches == (1, 2) and m.nodes == (1, 2, 3, 4) and m.long_prefix == 32
+    for grid in (m.seconds, m.long_seconds):
+        assert all(row[i] <= row[i + 1] for row in grid for i in range(3))
+    assert all(a <= b for r, q in zip(m.seconds, m.long_seconds) for a, b in zip(r, q))
     assert engine.runner.cache.lengths.tolist() == [5, 0]
     assert torch.equal(engine.runner.cache.k[:, 0, :, :5], before)
+
+
+def test_cached_costs_without_a_long_grid_are_measured_again(tmp_path):
+    target = tiny_target()
+    engine = make_engine(target, 0, max_batch=1, max_context=64)
+    path = tmp_path / "costs.json"
+    CostModel((1,), (1, 2), ((0.5, 0.6),), prefix=8).save(path)
+    same = CostModel.cached(engine.runner, 1, path, prefix=8)
+    assert same.seconds == ((0.5, 0.6),)  # no long grid wanted: read as it is
+    fresh = CostModel.cached(engine.runner, 1, path, prefix=8, long_prefix=32)
+    assert fresh.long_prefix == 32 and fresh.seconds[0][0] < 0.5
+    assert CostModel.from_json(__import__("json").loads(path.read_text())) == fresh
 
 
 def test_gate_backs_off_and_resets():

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", default="1,2,3,4,6,8,12,16,24,32,48,64",
                    help="comma list of tokens per request")
     p.add_argument("--prefix", type=int, default=256, help="committed tokens per request")
+    p.add_argument("--long-prefix", type=int, default=1024,
+                   help="also time the grid after this many committed tokens (the engine "
+                        "reads costs at the batch's context between the two); 0: not")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--refresh-kernels", action="store_true",
@@ -114,7 +117,7 @@ def kv_bytes(target, cache, num_b: int, length: int) -> int:
 
 def run(args) -> int:
     from eagle2.api import Eagle2
-    from eagle2.budget import CostModel, lower_envelope
+    from eagle2.budget import CostModel
     from eagle2.target import cost_cache_path
 
     batches = [int(x) for x in args.batches.split(",")]
@@ -126,8 +129,10 @@ def run(args) -> int:
     out_dir = Path(args.out or f"runs/forward-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     t_load = time.perf_counter()
+    long_prefix = args.long_prefix if args.long_prefix > args.prefix else 0
     llm = Eagle2.load(args.target, "untrained", dtype=args.dtype, device=args.device,
-                      max_batch=max(batches), max_context=args.prefix + max(nodes) + 8)
+                      max_batch=max(batches),
+                      max_context=max(args.prefix, long_prefix) + max(nodes) + 8)
     runner, target = llm.engine.runner, llm.target
     if args.refresh_kernels:
         target.fused = None
@@ -135,9 +140,10 @@ def run(args) -> int:
     load_s = time.perf_counter() - t_load
     with busy_processes(args.background_load):
         bandwidth, bw_bytes = read_bandwidth(target.device)
-        cells, costs = measure(runner, target, batches, nodes, args.prefix, args.repeats,
-                               bandwidth)
-    model = CostModel(tuple(batches), tuple(nodes), lower_envelope(costs), args.prefix)
+        cells, costs, long = measure(runner, target, batches, nodes, args.prefix, long_prefix,
+                                     args.repeats, bandwidth)
+    model = CostModel.from_grids(tuple(batches), tuple(nodes), (args.prefix, long_prefix),
+                                 [costs] if long is None else [costs, long])
     if not args.no_save_costs:
         model.save(cost_cache_path(target))
     result = {
@@ -147,7 +153,8 @@ def run(args) -> int:
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "bandwidth_tensor_bytes": bw_bytes,
         "weight_bytes": weight_bytes(target), "kernel_plan": target.plan.block_bytes,
-        "load_and_kernel_choice_s": round(load_s, 2), "prefix": args.prefix, "cells": cells,
+        "load_and_kernel_choice_s": round(load_s, 2), "prefix": args.prefix,
+        "long_prefix": long_prefix, "cells": cells,
     }
     result["ratios"] = ratios(cells)
     (out_dir / "forward.json").write_text(json.dumps(result, indent=1))
@@ -157,12 +164,15 @@ def run(args) -> int:
     return 0
 
 
-def measure(runner, target, batches, nodes, prefix, repeats, bandwidth):
+def measure(runner, target, batches, nodes, prefix, long_prefix, repeats, bandwidth):
     """Timed as the engine times its costs (`eagle2.budget.time_grid`: 1 + repeats sweeps of
-    the grid, best per cell), then one profiled forward per cell for the split."""
+    the grid, best per cell, after `prefix` and, unless 0, `long_prefix` tokens), then one
+    profiled forward per cell for the split. -> (cells, grid, long grid or None)."""
     from eagle2.budget import time_grid
 
-    costs = time_grid(runner, tuple(batches), tuple(nodes), prefix, passes=repeats + 1)
+    prefixes = (prefix, long_prefix) if long_prefix else (prefix,)
+    grids = time_grid(runner, tuple(batches), tuple(nodes), prefixes, passes=repeats + 1)
+    costs, long = grids[0], (grids[1] if long_prefix else None)
     cells = []
     dev = target.device
     for num_b, row in zip(batches, costs, strict=True):
@@ -176,12 +186,14 @@ def measure(runner, target, batches, nodes, prefix, repeats, bandwidth):
                                    slots)
             streamed = weight_bytes(target) + kv_bytes(target, runner.cache, num_b, prefix)
             cells.append({"batch": num_b, "nodes": num_n, "ms": round(best * 1e3, 3),
+                          **({"long_ms": round(long[batches.index(num_b)][nodes.index(num_n)]
+                                               * 1e3, 3)} if long else {}),
                           "shares": {k: round(v, 3) for k, v in shares.items()},
                           "bytes": streamed,
                           "roofline_ms": round(streamed / bandwidth * 1e3, 3),
                           "roofline_fraction": round(streamed / bandwidth / best, 3)})
         runner.set_lengths(slots, torch.zeros_like(slots))
-    return cells, costs
+    return cells, costs, long
 
 
 def ratios(cells: list[dict]) -> dict:
