@@ -238,11 +238,14 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
                       max_batch=args.batch)
     trees, tuned = _trees(llm, args, modes, source)
     greedy = args.temperature == 0
-    if args.warmup:
-        first = llm.encode(next(iter(prompts.values()))[0][1].user_message)
-        for mode in modes:
-            run_mode(llm, mode, trees, [(first, SamplingParams(
-                **{**sampling, "max_tokens": 8}, seed=args.seed), "warmup")])
+    # the cost-aware budget measures this machine's forward and draft costs at its first step
+    # (cached per machine after): done here, untimed, not inside the first timed run
+    auto = [m for m in modes if trees.get(m) is not None and trees[m].mode != "vanilla"
+            and trees[m].budget == "auto"]
+    first = llm.encode(next(iter(prompts.values()))[0][1].user_message)
+    for mode in modes if args.warmup else auto[:1]:
+        run_mode(llm, mode, trees, [(first, SamplingParams(
+            **{**sampling, "max_tokens": 8}, seed=args.seed), "warmup")])
     runs = _loop(llm, prompts, modes, trees, sampling, None if greedy else args.seed, args.batch,
                  args.repeats)
     config = {
