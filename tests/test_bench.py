@@ -262,3 +262,25 @@ def test_shard_needs_a_fixed_tree():
 
     assert main(["bench", "--shard", "0/2", "--tree", "tuned"]) == 2
     assert main(["bench", "--shard", "2/2", "--total-tokens", "4"]) == 2
+
+
+def test_budget_costs_are_measured_before_the_timed_runs(tmp_path, monkeypatch):
+    """The cost-aware budget measures this machine's costs at its first step: the bench does
+    that untimed, so the first timed group does not count a measurement as drafting."""
+    from eagle2.bench import run as bench_run_mod
+    from eagle2.cli import main
+
+    seen = []
+    timed = bench_run_mod._loop
+
+    def loop(llm, *args, **kwargs):
+        seen.append(llm.engine.known_costs)
+        return timed(llm, *args, **kwargs)
+
+    monkeypatch.setattr(bench_run_mod, "_loop", loop)
+    assert main(["bench", "--suite", "mt_bench", "--num-prompts", "1", "--max-tokens", "4",
+                 "--modes", "vanilla,eagle2", "--dtype", "float32", "--device", "cpu",
+                 "--threads", "1", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["config"]["trees"]["eagle2"]["budget"] == "auto"
+    assert len(seen) == 1 and seen[0] is not None and seen[0].draft_batches == (1,)
