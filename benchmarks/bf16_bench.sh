@@ -2,14 +2,16 @@
 # The bf16 figures in the README (a CPU with AMX/AVX512-BF16, where dtype auto = bf16), on a
 # quiet machine, from the repository root. Every command runs alone (the lock), one thread;
 # the two shards of the full run share the machine (one per core). Writes under runs/final/
-# (timeline.txt has the load).
+# (timeline.txt has the load). This release (0475382 and after) ran the batch, quiet/loaded
+# and forward commands below from a worktree of that commit; the forward with --batches 1,4,8
+# (it now also times the grid after --long-prefix 1024 tokens).
 E=".venv/bin/python -m eagle2.cli"
 B=runs/final
 L="flock /tmp/eagle2-cpu.lock"
 mkdir -p $B
 log() { echo "$(date +%T) $* | load $(cut -d' ' -f1-3 /proc/loadavg)" >> $B/timeline.txt; }
 log "start $(git rev-parse --short HEAD)"
-$L $E bench-forward --threads 1 --repeats 3 --batches 1,2,4,8 --nodes 1,2,4,8,16,32,64 \
+$L $E bench-forward --threads 1 --repeats 3 --batches 1,4,8 --nodes 1,2,4,8,16,32,64 \
   --out $B/fw > $B/fw.txt 2>&1
 log fw
 $L $E bench-service --port 19212 --num-prompts 2 --concurrency 8 --max-tokens 24 \
