@@ -194,32 +194,31 @@ def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...],
     slots = torch.arange(batches[-1], device=dev)
     old = runner.lengths[: batches[-1]].clone()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    inputs = {}
-    for pre in prefixes:
-        start = torch.clamp(old, min=pre)
+    starts = {pre: torch.clamp(old, min=pre) for pre in prefixes}
+    inputs: dict[int, dict[tuple[int, int], tuple]] = {pre: {} for pre in prefixes}
+    for pre, start in starts.items():
         for num_b in batches:
             for num_n in nodes:
                 tokens = torch.zeros(num_b, num_n, dtype=torch.long, device=dev)
                 positions = (start[:num_b, None].to(dev) +
                              torch.arange(num_n, device=dev)).expand(num_b, num_n)
                 mask = torch.ones(num_n, num_n, dtype=torch.bool, device=dev).tril()
-                inputs[pre, num_b, num_n] = (start, (tokens, positions,
-                                                     mask.expand(num_b, num_n, num_n),
-                                                     slots[:num_b]))
-    best = dict.fromkeys(inputs, float("inf"))
+                inputs[pre][num_b, num_n] = (tokens, positions,
+                                             mask.expand(num_b, num_n, num_n), slots[:num_b])
+    best = {(pre, cell): float("inf") for pre, cells in inputs.items() for cell in cells}
     try:
         for _ in range(max(passes, 1)):
-            for cell, (start, args) in inputs.items():
-                if cell[1:] == (batches[0], nodes[0]):  # a new prefix: set the lengths once
-                    runner.set_lengths(slots, start)
-                sync()
-                t0 = time.perf_counter()
-                runner.forward(*args)
-                sync()
-                best[cell] = min(best[cell], time.perf_counter() - t0)
+            for pre, cells in inputs.items():
+                runner.set_lengths(slots, starts[pre])
+                for cell, args in cells.items():
+                    sync()
+                    t0 = time.perf_counter()
+                    runner.forward(*args)
+                    sync()
+                    best[pre, cell] = min(best[pre, cell], time.perf_counter() - t0)
     finally:
         runner.set_lengths(slots, old)
-    grids = [[[best[pre, b, n] for n in nodes] for b in batches] for pre in prefixes]
+    grids = [[[best[pre, (b, n)] for n in nodes] for b in batches] for pre in prefixes]
     return grids if isinstance(prefix, tuple) else grids[0]
 
 

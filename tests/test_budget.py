@@ -99,7 +99,8 @@ def test_cost_model_measures_a_runner_without_touching_committed_entries():
     assert m.batches == (1, 2) and m.nodes == (1, 2, 3, 4) and m.long_prefix == 32
     for grid in (m.seconds, m.long_seconds):
         assert all(row[i] <= row[i + 1] for row in grid for i in range(3))
-    assert all(a <= b for r, q in zip(m.seconds, m.long_seconds) for a, b in zip(r, q))
+    assert all(a <= b for r, q in zip(m.seconds, m.long_seconds, strict=True)
+               for a, b in zip(r, q, strict=True))
     assert engine.runner.cache.lengths.tolist() == [5, 0]
     assert torch.equal(engine.runner.cache.k[:, 0, :, :5], before)
 

@@ -140,10 +140,9 @@ def run(args) -> int:
     load_s = time.perf_counter() - t_load
     with busy_processes(args.background_load):
         bandwidth, bw_bytes = read_bandwidth(target.device)
-        cells, costs, long = measure(runner, target, batches, nodes, args.prefix, long_prefix,
-                                     args.repeats, bandwidth)
-    model = CostModel.from_grids(tuple(batches), tuple(nodes), (args.prefix, long_prefix),
-                                 [costs] if long is None else [costs, long])
+        prefixes = (args.prefix, long_prefix) if long_prefix else (args.prefix,)
+        cells, grids = measure(runner, target, batches, nodes, prefixes, args.repeats, bandwidth)
+    model = CostModel.from_grids(tuple(batches), tuple(nodes), prefixes, grids)
     if not args.no_save_costs:
         model.save(cost_cache_path(target))
     result = {
@@ -164,15 +163,16 @@ def run(args) -> int:
     return 0
 
 
-def measure(runner, target, batches, nodes, prefix, long_prefix, repeats, bandwidth):
+def measure(runner, target, batches, nodes, prefixes, repeats, bandwidth):
     """Timed as the engine times its costs (`eagle2.budget.time_grid`: 1 + repeats sweeps of
-    the grid, best per cell, after `prefix` and, unless 0, `long_prefix` tokens), then one
-    profiled forward per cell for the split. -> (cells, grid, long grid or None)."""
+    the grid, best per cell, after each of `prefixes` committed tokens: the first is the
+    report's, a second one goes into `long_ms`), then one profiled forward per cell for the
+    split. -> (cells, one grid per prefix)."""
     from eagle2.budget import time_grid
 
-    prefixes = (prefix, long_prefix) if long_prefix else (prefix,)
-    grids = time_grid(runner, tuple(batches), tuple(nodes), prefixes, passes=repeats + 1)
-    costs, long = grids[0], (grids[1] if long_prefix else None)
+    grids = time_grid(runner, tuple(batches), tuple(nodes), tuple(prefixes),
+                      passes=repeats + 1)
+    prefix, costs, long = prefixes[0], grids[0], (grids[1] if len(grids) > 1 else None)
     cells = []
     dev = target.device
     for num_b, row in zip(batches, costs, strict=True):
@@ -193,7 +193,7 @@ def measure(runner, target, batches, nodes, prefix, long_prefix, repeats, bandwi
                           "roofline_ms": round(streamed / bandwidth * 1e3, 3),
                           "roofline_fraction": round(streamed / bandwidth / best, 3)})
         runner.set_lengths(slots, torch.zeros_like(slots))
-    return cells, costs, long
+    return cells, grids
 
 
 def ratios(cells: list[dict]) -> dict:
