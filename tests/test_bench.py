@@ -283,4 +283,5 @@ def test_budget_costs_are_measured_before_the_timed_runs(tmp_path, monkeypatch):
                  "--threads", "1", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["config"]["trees"]["eagle2"]["budget"] == "auto"
-    assert len(seen) == 1 and seen[0] is not None and seen[0].draft_batches == (1,)
+    # forward and draft costs known (measured now, or read from this machine's cache)
+    assert len(seen) == 1 and seen[0] is not None and 1 in seen[0].draft_batches
