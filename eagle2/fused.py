@@ -7,7 +7,9 @@ The same arithmetic as `attention.decoder_layer`, in fewer and larger operations
   - rotary applied to q and k together, RMSNorm as one `F.rms_norm` call;
   - every matrix multiplied through `kernels.BlockedWeight` (the block size measured per row
     count on this machine);
-  - the new K/V written with one slice copy when all requests start at the same cache length.
+  - the new K/V written with one slice copy when all requests start at the same cache length;
+  - in bf16 on a CPU, the norms (with the residual add before the second), RoPE and the K/V
+    writes as single calls of `eagle2.native` (row by row, fixed order: exactness kept).
 Used for plain `nn.Linear` weights without bias (the unsharded target); anything else (a
 sharded or biased model) keeps the module path.
 """
@@ -15,12 +17,13 @@ sharded or biased model) keeps the module path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle2.attention import KVCache, StepInputs, cached_attention
+from eagle2.attention import KVCache, StepInputs, cached_attention, canonical_attention
 from eagle2.kernels import BlockedWeight, BlockPlan
 
 
@@ -87,8 +90,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
-                inp: StepInputs, head_dim: int, num_q_heads: int) -> torch.Tensor:
-    """One decoder layer on x [B, N, H] that writes its K/V into the cache."""
+                inp: StepInputs, head_dim: int, num_q_heads: int,
+                ops: ModuleType | None = None) -> torch.Tensor:
+    """One decoder layer on x [B, N, H] that writes its K/V into the cache. ops: the fused
+    CPU operations (`eagle2.native.cpu_ops()`), for a bf16 CPU target with exact attention."""
+    if ops is not None:
+        return _native_layer(ops, lw, layer_idx, x, cache, inp, num_q_heads)
     num_b, num_n, _ = x.shape
     num_kv = cache.k.shape[2]
     qkv = lw.qkv(_rms_norm(x, lw.input_norm, lw.eps))  # [B, N, (Hq + 2 KVH) Dh]
@@ -99,4 +106,21 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
     out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
     x = x + lw.o(out.transpose(1, 2).reshape(num_b, num_n, -1))
     gate, up = lw.gate_up(_rms_norm(x, lw.post_norm, lw.eps)).chunk(2, dim=-1)
+    return x + lw.down(lw.act(gate) * up)
+
+
+def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tensor,
+                  cache: KVCache, inp: StepInputs, num_q_heads: int) -> torch.Tensor:
+    """`fused_layer` with the per-row work in `eagle2.native` calls (bf16 CPU, exact attention):
+    norm -> qkv -> RoPE + K/V writes -> attention -> o -> residual add + norm -> MLP."""
+    assert inp.window is not None, "the fused CPU operations are for exact bf16 attention"
+    num_b, num_n, _ = x.shape
+    layer_k, layer_v = cache.k[layer_idx], cache.v[layer_idx]
+    qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
+    q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
+                           layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
+    out = canonical_attention(q, layer_k, layer_v, inp)  # [B, Hq, N, Dh]
+    x, h = ops.add_rms_norm(x, lw.o(out.transpose(1, 2).reshape(num_b, num_n, -1)),
+                            lw.post_norm, lw.eps)
+    gate, up = lw.gate_up(h).chunk(2, dim=-1)
     return x + lw.down(lw.act(gate) * up)

@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -27,6 +28,7 @@ from eagle2.kernels import (
     native_bf16_cpu,
     packing_supported,
 )
+from eagle2.native import cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,7 @@ class TargetModel:
         # same result in a tree as in plain decoding (`attention.canonical_attention`; with
         # bf16 rounding, SDPA's differences flip greedy tokens); fp32 and GPUs keep SDPA
         self.canonical = packing_supported(self.dtype, self.device)
+        self.native: ModuleType | None = None  # fused CPU operations (set by `fuse`)
 
     def set_feature_layers(self, layers: tuple[int, ...] | None) -> TargetModel:
         """Make `forward` return, as features, the residual streams at the inputs of these
@@ -201,6 +204,7 @@ class TargetModel:
             weights.append(self.head_proj.weight)
         if packing_supported(self.dtype, self.device):  # one kernel for every row count
             self.plan.block_bytes.update({rows: PACKED for rows in ROW_BUCKETS})
+            self.native = cpu_ops() if self.canonical else None
             return self
         size = sum(w.numel() * w.element_size() for w in weights)
         if measure is None:
@@ -245,7 +249,8 @@ class TargetModel:
             if i in keep:
                 kept[i] = x
             if self.fused is not None:
-                x = fused_layer(self.fused[i], i, x, cache, inp, self.head_dim, num_heads)
+                x = fused_layer(self.fused[i], i, x, cache, inp, self.head_dim, num_heads,
+                                self.native if inp.window is not None else None)
             else:
                 x = decoder_layer(self.layers[i], i, x, cache, inp, self.head_dim)
         hidden = self.norm(x)

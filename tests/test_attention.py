@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from conftest import tiny_target
@@ -116,12 +118,18 @@ needs_packed_bf16 = pytest.mark.skipif(
 
 
 @needs_packed_bf16
-def test_bf16_tree_nodes_equal_plain_decoding_bitwise():
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
+def test_bf16_tree_nodes_equal_plain_decoding_bitwise(fused):
     """Every node of a tree, verified together with other requests of other lengths (some
     trees crossing an attention chunk boundary), gets bitwise the features plain decoding
-    would give the same token."""
+    would give the same token. fused: the engine's layers (`eagle2.fused`, with the fused CPU
+    operations of `eagle2.native` where they build)."""
     target = _bf16_target(seed=11)
     assert target.canonical
+    if fused:
+        target.fuse()
+        assert target.fused is not None
+        assert target.native is not None or not shutil.which("c++")
     tree = sample_tree()
     prefixes = [[1, 5, 2, 8, 13, 40], list(range(3, 33)), list(range(2, 64)) + [7, 9]]
     feats = _tree_step(target, prefixes, tree)

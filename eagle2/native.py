@@ -1,0 +1,56 @@
+"""The fused bf16 CPU operations of `csrc/cpu_ops.cpp`, built once per machine.
+
+docs/DESIGN.md, "CPU performance": a one-token forward of a small model spends as much time in
+~100 small operations per layer (norms, RoPE, cache writes) as in its matrix products. The C++
+file does each group of them in one call, row by row in a fixed order, so results stay
+row-invariant (exact bf16 verification). It is compiled with torch's extension builder the
+first time a bf16 CPU target loads (~30 s, needs a C++ compiler) into the eagle2 cache,
+keyed by the source, torch and the CPU (a machine with another CPU builds its own).
+Where it cannot be built, `cpu_ops()` is None and the layers use ATen operations instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# no -ffast-math: every floating-point operation stays as written (row invariance)
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math")
+
+
+def _build_dir() -> Path:
+    from eagle2.kernels import cpu_info
+    from eagle2.target import cache_root
+
+    model, flags = cpu_info()
+    key = hashlib.sha256("|".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__,
+                                   str(model), " ".join(sorted(flags))]).encode())
+    return cache_root() / "ext" / f"cpu_ops-{key.hexdigest()[:16]}"
+
+
+@functools.cache
+def cpu_ops() -> ModuleType | None:
+    """The compiled module (built on first use), or None where it cannot be built, or where
+    EAGLE2_NATIVE=0 (read when the first bf16 CPU target loads, not at import)."""
+    if os.environ.get("EAGLE2_NATIVE", "1") == "0":
+        return None
+    from torch.utils.cpp_extension import load
+
+    build = _build_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return load("eagle2_cpu_ops", [str(SOURCE)], extra_cflags=list(CFLAGS),
+                    build_directory=str(build), verbose=False)
+    except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, build error
+        log.warning("eagle2's fused CPU operations could not be built (%s); using ATen "
+                    "operations (slower)", e)
+        return None

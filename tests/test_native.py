@@ -1,0 +1,131 @@
+"""The fused bf16 CPU operations (eagle2/csrc/cpu_ops.cpp): the same numbers as the ATen
+operations they replace up to bf16 rounding, and each row bitwise the same whatever the
+number of rows or threads (what exact bf16 verification rests on)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle2.native import cpu_ops
+
+pytestmark = pytest.mark.skipif(not shutil.which("c++"), reason="no C++ compiler")
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops()
+    assert module is not None, "the fused CPU operations did not build"
+    return module
+
+
+def reference_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in fp32, round to bf16, scale."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * h.to(torch.bfloat16)
+
+
+def test_rms_norm_matches_the_llama_norm(ops):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 200, generator=g) * 4).bfloat16()
+    w = torch.rand(200, generator=g).bfloat16() + 0.5
+    out = ops.rms_norm(x, w, EPS)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    torch.testing.assert_close(out.float(), reference_norm(x, w).float(), rtol=1.6e-2, atol=1e-2)
+    delta = torch.randn(3, 5, 200, generator=g).bfloat16()
+    total, normed = ops.add_rms_norm(x, delta, w, EPS)
+    assert torch.equal(total, x + delta)  # the same rounding as a bf16 add
+    torch.testing.assert_close(normed.float(), reference_norm(x + delta, w).float(),
+                               rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_do_not_depend_on_the_row_count(ops, threads):
+    g = torch.Generator().manual_seed(1)
+    w = torch.rand(576, generator=g).bfloat16()
+    rows = torch.randn(97, 576, generator=g).bfloat16()
+    delta = torch.randn(97, 576, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = ops.rms_norm(rows, w, EPS)
+        total, normed = ops.add_rms_norm(rows, delta, w, EPS)
+        for m in (1, 2, 5, 16, 33):
+            assert torch.equal(ops.rms_norm(rows[:m].contiguous(), w, EPS), whole[:m])
+            part = ops.add_rms_norm(rows[-m:].contiguous(), delta[-m:].contiguous(), w, EPS)
+            assert torch.equal(part[0], total[-m:]) and torch.equal(part[1], normed[-m:])
+    finally:
+        torch.set_num_threads(before)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def test_qkv_rope_write_matches_rotary_and_cache_writes(ops):
+    """q comes back rotated in [B, Hq, N, Dh]; k (rotated) and v land in the cache at each
+    request's slot and positions, and nothing else of the cache changes."""
+    g = torch.Generator().manual_seed(2)
+    num_b, num_n, num_q, num_kv, dim, slots, length = 2, 3, 4, 2, 16, 4, 40
+    qkv = torch.randn(num_b, num_n, (num_q + 2 * num_kv) * dim, generator=g).bfloat16()
+    angle = torch.rand(num_b, num_n, dim // 2, generator=g) * 6
+    cos = torch.cat([angle.cos()] * 2, -1).bfloat16()
+    sin = torch.cat([angle.sin()] * 2, -1).bfloat16()
+    cache_k = torch.zeros(slots, num_kv, length, dim, dtype=torch.bfloat16)
+    cache_v = torch.ones(slots, num_kv, length, dim + 1, dtype=torch.bfloat16)
+    slot_idx = torch.tensor([3, 1])
+    write_pos = torch.tensor([[5, 6, 9], [30, 31, 32]])
+    q = ops.qkv_rope_write(qkv, cos, sin, num_q, num_kv, cache_k, cache_v, slot_idx, write_pos)
+
+    heads = qkv.view(num_b, num_n, num_q + 2 * num_kv, dim).transpose(1, 2).float()
+    c, s = cos.float()[:, None], sin.float()[:, None]
+    want_q = rotate(heads[:, :num_q], c, s)
+    want_k = rotate(heads[:, num_q:num_q + num_kv], c, s)
+    torch.testing.assert_close(q.float(), want_q, rtol=1.6e-2, atol=1e-2)
+    written = torch.zeros(slots, length, dtype=torch.bool)
+    for b in range(num_b):
+        for n in range(num_n):
+            sl, pos = int(slot_idx[b]), int(write_pos[b, n])
+            written[sl, pos] = True
+            torch.testing.assert_close(cache_k[sl, :, pos].float(), want_k[b, :, n],
+                                       rtol=1.6e-2, atol=1e-2)
+            assert torch.equal(cache_v[sl, :, pos, :dim], qkv[b, n].view(-1, dim)[-num_kv:])
+    untouched = ~written[:, None].expand(slots, num_kv, length)
+    assert bool((cache_k[untouched] == 0).all()) and bool((cache_v[..., dim] == 1).all())
+    assert bool((cache_v[untouched] == 1).all())
+    with pytest.raises(RuntimeError, match="cache position out of range"):
+        ops.qkv_rope_write(qkv, cos, sin, num_q, num_kv, cache_k, cache_v, slot_idx,
+                           write_pos + length)
+
+
+def test_fused_layers_match_the_aten_layers(ops):
+    """A bf16 target's forward with the fused CPU operations gives the features of the same
+    layers in ATen operations, up to bf16 rounding."""
+    from conftest import tiny_target
+
+    from eagle2.attention import causal_mask
+    from eagle2.kernels import packing_supported
+    from eagle2.target import TargetModel
+
+    if not packing_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no packed bf16 kernels on this CPU")
+    hf = tiny_target(seed=5, layers=3).hf.to(torch.bfloat16)
+    target = TargetModel(hf, name="tiny-native").fuse()
+    assert target.native is ops
+    tokens = torch.randint(0, 64, (2, 50), generator=torch.Generator().manual_seed(3))
+    mask = causal_mask(torch.tensor([50, 50]), 50)
+    pos = torch.arange(50).expand(2, 50)
+    outs = []
+    for native in (ops, None):
+        target.native = native
+        cache = target.allocate_cache(2, 64)
+        outs.append(target.forward(tokens, pos, mask, cache, torch.arange(2)).hidden.float())
+    torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.05)
+    assert (outs[0] - outs[1]).abs().mean() < 0.01
+    assert F.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0) > 0.999
