@@ -47,6 +47,9 @@ def cpu_ops() -> ModuleType | None:
 
     build = _build_dir()
     build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        log.info("building eagle2's fused CPU operations into %s (once per machine, ~30 s)",
+                 build)
     try:
         return load("eagle2_cpu_ops", [str(SOURCE)], extra_cflags=list(CFLAGS),
                     build_directory=str(build), verbose=False)
