@@ -90,6 +90,8 @@ class StepInputs:
     contiguous: bool  # slots == arange(B): read the cache through a view, not a copy
     write_start: int | None = None  # contiguous and one common write offset: slice writes
     window: CanonicalWindow | None = None  # set: attend with `canonical_attention`
+    base: torch.Tensor | None = None  # [B] committed lengths (what `tree_mask` is after)
+    tree_mask: torch.Tensor | None = None  # [B, N, T] scratch entries each new token sees
 
 
 ATTN_CHUNK = 32  # window starts are multiples of this
@@ -197,7 +199,8 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
         write_start = int(base[0]) + num_t - num_n
     found = (canonical_window(base, tree_mask, slots, cache.k.shape[1:])
              if canonical and window is None else None)
-    return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, write_start, found)
+    return StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, write_start, found,
+                      base, tree_mask)
 
 
 def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache: KVCache,

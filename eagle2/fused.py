@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle2.attention import KVCache, StepInputs, cached_attention, canonical_attention
+from eagle2.attention import KVCache, StepInputs, cached_attention
 from eagle2.kernels import BlockedWeight, BlockPlan
 
 
@@ -111,16 +111,16 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
 
 def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tensor,
                   cache: KVCache, inp: StepInputs, num_q_heads: int) -> torch.Tensor:
-    """`fused_layer` with the per-row work in `eagle2.native` calls (bf16 CPU, exact attention):
-    norm -> qkv -> RoPE + K/V writes -> attention -> o -> residual add + norm -> MLP."""
-    assert inp.window is not None, "the fused CPU operations are for exact bf16 attention"
-    num_b, num_n, _ = x.shape
+    """`fused_layer` with the per-row work and the exact attention in `eagle2.native` calls
+    (bf16 CPU): norm -> qkv -> RoPE + K/V writes -> attention -> o -> residual add + norm ->
+    MLP."""
+    assert inp.base is not None and inp.tree_mask is not None
     layer_k, layer_v = cache.k[layer_idx], cache.v[layer_idx]
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
     q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
                            layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
-    out = canonical_attention(q, layer_k, layer_v, inp)  # [B, Hq, N, Dh]
-    x, h = ops.add_rms_norm(x, lw.o(out.transpose(1, 2).reshape(num_b, num_n, -1)),
-                            lw.post_norm, lw.eps)
+    out = ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
+                        q.shape[-1] ** -0.5)  # [B, N, Hq Dh]
+    x, h = ops.add_rms_norm(x, lw.o(out), lw.post_norm, lw.eps)
     gate, up = lw.gate_up(h).chunk(2, dim=-1)
     return x + lw.down(lw.act(gate) * up)

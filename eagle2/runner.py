@@ -79,10 +79,12 @@ class LocalRunner:
     @property
     def info(self) -> dict:
         """What a service reports about the target held here: vocab_size, device, dtype,
-        local_kv_heads (this shard's) and fused (fused layers, eagle2.fused, or the modules)."""
+        local_kv_heads (this shard's), fused (fused layers, eagle2.fused, or the modules) and
+        native (the fused CPU operations, eagle2.native)."""
         t = self.target
         return {"vocab_size": t.vocab_size, "device": str(t.device), "dtype": str(t.dtype),
-                "local_kv_heads": t.local_kv_heads(), "fused": t.fused is not None}
+                "local_kv_heads": t.local_kv_heads(), "fused": t.fused is not None,
+                "native": t.native is not None}
 
     @property
     def lengths(self) -> torch.Tensor:

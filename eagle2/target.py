@@ -53,8 +53,9 @@ def cost_cache_path(target: TargetModel) -> Path:
     cfg = target.config
     shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
              cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
+    native = "|native" if target.native is not None else ""  # other kernels, other costs
     key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}|"
-                      f"v{COSTS_VERSION}")
+                      f"v{COSTS_VERSION}{native}")
     return cache_root() / "costs" / f"{key}.json"
 
 
@@ -240,8 +241,10 @@ class TargetModel:
         land at cache positions lengths[b] + i (uncommitted until `cache.commit`).
         """
         x = self.embed(tokens)  # [B, N, H]
+        # exact bf16 attention: the fused CPU operations' own kernel, else canonical_attention
+        native = self.native if self.canonical and self.fused is not None else None
         inp = step_inputs(cache, slots, tree_mask, positions, self.rotary, x,
-                          canonical=self.canonical)
+                          canonical=self.canonical and native is None)
         keep = self.feature_layers or ()
         kept: dict[int, torch.Tensor] = {}
         num_heads = self.config.num_attention_heads
@@ -250,7 +253,7 @@ class TargetModel:
                 kept[i] = x
             if self.fused is not None:
                 x = fused_layer(self.fused[i], i, x, cache, inp, self.head_dim, num_heads,
-                                self.native if inp.window is not None else None)
+                                native)
             else:
                 x = decoder_layer(self.layers[i], i, x, cache, inp, self.head_dim)
         hidden = self.norm(x)

@@ -306,5 +306,6 @@ def _cost_path(cfg: ServiceConfig, placement: str, runner_info: dict):
 
     key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{placement}|"
                       f"{runner_info.get('dtype')}|{cfg.use_gpu}|{cfg.cpus_per_rank}|"
-                      f"fused={runner_info.get('fused')}|v{COSTS_VERSION}")
+                      f"fused={runner_info.get('fused')}|native={runner_info.get('native')}|"
+                      f"v{COSTS_VERSION}")
     return cache_root() / "costs" / f"{key}.json"

@@ -129,3 +129,65 @@ def test_fused_layers_match_the_aten_layers(ops):
     torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.05)
     assert (outs[0] - outs[1]).abs().mean() < 0.01
     assert F.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0) > 0.999
+
+
+def reference_attention(q, cache_k, cache_v, slots, base, tree_mask):
+    """Plain fp32 softmax attention, one query at a time, over its keys in position order."""
+    num_b, num_hq, num_n, dim = q.shape
+    group = num_hq // cache_k.shape[1]
+    out = torch.zeros(num_b, num_n, num_hq * dim)
+    for b in range(num_b):
+        for n in range(num_n):
+            length = int(base[b])
+            cols = list(range(length)) + [length + int(m) for m in
+                                          torch.nonzero(tree_mask[b, n]).flatten()]
+            for h in range(num_hq):
+                keys = cache_k[slots[b], h // group, cols].float()
+                vals = cache_v[slots[b], h // group, cols, :dim].float()
+                p = torch.softmax(keys @ q[b, h, n].float() * dim ** -0.5, 0)
+                out[b, n, h * dim:(h + 1) * dim] = p @ vals
+    return out
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_attention_matches_softmax_attention_over_each_querys_keys(ops, dim):
+    """Committed keys of each request's slot, then its tree ancestors, with per-request
+    lengths (some crossing a 16-key block) and slots out of order."""
+    g = torch.Generator().manual_seed(dim)
+    num_q, num_kv, slots, length = 6, 2, 3, 80
+    cache_k = torch.randn(slots, num_kv, length, dim, generator=g).bfloat16()
+    cache_v = torch.randn(slots, num_kv, length, dim + 1, generator=g).bfloat16()
+    parents = [-1, 0, 0, 1, 3]
+    tree = torch.zeros(5, 5, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        tree[node] = tree[parent] if parent >= 0 else tree[node]
+        tree[node, node] = True
+    tree_mask = tree.expand(3, 5, 5).clone()
+    tree_mask[1] = torch.eye(5, dtype=torch.bool)  # a request whose nodes are all roots
+    q = torch.randn(3, num_q, 5, dim, generator=g).bfloat16()
+    slot_idx, base = torch.tensor([2, 0, 1]), torch.tensor([17, 0, 64])
+    out = ops.attention(q, cache_k, cache_v, slot_idx, base, tree_mask, dim ** -0.5)
+    want = reference_attention(q, cache_k, cache_v, slot_idx, base, tree_mask)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_attention_of_a_tree_node_equals_plain_decoding_bitwise(ops):
+    """A node at depth 2 of a tree over committed length 30 sees the same keys in the same
+    order as the same token decoded alone after its path was committed: the same bits."""
+    g = torch.Generator().manual_seed(7)
+    num_q, num_kv, dim, length = 9, 3, 64, 64
+    cache_k = torch.randn(1, num_kv, length, dim, generator=g).bfloat16()
+    cache_v = torch.randn(1, num_kv, length, dim + 1, generator=g).bfloat16()
+    # tree after 30 committed: nodes 0 (root), 1, 2 (children of 0), 3 (child of 2)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]).bool()
+    q = torch.randn(1, num_q, 4, dim, generator=g).bfloat16()
+    in_tree = ops.attention(q, cache_k, cache_v, torch.tensor([0]), torch.tensor([30]),
+                            tree[None], dim ** -0.5)
+    plain_k, plain_v = cache_k.clone(), cache_v.clone()
+    for depth, node in enumerate([0, 2, 3]):  # node 3's path, committed in order
+        plain_k[0, :, 30 + depth] = cache_k[0, :, 30 + node]
+        plain_v[0, :, 30 + depth] = cache_v[0, :, 30 + node]
+    alone = ops.attention(q[:, :, 3:4].contiguous(), plain_k, plain_v, torch.tensor([0]),
+                          torch.tensor([32]), torch.ones(1, 1, 1, dtype=torch.bool),
+                          dim ** -0.5)
+    assert torch.equal(in_tree[0, 3], alone[0, 0])

@@ -117,7 +117,7 @@ def tiny_tp2(ray_cluster, tiny):
 
 def test_tp2_shards_hold_one_kv_head_each(tiny_tp2):
     assert tiny_tp2.info == {"vocab_size": 32, "device": "cpu", "dtype": "torch.float32",
-                             "local_kv_heads": 1, "fused": False}
+                             "local_kv_heads": 1, "fused": False, "native": False}
 
 
 @pytest.mark.parametrize("tensor", [

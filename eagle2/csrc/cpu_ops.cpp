@@ -10,10 +10,13 @@
 // verification needs (docs/DESIGN.md, "Exact bf16 attention").
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -164,8 +167,238 @@ torch::Tensor qkv_rope_write(const torch::Tensor& qkv, const torch::Tensor& cos,
   return q;
 }
 
+namespace {
+
+// exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, 2^n exp(r) with a degree-6 polynomial
+// (Cephes' expf coefficients). Only IEEE operations with explicit FMAs, so every lane gives
+// the same bits whatever the other lanes hold. x <= 0 here (scores minus their maximum).
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// 32 bf16 -> two halves of 16 floats
+inline void widen(const bf16* p, __mmask32 mask, __m512* lo, __m512* hi) {
+  const __m512i raw = _mm512_maskz_loadu_epi16(mask, p);
+  *lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+  *hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+}
+
+inline __mmask32 chunk_mask(int64_t left) {
+  return left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << left) - 1);
+}
+
+constexpr int kMaxG = 8;  // query heads per KV head handled together
+
+// v[i] = the sum of the 16 lanes of a[i], i = 0..15, by a fixed tree of adds (each lane of the
+// result from its own vector's lanes only).
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d u = _mm512_castps_pd(b[2 * i]), v = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, v)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(u, v)));
+  }
+  for (int i = 0; i < 2; ++i)
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// s[j] = scale * q . keys[j] for j < L: one vdpbf16ps per 32 dimensions per key, then the
+// 16 keys of a block reduced together (keys past L count as zeros and are not stored).
+template <int CH>
+void scores_of(const bf16* q, const bf16* const* keys, int64_t L, int64_t dh, float scale,
+               float* s) {
+  __m512bh qv[CH];
+  for (int c = 0; c < CH; ++c)
+    qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(chunk_mask(dh - 32 * c), q + 32 * c);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) {
+      acc[i] = _mm512_setzero_ps();
+      if (j0 + i < L)
+        for (int c = 0; c < CH; ++c)
+          acc[i] = _mm512_dpbf16_ps(acc[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(
+              chunk_mask(dh - 32 * c), keys[j0 + i] + 32 * c));
+    }
+    const __mmask16 m = L - j0 >= 16 ? __mmask16(0xFFFF)
+                                     : static_cast<__mmask16>((1u << (L - j0)) - 1);
+    _mm512_mask_storeu_ps(s + j0, m, _mm512_mul_ps(sum16(acc), sc));
+  }
+}
+
+// s[j] <- exp(s[j] - max s) for j < L; -> their sum (lane l: keys j = l mod 16, in order).
+inline float softmax_numerators(float* s, int64_t L) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) top = std::max(top, s[j]);
+  const __m512 topv = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; j += 16) {
+    const __mmask16 m = L - j >= 16 ? __mmask16(0xFFFF)
+                                    : static_cast<__mmask16>((1u << (L - j)) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(
+        _mm512_maskz_loadu_ps(m, s + j), topv)));
+    _mm512_mask_storeu_ps(s + j, m, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// out[g] = bf16(sum_j p[g][j] values[j] / total[g]) for up to 16 / (2 CH) heads g at once
+// (each value row widened once for all of them); the sum runs over j in order.
+template <int CH>
+void weighted_values(const float* const* p, const float* total, int count,
+                     const bf16* const* values, int64_t L, int64_t dh, bf16* const* out) {
+  constexpr int GP = 16 / (2 * CH);
+  __m512 acc[GP][2 * CH];
+  for (int g = 0; g < GP; ++g)
+    for (int c = 0; c < 2 * CH; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    __m512 v[2 * CH];
+    for (int c = 0; c < CH; ++c)
+      widen(values[j] + 32 * c, chunk_mask(dh - 32 * c), &v[2 * c], &v[2 * c + 1]);
+    for (int g = 0; g < GP; ++g)
+      if (g < count) {
+        const __m512 pj = _mm512_set1_ps(p[g][j]);
+        for (int c = 0; c < 2 * CH; ++c) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
+      }
+  }
+  for (int g = 0; g < count; ++g) {
+    alignas(64) float buf[32 * CH];
+    const __m512 t = _mm512_set1_ps(total[g]);
+    for (int c = 0; c < 2 * CH; ++c) _mm512_store_ps(buf + 16 * c, _mm512_div_ps(acc[g][c], t));
+    for (int64_t d = 0; d < dh; ++d) out[g][d] = bf16(buf[d]);
+  }
+}
+
+// One query position's G heads (sharing a KV head) over its keys `keys[0..L)` (pointers into
+// the cache, in position order): scores in fp32, softmax, the weighted sum of the values. A
+// function of this query and these keys only.
+template <int CH>
+void attend_ch(const bf16* const* q, int G, const bf16* const* keys, const bf16* const* values,
+               int64_t L, int64_t dh, float scale, float* scores, bf16* const* out) {
+  const float* p[kMaxG];
+  float total[kMaxG];
+  for (int g = 0; g < G; ++g) {
+    scores_of<CH>(q[g], keys, L, dh, scale, scores + g * L);
+    total[g] = softmax_numerators(scores + g * L, L);
+    p[g] = scores + g * L;
+  }
+  constexpr int GP = 16 / (2 * CH);
+  for (int g = 0; g < G; g += GP)
+    weighted_values<CH>(p + g, total + g, std::min(GP, G - g), values, L, dh, out + g);
+}
+
+void attend(const bf16* const* q, int G, const bf16* const* keys, const bf16* const* values,
+            int64_t L, int64_t dh, float scale, float* scores, bf16* const* out) {
+  if (dh <= 32) {
+    attend_ch<1>(q, G, keys, values, L, dh, scale, scores, out);
+  } else if (dh <= 64) {
+    attend_ch<2>(q, G, keys, values, L, dh, scale, scores, out);
+  } else {
+    attend_ch<4>(q, G, keys, values, L, dh, scale, scores, out);
+  }
+}
+
+}  // namespace
+
+// Exact attention (docs/DESIGN.md, "Exact bf16 attention"): query n of request b at cache
+// position base[b] + (its depth) attends to the committed keys [0, base[b]) and then to the
+// tree entries m with tree_mask[b, n, m] (its ancestors and itself, at cache positions
+// base[b] + m), in that order: the order plain decoding has them in. q [B, Hq, N, Dh];
+// one layer's cache_k [slots, KVH, S, Dh], cache_v [slots, KVH, S, >= Dh] (this step's
+// entries written); -> [B, N, Hq Dh], what o_proj reads.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
+                        const torch::Tensor& cache_v, const torch::Tensor& slots,
+                        const torch::Tensor& base, const torch::Tensor& tree_mask,
+                        double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.is_contiguous() && q.dim() == 4,
+              "q must be a contiguous bf16 [B, Hq, N, Dh]");
+  const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), dh = q.size(3);
+  const int64_t KVH = cache_k.size(1), G = Hq / KVH;
+  TORCH_CHECK(Hq % KVH == 0 && G <= kMaxG && dh <= 128, "head layout not supported");
+  TORCH_CHECK(cache_k.scalar_type() == at::kBFloat16 && cache_v.scalar_type() == at::kBFloat16 &&
+                  cache_k.stride(3) == 1 && cache_v.stride(3) == 1 && cache_k.size(3) == dh &&
+                  cache_v.size(3) >= dh, "cache layer views");
+  auto sl = slots.to(at::kLong).contiguous();
+  auto bs = base.to(at::kLong).contiguous();
+  auto tm = tree_mask.to(at::kBool).contiguous();
+  TORCH_CHECK(tm.dim() == 3 && tm.size(0) == B && tm.size(1) == N, "tree_mask [B, N, T]");
+  const int64_t T = tm.size(2);
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  const int64_t* bp = bs.data_ptr<int64_t>();
+  const bool* mp = tm.data_ptr<bool>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slp[b] >= 0 && slp[b] < cache_k.size(0) && bp[b] >= 0 &&
+                    bp[b] + T <= cache_k.size(2), "slot or cache length out of range");
+  auto out = torch::empty({B, N, Hq * dh}, q.options());
+  const bf16* qp = q.data_ptr<bf16>();
+  const bf16* kp = cache_k.data_ptr<bf16>();
+  const bf16* vp = cache_v.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const auto ks = cache_k.strides();
+  const auto vs = cache_v.strides();
+  at::parallel_for(0, B * KVH * N, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<const bf16*> keys, values;
+    std::vector<float> scores;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (KVH * N), h = (t / N) % KVH, n = t % N;
+      const int64_t len = bp[b];
+      const bf16* kh = kp + slp[b] * ks[0] + h * ks[1];
+      const bf16* vh = vp + slp[b] * vs[0] + h * vs[1];
+      keys.clear();
+      values.clear();
+      for (int64_t j = 0; j < len; ++j) {
+        keys.push_back(kh + j * ks[2]);
+        values.push_back(vh + j * vs[2]);
+      }
+      const bool* row = mp + (b * N + n) * T;
+      for (int64_t m = 0; m < T; ++m)
+        if (row[m]) {
+          keys.push_back(kh + (len + m) * ks[2]);
+          values.push_back(vh + (len + m) * vs[2]);
+        }
+      const int64_t L = static_cast<int64_t>(keys.size());
+      scores.resize(static_cast<size_t>(G * std::max<int64_t>(L, 1)));
+      const bf16* qs[kMaxG];
+      bf16* os[kMaxG];
+      for (int64_t g = 0; g < G; ++g) {
+        qs[g] = qp + ((b * Hq + h * G + g) * N + n) * dh;
+        os[g] = op + (b * N + n) * Hq * dh + (h * G + g) * dh;
+      }
+      attend(qs, static_cast<int>(G), keys.data(), values.data(), L, dh,
+             static_cast<float>(scale), scores.data(), os);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (bf16, fixed order)");
   m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm (bf16, fixed order)");
   m.def("qkv_rope_write", &qkv_rope_write, "RoPE on q and k, k and v into the cache (bf16)");
+  m.def("attention", &attention, "exact attention over the cache in position order (bf16)");
 }
