@@ -1,22 +1,37 @@
 #!/usr/bin/env bash
-# Session 9 (AMD EPYC, AVX512-BF16 without AMX: dtype auto = bf16): the fused CPU operations
-# (eagle2.native) against the same layers in ATen operations (EAGLE2_NATIVE=0), then the full
-# batch-1 benchmark on the release. Quiet machine; every command alone; writes runs/s9/.
+# Session 9 (AMD EPYC, AVX512-BF16 without AMX: dtype auto = bf16): the release with the fused
+# CPU operations and their exact attention (eagle2.native), on a quiet machine, from the
+# repository root (the session ran it from a worktree of the release commit). One thread per
+# process; the two shards of a sharded run share the machine (one per core), every other
+# command runs alone. Writes runs/s9/ (timeline.txt has the load average per command).
 E=".venv/bin/python -m eagle2.cli"
+[ -x .venv/bin/python ] || E="python -m eagle2.cli"
 B=runs/s9
 mkdir -p $B
 log() { echo "$(date +%T) $* | load $(cut -d' ' -f1-3 /proc/loadavg)" >> $B/timeline.txt; }
+shards() {  # name, then bench arguments: two shards (one per core), merged
+  local name=$1; shift
+  for i in 0 1; do $E bench "$@" --threads 1 --shard $i/2 --out $B/$name$i > $B/$name$i.txt 2>&1 & done
+  wait
+  $E bench --merge $B/${name}0 $B/${name}1 --out $B/$name > $B/$name.txt 2>&1
+  log $name
+}
 log "start $(git rev-parse --short HEAD)"
-for round in 1 2; do
-  for native in 0 1; do
-    EAGLE2_NATIVE=$native $E bench-forward --threads 1 --repeats 2 --batches 1,8 \
-      --nodes 1,2,4,8,16 --long-prefix 0 --no-save-costs --out $B/fw-native$native-$round \
-      > $B/fw-native$native-$round.txt 2>&1
-    log fw native=$native round $round
-  done
+shards full --suite mt_bench,humaneval --num-prompts 40 --max-tokens 256 --modes vanilla,eagle2
+for native in 1 0; do  # the same layers with ATen operations and canonical_attention: 0
+  EAGLE2_NATIVE=$native $E bench-forward --threads 1 --repeats 3 --batches 1,4,8 \
+    --nodes 1,2,4,8,16,32,64 --out $B/fw-native$native > $B/fw-native$native.txt 2>&1
+  log fw native=$native
 done
-for i in 0 1; do $E bench --suite mt_bench,humaneval --num-prompts 40 --max-tokens 256 \
-  --modes vanilla,eagle2 --threads 1 --shard $i/2 --out $B/full$i > $B/full$i.txt 2>&1 & done
-wait
-$E bench --merge $B/full0 $B/full1 --out $B/full > $B/full.txt 2>&1
-log full
+shards hf --suite mt_bench,humaneval --num-prompts 6 --max-tokens 128 --modes vanilla,eagle2,hf
+$E bench --suite mt_bench,humaneval --num-prompts 6 --max-tokens 96 --modes vanilla,eagle2 \
+  --threads 1 --out $B/quiet > $B/quiet.txt 2>&1
+log quiet
+$E bench --suite mt_bench,humaneval --num-prompts 6 --max-tokens 96 --modes vanilla,eagle2 \
+  --threads 1 --background-load 1 --out $B/load1 > $B/load1.txt 2>&1
+log load1
+for b in 2 4 8; do
+  $E bench --suite mt_bench,humaneval --num-prompts 8 --max-tokens 96 --modes vanilla,eagle2 \
+    --threads 1 --batch $b --repeats 3 --out $B/batch$b > $B/batch$b.txt 2>&1
+  log batch$b
+done
