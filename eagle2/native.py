@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -39,11 +40,14 @@ def _build_dir() -> Path:
 
 @functools.cache
 def cpu_ops() -> ModuleType | None:
-    """The compiled module (built on first use), or None where it cannot be built, or where
-    EAGLE2_NATIVE=0 (read when the first bf16 CPU target loads, not at import)."""
+    """The compiled operators, `torch.ops.eagle2_cpu` (built on first use), or None where
+    they cannot be built, or where EAGLE2_NATIVE=0 (read when the first bf16 CPU target
+    loads, not at import)."""
     if os.environ.get("EAGLE2_NATIVE", "1") == "0":
         return None
     from torch.utils.cpp_extension import load
+
+    _find_ninja()
 
     build = _build_dir()
     build.mkdir(parents=True, exist_ok=True)
@@ -51,9 +55,22 @@ def cpu_ops() -> ModuleType | None:
         log.info("building eagle2's fused CPU operations into %s (once per machine, ~30 s)",
                  build)
     try:
-        return load("eagle2_cpu_ops", [str(SOURCE)], extra_cflags=list(CFLAGS),
-                    build_directory=str(build), verbose=False)
+        load("eagle2_cpu_ops", [str(SOURCE)], extra_cflags=list(CFLAGS),
+             build_directory=str(build), verbose=False, is_python_module=False)
+        return torch.ops.eagle2_cpu
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, build error
         log.warning("eagle2's fused CPU operations could not be built (%s); using ATen "
                     "operations (slower)", e)
         return None
+
+
+def _find_ninja() -> None:
+    """The extension builder runs `ninja` from PATH: where only the `ninja` wheel has it (a
+    venv that is not activated), put the wheel's directory on PATH."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

@@ -90,7 +90,8 @@ def split_forward(runner, tokens, positions, mask, slots) -> dict[str, float]:
         totals["all"] += us
         if ev.key in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"):
             totals["linears"] += us
-        elif "scaled_dot_product" in ev.key or ev.key == "aten::bmm":  # bmm: exact attention
+        elif ("scaled_dot_product" in ev.key or ev.key == "aten::bmm"  # bmm: exact attention
+              or ev.key == "eagle2_cpu::attention"):  # the fused CPU operations' (eagle2.native)
             totals["attention"] += us
     for ev in prof.events():
         if ev.name == "eagle2.lm_head":

@@ -9,6 +9,7 @@
 // bitwise the same result decoded alone or as a node of a verified tree, which exact bf16
 // verification needs (docs/DESIGN.md, "Exact bf16 attention").
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -396,9 +397,19 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (bf16, fixed order)");
-  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm (bf16, fixed order)");
-  m.def("qkv_rope_write", &qkv_rope_write, "RoPE on q and k, k and v into the cache (bf16)");
-  m.def("attention", &attention, "exact attention over the cache in position order (bf16)");
+// Registered as torch operators (torch.ops.eagle2_cpu.*): the profiler sees them by name.
+TORCH_LIBRARY(eagle2_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("qkv_rope_write(Tensor qkv, Tensor cos, Tensor sin, int num_q, int num_kv, "
+        "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos) -> Tensor");
+  m.def("attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor slots, Tensor base, "
+        "Tensor tree_mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("qkv_rope_write", &qkv_rope_write);
+  m.impl("attention", &attention);
 }
