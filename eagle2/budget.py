@@ -350,11 +350,6 @@ class SpeculationGate:
             return False
         return True
 
-    def probe_next(self) -> None:
-        """Draft at the next step (new requests joined: their text may suit the head), keeping
-        the back-off for what follows if that probe does not pay either."""
-        self.skip_left = 0
-
     def record(self, pays: bool) -> None:
         self.history = [*self.history[-63:], pays]
         if pays:

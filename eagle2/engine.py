@@ -97,6 +97,7 @@ class _Seq:
     num_steps: int = 1  # target forwards that produced output (prefill counted)
     accepted_at_depth: Counter = field(default_factory=Counter)
     drafted: bool = False  # the drafter consumed the pending pairs this step
+    probe: bool = True  # just joined: draft for it at its first step even if the gate skips
     # auto budget: decayed sums of the draft tokens its kept trees' calibrated values
     # promised and of those verification accepted (`Engine._acceptance_scale`)
     promised: float = 0.0
@@ -183,7 +184,7 @@ class Engine:
         tree = self._draft(draft_auto)
         t1 = time.perf_counter()
         if any(s.auto for s in self.seqs):
-            tree = self._choose_budget(tree, draft_auto)
+            tree = self._choose_budget(tree, any(s.drafted for s in self.seqs if s.auto))
         verified, features = self._verify(tree)
         self._count_lookup(tree, verified)
         t2 = time.perf_counter()
@@ -312,10 +313,13 @@ class Engine:
         return replace(config, depth=min(config.depth, max(1, *self._depths_used)))
 
     def _draft(self, draft_auto: bool = True) -> DraftTree:
-        """One tree per sequence; auto-budget ones get the one-node tree if not draft_auto."""
+        """One tree per sequence; auto-budget ones get the one-node tree if not draft_auto,
+        unless they just joined (a probe of the newcomers only: their text may suit the head
+        where the others' did not, and drafting for the whole batch is what a probe costs)."""
         groups: dict[TreeConfig | None, list[int]] = {}
         for i, s in enumerate(self.seqs):
-            s.drafted = s.req.tree.mode != "vanilla" and (draft_auto or not s.auto)
+            s.drafted = s.req.tree.mode != "vanilla" and (draft_auto or not s.auto or s.probe)
+            s.probe = False
             groups.setdefault(s.req.tree if s.drafted else None, []).append(i)
         parts: list[tuple[list[int], DraftTree]] = []
         for config, idx in groups.items():
@@ -448,7 +452,6 @@ class Engine:
         self._rate, self._depths_used = 0.0, []
         if idle:
             self.gates.clear()
-        self.gate.probe_next()  # the gate of the new batch size
         self.stats.prefill_s += time.perf_counter() - t0
         return events
 

@@ -128,12 +128,43 @@ def test_gate_backs_off_and_resets():
     assert verdicts == [False, "skip", "skip", False] + ["skip"] * 4 + [False] + ["skip"] * 8 \
         + [False] + ["skip"] * 8 + [True]
     assert gate.should_draft() and gate.backoff == 0
-    gate.record(False)
-    gate.record(False)  # backoff 4
-    gate.probe_next()
-    assert gate.should_draft() and gate.backoff == 4
-    gate.record(False)
-    assert gate.skip_left == 8  # the back-off goes on doubling after the probe
+
+
+def test_a_join_probes_the_newcomer_only():
+    """With the gate backed off (no tree pays: 50 ms a token), a request that joins the batch
+    is drafted for at its first step, the others are not; output stays plain decoding's."""
+    from eagle2.engine import Request
+
+    target = tiny_target(seed=6)
+    prompts = random_prompts(3, 64, seed=9)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    vanilla = run(make_engine(target, None), prompts, params, TreeConfig("vanilla"))
+    engine = make_engine(target, 0)
+    engine._costs = flat_costs(0.05)
+    drafted: list[list[str]] = []
+    draft = engine.drafter.draft
+
+    def recording(seq_ids, *args, **kwargs):
+        drafted.append(list(seq_ids))
+        return draft(seq_ids, *args, **kwargs)
+
+    engine.drafter.draft = recording
+    out = {f"s{i}": [] for i in range(3)}
+    for i in range(2):
+        engine.add(Request(f"s{i}", tuple(prompts[i]), params, AUTO))
+    steps = 0
+    while engine.has_work():
+        if steps == 12:  # the gate of batch 2 is backed off by now; so is batch 3's
+            assert engine.gate.skip_left > 0
+            engine.gates[3] = SpeculationGate(backoff=64, skip_left=64)
+            engine.add(Request("s2", tuple(prompts[2]), params, AUTO))
+            before = len(drafted)
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+        steps += 1
+        if steps == 14:  # 13: s2's prefill; 14: its first step, a probe of s2 alone
+            assert drafted[before:] == [["s2"]]
+    assert [out[f"s{i}"] for i in range(3)] == vanilla
 
 
 # ----- pruning -------------------------------------------------------------------------------

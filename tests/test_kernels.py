@@ -98,3 +98,33 @@ def test_packed_bf16_rows_do_not_depend_on_the_row_count(shape):
         assert torch.equal(bw(x[:rows]), whole[:rows]), rows
     torch.testing.assert_close(whole.float(), (x.float() @ weight.float().T), rtol=0.02,
                                atol=0.05)
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
+                    reason="needs oneDNN's packed bf16 kernels (AVX512/AMX)")
+def test_packed_linear_matches_linear_follows_updates_and_keeps_the_state_dict():
+    from torch import nn
+
+    from eagle2.kernels import PackedLinear, pack_linears
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.ReLU(),
+                          nn.Sequential(nn.Linear(96, 32, bias=False), nn.Linear(32, 8)))
+    model.to(torch.bfloat16)
+    keys = set(model.state_dict())
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+    assert pack_linears(model) == 2 and pack_linears(model) == 0  # the biased one stays
+    assert isinstance(model[0], PackedLinear) and type(model[2][1]) is nn.Linear
+    assert set(model.state_dict()) == keys
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, rtol=0.02, atol=0.02)
+        model[0].weight.mul_(2)  # an in-place update is seen (packed again)
+        torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight),
+                                   rtol=0.02, atol=0.05)
+    model.float()  # in fp32: F.linear, with gradients for training
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](x.float()), x.float() @ model[0].weight.T)
+    model(x.float()).sum().backward()
+    assert model[0].weight.grad is not None
