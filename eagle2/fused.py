@@ -8,8 +8,9 @@ The same arithmetic as `attention.decoder_layer`, in fewer and larger operations
   - every matrix multiplied through `kernels.BlockedWeight` (the block size measured per row
     count on this machine);
   - the new K/V written with one slice copy when all requests start at the same cache length;
-  - in bf16 on a CPU, the norms (with the residual add before the second), RoPE and the K/V
-    writes as single calls of `eagle2.native` (row by row, fixed order: exactness kept).
+  - in bf16 on a CPU, the norms (with the residual add before the second), RoPE with the K/V
+    writes, and the exact attention as single calls of `eagle2.native` (row by row, in a
+    fixed order: a token's result does not depend on the other rows, which exactness needs).
 Used for plain `nn.Linear` weights without bias (the unsharded target); anything else (a
 sharded or biased model) keeps the module path.
 """

@@ -1,16 +1,18 @@
 """The fused bf16 CPU operations of `csrc/cpu_ops.cpp`, built once per machine.
 
-docs/DESIGN.md, "CPU performance": a one-token forward of a small model spends as much time in
-~100 small operations per layer (norms, RoPE, cache writes) as in its matrix products. The C++
-file does each group of them in one call, row by row in a fixed order, so results stay
-row-invariant (exact bf16 verification). It is compiled with torch's extension builder the
-first time a bf16 CPU target loads (~30 s, needs a C++ compiler) into the eagle2 cache,
-keyed by the source, torch and the CPU (a machine with another CPU builds its own).
+docs/DESIGN.md, "CPU performance": a one-token forward of a small model spent as much time in
+~100 small operations per layer (norms, RoPE, cache writes, the exact attention's gathers and
+matmuls) as in its matrix products. The C++ file does each group of them in one call, row by
+row in a fixed order, so results stay row-invariant (exact bf16 verification). It is compiled
+with torch's extension builder the first time a bf16 CPU target loads (~30 s, needs a C++
+compiler) into the eagle2 cache, keyed by the source, torch and the CPU (a machine with another
+CPU builds its own).
 Where it cannot be built, `cpu_ops()` is None and the layers use ATen operations instead.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -55,8 +57,13 @@ def cpu_ops() -> ModuleType | None:
         log.info("building eagle2's fused CPU operations into %s (once per machine, ~30 s)",
                  build)
     try:
-        load("eagle2_cpu_ops", [str(SOURCE)], extra_cflags=list(CFLAGS),
-             build_directory=str(build), verbose=False, is_python_module=False)
+        # torch's builder waits forever on a lock file that a killed build left behind; an
+        # flock dies with its process, so whoever holds it knows such a file is stale
+        with open(build / "eagle2.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            load("eagle2_cpu_ops", [str(SOURCE)], extra_cflags=list(CFLAGS),
+                 build_directory=str(build), verbose=False, is_python_module=False)
         return torch.ops.eagle2_cpu
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, build error
         log.warning("eagle2's fused CPU operations could not be built (%s); using ATen "
