@@ -129,24 +129,25 @@ class PackedLinear(nn.Module):
     kernel (`BlockedWeight.packed`). The draft head's small weights stay hot in the cache, where
     the unpacked bf16 matmul re-lays them out every call: on a CPU without AMX a head layer at
     8 rows took 1.7 ms that way. The weight stays the same Parameter (state dicts, training); it
-    is packed again when it changes (its version counter), and a forward that needs gradients
-    takes `F.linear`."""
+    is packed again when it changes (its version counter or its storage), and a forward that
+    needs gradients, or in a dtype oneDNN does not pack, takes `F.linear`."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # [O, K]
         self._packed: BlockedWeight | None = None
-        self._version = -1
+        self._seen: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)) \
                 or not packing_supported(self.weight.dtype, self.weight.device):
             return F.linear(x, self.weight)
-        if self._packed is None or self._version != self.weight._version:
+        seen = (self.weight._version, self.weight.data_ptr())  # changed in place, or replaced
+        if self._packed is None or self._seen != seen:
             plan = BlockPlan({rows: PACKED for rows in ROW_BUCKETS})
             self._packed = BlockedWeight(self.weight.detach(), plan)
-            self._version = self.weight._version
+            self._seen = seen
         return self._packed.packed(x)
 
 

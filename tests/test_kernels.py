@@ -123,6 +123,10 @@ def test_packed_linear_matches_linear_follows_updates_and_keeps_the_state_dict()
         model[0].weight.mul_(2)  # an in-place update is seen (packed again)
         torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight),
                                    rtol=0.02, atol=0.05)
+    model.float().to(torch.bfloat16)  # new storage, same version counter: packed again
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight),
+                                   rtol=0.02, atol=0.05)
     model.float()  # in fp32: F.linear, with gradients for training
     with torch.no_grad():
         torch.testing.assert_close(model[0](x.float()), x.float() @ model[0].weight.T)
