@@ -135,6 +135,7 @@ class Engine:
         # at a batch size holds for the next requests that run at that size while the engine
         # stays busy (cleared when a request joins an idle engine: `_prefill`)
         self.gates: dict[int, SpeculationGate] = {}
+        self._last_gate: SpeculationGate | None = None  # the gate of the last step's batch size
         self._rate = 0.0  # tokens/s predicted for the last speculative step
         self._depths_used: list[int] = []  # deepest kept node of recent auto trees
 
@@ -198,8 +199,16 @@ class Engine:
 
     @property
     def gate(self) -> SpeculationGate:
-        """The speculation gate of the current batch size."""
-        return self.gates.setdefault(len(self.seqs), SpeculationGate())
+        """The speculation gate of the current batch size. A size met for the first time while
+        the engine is busy starts from the last size's back-off (a copy): a request finishing
+        is no reason to probe the whole batch (newcomers probe by themselves: `_draft`)."""
+        size = len(self.seqs)
+        if size not in self.gates:
+            last = self._last_gate
+            self.gates[size] = (SpeculationGate() if last is None
+                                else replace(last, history=[]))
+        self._last_gate = self.gates[size]
+        return self._last_gate
 
     @property
     def costs(self) -> CostModel:
@@ -452,6 +461,7 @@ class Engine:
         self._rate, self._depths_used = 0.0, []
         if idle:
             self.gates.clear()
+            self._last_gate = None
         self.stats.prefill_s += time.perf_counter() - t0
         return events
 

@@ -167,6 +167,41 @@ def test_a_join_probes_the_newcomer_only():
     assert [out[f"s{i}"] for i in range(3)] == vanilla
 
 
+def test_a_shrinking_batch_keeps_its_back_off():
+    """No tree pays and the gate of batch 3 is backed off: when requests finish and the batch
+    shrinks to 2 and 1, the new sizes' gates start from that back-off instead of probing the
+    whole batch again; output stays plain decoding's."""
+    from eagle2.engine import Request
+
+    target = tiny_target(seed=7)
+    prompts = random_prompts(3, 64, seed=10)
+    lengths = (8, 16, 40)
+    ref = [run(make_engine(target, None), [p], SamplingParams(max_tokens=n, ignore_eos=True),
+               TreeConfig("vanilla"))[0] for p, n in zip(prompts, lengths, strict=True)]
+    engine = make_engine(target, 0)
+    engine._costs = flat_costs(0.05)
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add(Request(f"s{i}", tuple(p), SamplingParams(max_tokens=n, ignore_eos=True),
+                           AUTO))
+    out = {f"s{i}": [] for i in range(3)}
+
+    def step():
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+
+    step()  # the prefill of all three
+    step()  # their first step: newcomers, drafted
+    engine.gates[3] = SpeculationGate(backoff=64, skip_left=64)
+    calls = []
+    draft = engine.drafter.draft
+    engine.drafter.draft = lambda ids, *a, **k: calls.append(list(ids)) or draft(ids, *a, **k)
+    while engine.has_work():
+        step()
+    assert calls == []  # sizes 2 and 1 inherited the back-off: nothing probed
+    assert [out[f"s{i}"] for i in range(3)] == ref
+    assert set(engine.gates) == {1, 2, 3}
+
+
 # ----- pruning -------------------------------------------------------------------------------
 def slow_prune(tree, keep: int):
     """List-based reference: root + the best keep - 1 nodes by value (ties: lower index)."""
