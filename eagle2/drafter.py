@@ -21,14 +21,7 @@ from eagle2.attention import causal_mask, step_inputs, vocab_projection
 from eagle2.config import TreeConfig
 from eagle2.eagle3 import Eagle3Head
 from eagle2.head import DraftHead
-from eagle2.kernels import (
-    PACKED,
-    ROW_BUCKETS,
-    BlockedWeight,
-    BlockPlan,
-    pack_linears,
-    packing_supported,
-)
+from eagle2.kernels import BlockedWeight, pack_linears, packed_plan, packing_supported
 from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
 
@@ -76,8 +69,7 @@ class Drafter:
         self._vocab_proj: BlockedWeight | None = None
         if packing_supported(self.dtype, self.device):
             pack_linears(head)
-            self._vocab_proj = BlockedWeight(self.draft_lm_head,
-                                             BlockPlan({r: PACKED for r in ROW_BUCKETS}))
+            self._vocab_proj = BlockedWeight(self.draft_lm_head, packed_plan())
         self.d2t = head.d2t.to(self.device) if head.d2t.numel() else None
         self.cache = head.allocate_cache(max_slots, max_len + tree_margin)
         self.max_len = max_len

@@ -124,6 +124,11 @@ class BlockedWeight:
         return out.to(x.dtype)
 
 
+def packed_plan() -> BlockPlan:
+    """The plan that multiplies every row count through the packed bf16 kernel."""
+    return BlockPlan({rows: PACKED for rows in ROW_BUCKETS})
+
+
 class PackedLinear(nn.Module):
     """A bias-free `nn.Linear` whose inference forward multiplies through oneDNN's packed bf16
     kernel (`BlockedWeight.packed`). The draft head's small weights stay hot in the cache, where
@@ -145,8 +150,7 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight)
         seen = (self.weight._version, self.weight.data_ptr())  # changed in place, or replaced
         if self._packed is None or self._seen != seen:
-            plan = BlockPlan({rows: PACKED for rows in ROW_BUCKETS})
-            self._packed = BlockedWeight(self.weight.detach(), plan)
+            self._packed = BlockedWeight(self.weight.detach(), packed_plan())
             self._seen = seen
         return self._packed.packed(x)
 

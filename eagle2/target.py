@@ -20,12 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from eagle2.attention import KVCache, decoder_layer, step_inputs
 from eagle2.fused import FusedLayer, can_fuse, fused_layer
 from eagle2.kernels import (
-    PACKED,
-    ROW_BUCKETS,
     BlockedWeight,
     BlockPlan,
     cached_plan,
     native_bf16_cpu,
+    packed_plan,
     packing_supported,
 )
 from eagle2.native import cpu_ops
@@ -204,7 +203,7 @@ class TargetModel:
         if self.head_proj is not None:
             weights.append(self.head_proj.weight)
         if packing_supported(self.dtype, self.device):  # one kernel for every row count
-            self.plan.block_bytes.update({rows: PACKED for rows in ROW_BUCKETS})
+            self.plan.block_bytes.update(packed_plan().block_bytes)
             self.native = cpu_ops() if self.canonical else None
             return self
         size = sum(w.numel() * w.element_size() for w in weights)
