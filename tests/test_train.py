@@ -235,3 +235,53 @@ def test_self_written_prompts_are_stored_reproducible_and_filtered(smol, tmp_pat
     assert first[0] not in again and again == first[1:]
     dropped = json.loads(prompts_path(tmp_path / "b", 0).read_text())["dropped"]
     assert dropped["benchmark_overlap"] == 1
+
+
+def test_data_archive_round_trips_and_keeps_existing_chunks(tmp_path):
+    """`--export-data` / `--import-data`: the chunk files (conversations and self-written
+    prompts) survive the round trip byte for byte, the archive is reproducible, an import
+    keeps chunks the directory already has, and a foreign member is refused."""
+    import io
+    import tarfile
+
+    from eagle2.train.run import add_arguments, run
+    from eagle2.train.self_prompts import prompts_path
+
+    src = tmp_path / "src"
+    recs = [[{"prompt": "a", "prompt_ids": [1, 2], "answer_ids": [3, 4, 5], "temperature": 0.0}],
+            [{"prompt": "b", "prompt_ids": [6], "answer_ids": [7, 8], "temperature": 1.0}]]
+    for i, r in enumerate(recs):
+        data.chunk_path(src, i).parent.mkdir(parents=True, exist_ok=True)
+        data.chunk_path(src, i).write_text(json.dumps(r))
+    prompts_path(src, 0).parent.mkdir(parents=True)
+    prompts_path(src, 0).write_text(json.dumps({"prompts": ["a"], "drawn": 1, "dropped": {}}))
+    (src / "features").mkdir()
+    (src / "features" / "shard_00000.safetensors").write_bytes(b"large, not archived")
+
+    archive = tmp_path / "data.tar.xz"
+    parser = __import__("argparse").ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--out", str(src), "--stages", "", "--export-data",
+                                  str(archive)])) == 0
+    first = archive.read_bytes()
+    assert data.pack_archive(src, archive) == 3 and archive.read_bytes() == first
+
+    dst = tmp_path / "dst"
+    data.chunk_path(dst, 1).parent.mkdir(parents=True)
+    data.chunk_path(dst, 1).write_text("[]")  # already there: kept
+    assert run(parser.parse_args(["--out", str(dst), "--stages", "", "--import-data",
+                                  str(archive)])) == 0
+    assert data.chunk_path(dst, 0).read_bytes() == data.chunk_path(src, 0).read_bytes()
+    assert prompts_path(dst, 0).read_bytes() == prompts_path(src, 0).read_bytes()
+    assert data.chunk_path(dst, 1).read_text() == "[]"
+    assert not (dst / "features").exists()
+    assert [r["answer_ids"] for r in data.load_conversations(dst)] == [[3, 4, 5]]
+
+    bad = tmp_path / "bad.tar.xz"
+    with tarfile.open(bad, "w:xz") as tar:
+        info = tarfile.TarInfo("../outside.json")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"[]"))
+    with pytest.raises(ValueError, match="unexpected member"):
+        data.unpack_archive(bad, tmp_path / "other")
+    assert not (tmp_path / "outside.json").exists()

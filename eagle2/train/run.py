@@ -47,6 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker", default="0/1",
                    help="I/N: this process does chunks i with i %% N == I (data and features)")
     g.add_argument("--max-len", type=int, default=2048, help="truncate conversations")
+    g.add_argument("--import-data", action="append", default=[], metavar="ARCHIVE",
+                   help="first extract an archive of chunks (--export-data) into OUT, keeping "
+                        "chunks OUT already has; the data stage then goes on after them")
+    g.add_argument("--export-data", default=None, metavar="ARCHIVE",
+                   help="after the stages, write OUT's conversation chunks into this .tar.xz "
+                        "(small enough to keep in git: the data set outlives the machine)")
+    g.add_argument("--gen-dtype", default="float32", choices=("float32", "auto", "bfloat16"),
+                   help="dtype of the target that writes the answers: auto = what the service "
+                        "runs on this machine (bf16 where the CPU or GPU has fast bf16; several "
+                        "times faster on such CPUs)")
     t = p.add_argument_group("training")
     t.add_argument("--arch", default="eagle2", choices=("eagle2", "eagle3"),
                    help="eagle2: fc(2H) head on stored final features (needs the features "
@@ -104,6 +114,9 @@ def run(args) -> int:
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           max_batch=args.gen_batch, chunk_size=args.chunk_size,
                           sample_every=args.sample_every)
+    for archive in args.import_data:
+        print(f"{archive}: {data.unpack_archive(Path(archive), root)} chunk files extracted",
+              flush=True)
     target = None
     if "data" in stages:
         target = _data_stage(args, cfg, root)
@@ -120,6 +133,9 @@ def run(args) -> int:
             from eagle2.train.trainer import train_from_args
 
         train_from_args(args, target, root)
+    if args.export_data:
+        n = data.pack_archive(root, Path(args.export_data))
+        print(f"{args.export_data}: {n} chunk files", flush=True)
     return 0
 
 
@@ -150,7 +166,7 @@ def _prompts(source: str, num: int, seed: int) -> list[str]:
 def _data_stage(args, cfg, root: Path):
     from eagle2.api import Eagle2
     from eagle2.train.data import chunk_path, generate_conversations
-    llm = Eagle2.load(args.target, draft="untrained", dtype="float32", device=args.device,
+    llm = Eagle2.load(args.target, draft="untrained", dtype=args.gen_dtype, device=args.device,
                       max_batch=cfg.max_batch, max_context=args.max_len)
     if args.prompt_source == "self":
         from eagle2.train.self_prompts import bench_texts, chunk_prompts
