@@ -20,9 +20,11 @@ from torch import nn
 from eagle2.attention import causal_mask, step_inputs, vocab_projection
 from eagle2.config import TreeConfig
 from eagle2.eagle3 import Eagle3Head
+from eagle2.fused import native_head_layer
 from eagle2.head import DraftHead
 from eagle2.kernels import BlockedWeight, pack_linears, packed_plan, packing_supported
 from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains
+from eagle2.native import cpu_ops
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
 
 
@@ -67,9 +69,13 @@ class Drafter:
         # bf16 on a CPU: the head's linears and the draft vocabulary through oneDNN's packed
         # kernel (drafts need no exactness; it is 3-5x faster for these small, hot weights)
         self._vocab_proj: BlockedWeight | None = None
+        # ... and its decoder layer through eagle2.native's calls (None: the module path)
+        self._ops = None
         if packing_supported(self.dtype, self.device):
             pack_linears(head)
             self._vocab_proj = BlockedWeight(self.draft_lm_head, packed_plan())
+            self._ops = cpu_ops()
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [S, Dh]
         self.d2t = head.d2t.to(self.device) if head.d2t.numel() else None
         self.cache = head.allocate_cache(max_slots, max_len + tree_margin)
         self.max_len = max_len
@@ -121,9 +127,27 @@ class Drafter:
     def _run(self, slots: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
              positions: torch.Tensor, tree_mask: torch.Tensor, window: int) -> torch.Tensor:
         embeds = self.embed(tokens).to(self.dtype)
+        if self._ops is not None:
+            base = self.cache.lengths[slots]
+            if int(base.max()) <= window:  # the sliding window hides nothing yet
+                return self._run_native(slots, base, embeds, features, positions, tree_mask)
         inp = step_inputs(self.cache, slots, tree_mask, positions, self.head.rotary, embeds,
                           window)
         return self.head.step(embeds, features, self.cache, inp)
+
+    def _run_native(self, slots: torch.Tensor, base: torch.Tensor, embeds: torch.Tensor,
+                    features: torch.Tensor, positions: torch.Tensor,
+                    tree_mask: torch.Tensor) -> torch.Tensor:
+        """`_run` through `eagle2.fused.native_head_layer` (bf16 CPU)."""
+        if self._rope is None:  # RoPE of every cache position, once
+            cos, sin = self.head.rotary(embeds, torch.arange(self.cache.max_len)[None])
+            self._rope = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        num_t, num_n = tree_mask.shape[2], positions.shape[1]
+        write_pos = base[:, None] + torch.arange(num_t - num_n, num_t, device=self.device)
+        h, residual = self.head.layer_input(embeds, features)
+        return native_head_layer(self._ops, self.head.decoder, h, residual, self.cache, slots,
+                                 base, write_pos, tree_mask, self._rope[0][positions],
+                                 self._rope[1][positions])
 
     @torch.inference_mode()
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,

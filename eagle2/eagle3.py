@@ -108,12 +108,9 @@ class Eagle3Head(nn.Module):
              inp: StepInputs) -> torch.Tensor:
         """[B, N, H] embeddings + [B, N, 3H] target features (or [B, N, H] own outputs g')
         -> g' [B, N, H], writing the layer's K/V into the cache."""
-        g = features.to(token_embeds.dtype)
-        if g.shape[-1] == 3 * self.target_hidden_size:  # target features, not the head's own
-            g = self.fc(g)
+        h, g = self.layer_input(token_embeds, features)
         layer = self.midlayer
         attn = layer.self_attn
-        h = torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(g)], dim=-1)
         num_b, num_n, _ = h.shape
         dh = self.head_dim
         q = attn.q_proj(h).view(num_b, num_n, -1, dh).transpose(1, 2)
@@ -123,6 +120,19 @@ class Eagle3Head(nn.Module):
         out = cached_attention(q, k, v, cache, 0, inp)
         x = g + attn.o_proj(out.transpose(1, 2).reshape(num_b, num_n, -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.midlayer
+
+    def layer_input(self, token_embeds: torch.Tensor, features: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the q/k/v projections' input [B, N, 2H], the residual g [B, N, H]) of `step`."""
+        g = features.to(token_embeds.dtype)
+        if g.shape[-1] == 3 * self.target_hidden_size:  # target features, not the head's own
+            g = self.fc(g)
+        layer = self.midlayer
+        return torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(g)], dim=-1), g
 
     def pre_logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.norm(out)

@@ -125,3 +125,26 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
     x, h = ops.add_rms_norm(x, lw.o(out), lw.post_norm, lw.eps)
     gate, up = lw.gate_up(h).chunk(2, dim=-1)
     return x + lw.down(lw.act(gate) * up)
+
+
+def native_head_layer(ops: ModuleType, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor,
+                      cache: KVCache, slots: torch.Tensor, base: torch.Tensor,
+                      write_pos: torch.Tensor, tree_mask: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+    """A draft head's decoder layer (HF modules; `layer_input` of the head gives h and the
+    residual) through the same native calls as `_native_layer`: q|k|v -> RoPE + K/V writes at
+    write_pos [B, N] -> attention over the committed [0, base) and the scratch entries of
+    tree_mask [B, N, T] -> o -> residual add + norm -> MLP. It skips building the [B, N, S]
+    mask and the per-call rotary and norm operations of the module path (drafts need no
+    exactness; this is for speed)."""
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+    layer_k, layer_v = cache.k[0], cache.v[0]
+    num_kv = layer_k.shape[1]
+    num_q = qkv.shape[-1] // layer_k.shape[-1] - 2 * num_kv
+    q = ops.qkv_rope_write(qkv.contiguous(), cos, sin, num_q, num_kv, layer_k, layer_v, slots,
+                           write_pos)  # [B, Hq, N, Dh]
+    out = ops.attention(q, layer_k, layer_v, slots, base, tree_mask, q.shape[-1] ** -0.5)
+    x, y = ops.add_rms_norm(residual.contiguous(), attn.o_proj(out).contiguous(), norm.weight,
+                            norm.variance_epsilon)
+    return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y))

@@ -84,6 +84,17 @@ class DraftHead(nn.Module):
         predicted features [B, N, H], writing the layer's K/V into the cache."""
         return self.forward_layer(self.fuse(token_embeds, features), cache, inp)
 
+    @property
+    def decoder(self) -> nn.Module:
+        return self.layers[0]
+
+    def layer_input(self, token_embeds: torch.Tensor, features: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the q/k/v projections' input, the residual) of `step`'s decoder layer, for
+        `eagle2.fused.native_head_layer`: both fc(concat(embed, feature)) (no input norm)."""
+        x = self.fuse(token_embeds, features)
+        return x, x
+
     def feature_layers(self, num_layers: int) -> None:
         """None: the head reads the target's last hidden state after the final norm."""
         return None

@@ -204,3 +204,57 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_process(ops):
     done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_the_drafters_native_layer_matches_the_module_path(ops, kind):
+    """A bf16 head's layer through `fused.native_head_layer` (what the drafter uses on a bf16
+    CPU) gives the module path's outputs and cache entries up to bf16 rounding: the prefix,
+    then one tree level whose nodes see only their own ancestors, for two requests in
+    non-adjacent slots at different lengths."""
+    from conftest import tiny_target
+
+    from eagle2.attention import causal_mask
+    from eagle2.drafter import Drafter
+    from eagle2.eagle3 import new_eagle3_head
+    from eagle2.head import new_head
+    from eagle2.kernels import packing_supported
+
+    if not packing_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no packed bf16 kernels on this CPU")
+    target = tiny_target(seed=7, hidden=64, heads=4, kv_heads=2)
+    make = new_head if kind == "eagle2" else new_eagle3_head
+    head = make(target.config, seed=1, dtype=torch.bfloat16)
+    fast, slow = (Drafter(head, target.embed, target.lm_head, 4, 96) for _ in range(2))
+    assert fast._ops is ops
+    slow._ops = None
+    gen = torch.Generator().manual_seed(2)
+    width = 64 if kind == "eagle2" else 3 * 64
+    feats = torch.randn(2, 40, width, generator=gen).bfloat16()
+    tokens = torch.randint(0, 64, (2, 40), generator=gen)
+    counts = torch.tensor([40, 23])
+    outs = []
+    for d in (fast, slow):
+        for sid in ("pad0", "pad1", "a"):
+            d._slots([sid])  # slots 0 and 1 are taken: the requests land in 2 and 3
+        slots = d._slots(["a", "b"])
+        pos = torch.arange(40).expand(2, 40)
+        first = d._run(slots, tokens, feats, pos, causal_mask(counts, 40), 2048)
+        d.cache.lengths[slots] += counts
+        # one level of 3 nodes over 2 earlier scratch entries: node j sees entry j % 2, itself
+        anc = torch.zeros(2, 3, 5, dtype=torch.bool)
+        for j in range(3):
+            anc[:, j, j % 2] = anc[:, j, 2 + j] = True
+        level = d._run(slots, tokens[:, :3], first[:, :3].contiguous(),
+                       counts[:, None] + 1 + torch.zeros(2, 3, dtype=torch.long), anc, 2048)
+        outs.append((first, level, d.cache.k[0, slots].clone()))
+    for a, b in zip(outs[0][:2], outs[1][:2], strict=True):
+        a = torch.cat([a[0], a[1, :23]]) if a.shape[1] == 40 else a
+        b = torch.cat([b[0], b[1, :23]]) if b.shape[1] == 40 else b
+        assert F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) > 0.999
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+    keys_fast, keys_slow = outs[0][2], outs[1][2]
+    for b, n in enumerate((40, 23)):  # the prefix and the level's entries at n + 2 .. n + 4
+        for cols in (slice(0, n), slice(n + 2, n + 5)):
+            torch.testing.assert_close(keys_fast[b, :, cols].float(),
+                                       keys_slow[b, :, cols].float(), rtol=0.05, atol=0.05)
