@@ -259,15 +259,16 @@ SPECULATION_MARGIN = 0.05
 
 
 def draft_key(drafter) -> str:
-    """What decides a draft level's cost: the head's kind and its matrices' shapes (a remote
-    drafter: "remote")."""
+    """What decides a draft level's cost: the head's kind, its matrices' shapes and whether its
+    layer runs on eagle2.native (a remote drafter: "remote")."""
     head = getattr(drafter, "head", None)
     if head is None:
         return "remote"
     shapes = ",".join("x".join(map(str, p.shape)) for p in head.parameters())
     vocab = getattr(drafter, "draft_lm_head", None)
     rows = "" if vocab is None else f"|{tuple(vocab.shape)}"
-    return f"{getattr(head, 'kind', 'eagle2')}|{shapes}{rows}|{head.fc.weight.dtype}"
+    native = "|native" if getattr(drafter, "_ops", None) is not None else ""
+    return f"{getattr(head, 'kind', 'eagle2')}|{shapes}{rows}|{head.fc.weight.dtype}{native}"
 
 
 def measure_draft_levels(drafter, batches: list[int], hidden: int, dtype: torch.dtype,
