@@ -126,7 +126,7 @@ def run(args) -> int:
         if not data.extract_features(target.hf, root, args.max_len, worker=worker):
             raise ValueError(f"no conversations under {root}; run the 'data' stage first")
     if "train" in stages:
-        target = target or _load_target(args)
+        target = target or _load_target(args, train=True)
         if args.arch == "eagle3" or args.ttt or args.init_head:
             from eagle2.train.ttt import train_ttt_from_args as train_from_args
         else:
@@ -139,10 +139,18 @@ def run(args) -> int:
     return 0
 
 
-def _load_target(args):
-    from eagle2.target import TargetModel
+def _load_target(args, train: bool = False):
+    """fp32, except for a TTT training run with bf16 autocast: there a bf16 target skips
+    autocast's cast of its 135M+ weights at every step (9% of a step here) and gives the
+    features the service's bf16 target gives."""
+    from eagle2.target import TargetModel, pick_device
 
-    return TargetModel.load(args.target, dtype="float32", device=args.device)
+    dtype = "float32"
+    if train and (args.arch == "eagle3" or args.ttt or args.init_head):
+        from eagle2.train.ttt import use_bf16
+
+        dtype = "bfloat16" if use_bf16(args.bf16, pick_device(args.device)) else "float32"
+    return TargetModel.load(args.target, dtype=dtype, device=args.device)
 
 
 def _prompts(source: str, num: int, seed: int) -> list[str]:
