@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The default head's recipe (eagle2/heads/smollm2-135m-instruct/README.md), stage by stage;
+# every stage resumes where it stopped. usage: benchmarks/head_recipe.sh STAGE [DATA_DIR]
+#   data     two processes (one per core) write conversations for DATA_MINUTES (default 60)
+#   export   the chunks into data/smollm2-135m-instruct/*.tar.xz (kept in git)
+#   import   those archives back into DATA_DIR (a fresh machine); then `data` goes on after them
+#   train    the training-time test from the previous head, TRAIN_MINUTES (default 55), 2 threads
+#   calib    the value calibration of the trained head (held-out prompts)
+set -e
+STAGE=$1; D=${2:-runs/head-data}
+E=".venv/bin/python -m eagle2.cli"
+A=data/smollm2-135m-instruct
+GEN="--stages data --chunk-size 64 --gen-batch 64 --max-new-tokens 256 --sample-every 4 \
+  --threads 1 --gen-dtype auto --data-minutes ${DATA_MINUTES:-60}"
+case $STAGE in
+  data)
+    $E train-head --out $D/synthetic --num-prompts 11200 $GEN > $D-synthetic.log 2>&1 &
+    $E train-head --out $D/self --prompt-source self --num-prompts 8000 $GEN > $D-self.log 2>&1 &
+    wait ;;
+  export)
+    for s in synthetic self; do $E train-head --out $D/$s --stages "" --export-data $A/$s.tar.xz; done ;;
+  import)
+    for s in synthetic self; do $E train-head --out $D/$s --stages "" --import-data $A/$s.tar.xz; done ;;
+  train)
+    $E train-head --ttt --init-head ${INIT:-eagle2/heads/smollm2-135m-instruct-v3} --out $D/ft \
+      --extra-data $D/synthetic --extra-data $D/self --stages train --epochs ${EPOCHS:-1} \
+      --batch-tokens 2048 --lr 3e-4 --warmup 20 --noise 0.1 --ttt-steps 4 --eval-every 200 \
+      --patience 3 --threads 2 --train-minutes ${TRAIN_MINUTES:-55} --save $D/ft/head ;;
+  calib)
+    $E calibrate --draft $D/ft/head --num-chat 32 --num-code 16 --first-chat 11168 \
+      --max-tokens 128 --bins 24 --threads ${THREADS:-1} --lookup 16 ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
