@@ -267,7 +267,7 @@ def draft_key(drafter) -> str:
     shapes = ",".join("x".join(map(str, p.shape)) for p in head.parameters())
     vocab = getattr(drafter, "draft_lm_head", None)
     rows = "" if vocab is None else f"|{tuple(vocab.shape)}"
-    native = "|native" if getattr(drafter, "_ops", None) is not None else ""
+    native = "|native" if getattr(drafter, "native", None) is not None else ""
     return f"{getattr(head, 'kind', 'eagle2')}|{shapes}{rows}|{head.fc.weight.dtype}{native}"
 
 

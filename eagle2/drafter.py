@@ -69,12 +69,12 @@ class Drafter:
         # bf16 on a CPU: the head's linears and the draft vocabulary through oneDNN's packed
         # kernel (drafts need no exactness; it is 3-5x faster for these small, hot weights)
         self._vocab_proj: BlockedWeight | None = None
-        # ... and its decoder layer through eagle2.native's calls (None: the module path)
-        self._ops = None
+        # ... and its decoder layer through eagle2.native (None: the module path)
+        self.native = None
         if packing_supported(self.dtype, self.device):
             pack_linears(head)
             self._vocab_proj = BlockedWeight(self.draft_lm_head, packed_plan())
-            self._ops = cpu_ops()
+            self.native = cpu_ops()
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [S, Dh]
         self.d2t = head.d2t.to(self.device) if head.d2t.numel() else None
         self.cache = head.allocate_cache(max_slots, max_len + tree_margin)
@@ -127,7 +127,7 @@ class Drafter:
     def _run(self, slots: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
              positions: torch.Tensor, tree_mask: torch.Tensor, window: int) -> torch.Tensor:
         embeds = self.embed(tokens).to(self.dtype)
-        if self._ops is not None:
+        if self.native is not None:
             base = self.cache.lengths[slots]
             if int(base.max()) <= window:  # the sliding window hides nothing yet
                 return self._run_native(slots, base, embeds, features, positions, tree_mask)
@@ -145,7 +145,7 @@ class Drafter:
         num_t, num_n = tree_mask.shape[2], positions.shape[1]
         write_pos = base[:, None] + torch.arange(num_t - num_n, num_t, device=self.device)
         h, residual = self.head.layer_input(embeds, features)
-        return native_head_layer(self._ops, self.head.decoder, h, residual, self.cache, slots,
+        return native_head_layer(self.native, self.head.decoder, h, residual, self.cache, slots,
                                  base, write_pos, tree_mask, self._rope[0][positions],
                                  self._rope[1][positions])
 

@@ -226,8 +226,8 @@ def test_the_drafters_native_layer_matches_the_module_path(ops, kind):
     make = new_head if kind == "eagle2" else new_eagle3_head
     head = make(target.config, seed=1, dtype=torch.bfloat16)
     fast, slow = (Drafter(head, target.embed, target.lm_head, 4, 96) for _ in range(2))
-    assert fast._ops is ops
-    slow._ops = None
+    assert fast.native is ops
+    slow.native = None
     gen = torch.Generator().manual_seed(2)
     width = 64 if kind == "eagle2" else 3 * 64
     feats = torch.randn(2, 40, width, generator=gen).bfloat16()

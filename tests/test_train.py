@@ -241,6 +241,7 @@ def test_data_archive_round_trips_and_keeps_existing_chunks(tmp_path):
     """`--export-data` / `--import-data`: the chunk files (conversations and self-written
     prompts) survive the round trip byte for byte, the archive is reproducible, an import
     keeps chunks the directory already has, and a foreign member is refused."""
+    import argparse
     import io
     import tarfile
 
@@ -259,7 +260,7 @@ def test_data_archive_round_trips_and_keeps_existing_chunks(tmp_path):
     (src / "features" / "shard_00000.safetensors").write_bytes(b"large, not archived")
 
     archive = tmp_path / "data.tar.xz"
-    parser = __import__("argparse").ArgumentParser()
+    parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert run(parser.parse_args(["--out", str(src), "--stages", "", "--export-data",
                                   str(archive)])) == 0

@@ -122,7 +122,7 @@ ARCHIVED = ("conversations", "prompts")  # chunk files of the data stage (token 
 
 def pack_archive(root: Path, archive: Path) -> int:
     """Write the finished chunk files of `root` (conversations and self-written prompts, not
-    feature shards) into an xz-compressed tar (~1.3 bytes per answer token), byte-identical for
+    feature shards) into an xz-compressed tar (~1 byte per answer token), byte-identical for
     the same chunks (sorted names, no times or owners). Returns the number of files."""
     import io
     import tarfile

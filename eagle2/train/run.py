@@ -127,7 +127,7 @@ def run(args) -> int:
             raise ValueError(f"no conversations under {root}; run the 'data' stage first")
     if "train" in stages:
         target = target or _load_target(args, train=True)
-        if args.arch == "eagle3" or args.ttt or args.init_head:
+        if _trains_ttt(args):
             from eagle2.train.ttt import train_ttt_from_args as train_from_args
         else:
             from eagle2.train.trainer import train_from_args
@@ -139,6 +139,11 @@ def run(args) -> int:
     return 0
 
 
+def _trains_ttt(args) -> bool:
+    """The train stage uses the training-time test (eagle2.train.ttt), not stored features."""
+    return bool(args.arch == "eagle3" or args.ttt or args.init_head)
+
+
 def _load_target(args, train: bool = False):
     """fp32, except for a TTT training run with bf16 autocast: there a bf16 target skips
     autocast's cast of its 135M+ weights at every step (9% of a step here) and gives the
@@ -146,7 +151,7 @@ def _load_target(args, train: bool = False):
     from eagle2.target import TargetModel, pick_device
 
     dtype = "float32"
-    if train and (args.arch == "eagle3" or args.ttt or args.init_head):
+    if train and _trains_ttt(args):
         from eagle2.train.ttt import use_bf16
 
         dtype = "bfloat16" if use_bf16(args.bf16, pick_device(args.device)) else "float32"
