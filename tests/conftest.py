@@ -33,6 +33,18 @@ def tiny_target(vocab: int = 64, hidden: int = 64, layers: int = 2, heads: int =
     return TargetModel(model, tokenizer=None, name=f"tiny-{seed}")
 
 
+def save_tiny_target(target: TargetModel, path) -> str:
+    """A tiny target as a model directory (weights + a word-level tokenizer t0..tN)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    target.hf.save_pretrained(path)
+    vocab = target.config.vocab_size
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(path)
+    return str(path)
+
+
 def make_engine(target: TargetModel, head_seed: int | None = 0, max_batch: int = 8,
                 max_context: int = 512, draft_vocab: torch.Tensor | None = None,
                 head_kind: str = "eagle2") -> Engine:

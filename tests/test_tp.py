@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import random_prompts, tiny_target
+from conftest import random_prompts, save_tiny_target, tiny_target
 
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.drafter import Drafter
@@ -94,15 +94,8 @@ def ray_cluster():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A random Llama (4 heads, 2 KV heads, hidden 128: two 64-wide lm_head grains), saved."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     target = tiny_target(vocab=32, hidden=128, layers=2, heads=4, kv_heads=2, seed=1)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    target.hf.save_pretrained(path)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(path)
-    return target, str(path)
+    return target, save_tiny_target(target, tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompts, run, tiny_target
+from conftest import random_prompts, run, save_tiny_target, tiny_target
 from safetensors.torch import load_file
 
 from eagle2.config import SamplingParams, TreeConfig
@@ -21,7 +21,7 @@ from eagle2.head import load_head, save_head
 from eagle2.runner import LocalRunner
 from eagle2.train import data
 from eagle2.train.batches import collate, epoch_batches
-from eagle2.train.trainer import TrainConfig, Trainer, build_head, init_from_target
+from eagle2.train.trainer import TrainConfig, Trainer, build_head, init_from_target, split_sources
 
 VOCAB = 48
 CFG = TrainConfig(lr=3e-3, warmup=2, epochs=1.0, batch_tokens=256, noise=0.1, log_every=1,
@@ -95,6 +95,18 @@ def test_init_from_target_passes_features_through(tiny):
     out = head.forward_train(0.02 * torch.randn(1, 5, 64), feats)  # embedding-sized
     torch.testing.assert_close(out, feats, atol=0.1, rtol=0.05)  # ~pass-through
     init_from_target(head, target.hf)  # idempotent
+
+
+def test_held_out_sequences_stay_held_out_as_the_data_grows():
+    """The next head trains from the previous one on a grown data set: nothing the previous
+    one was validated on may move into training, nothing it trained on into validation."""
+    synthetic, own = [f"s{i}" for i in range(128)], [f"o{i}" for i in range(64)]
+    train, val = split_sources([synthetic, own])
+    assert len(val) == 7 + 4 and not set(train) & set(val)
+    grown = [synthetic + [f"s{i}" for i in range(128, 192)], own + [f"o{i}" for i in range(64, 100)]]
+    train2, val2 = split_sources(grown)
+    assert set(val) <= set(val2) and set(train) <= set(train2)
+    assert len(train2) + len(val2) == 192 + 100 and not set(train2) & set(val2)
 
 
 def test_batches_are_padded_and_reproducible(tiny):
@@ -286,3 +298,39 @@ def test_data_archive_round_trips_and_keeps_existing_chunks(tmp_path):
     with pytest.raises(ValueError, match="unexpected member"):
         data.unpack_archive(bad, tmp_path / "other")
     assert not (tmp_path / "outside.json").exists()
+
+
+def test_the_train_stage_fine_tunes_a_head_on_two_sources_held_out_per_source(tmp_path):
+    """`eagle2 train-head --stages train --init-head H --extra-data D` end to end on a saved
+    tiny target: the conversations of both directories are split per source (3 + 3 held out
+    of 45 + 41), the fine-tuned head keeps the initial head's kind and is written in the
+    published layout, and its training log has the held-out evaluation."""
+    import argparse
+
+    from eagle2.head import new_head
+    from eagle2.train.run import add_arguments, run
+
+    target = tiny_target(vocab=VOCAB, seed=3)
+    save_tiny_target(target, tmp_path / "target")
+    save_head(new_head(target.config, seed=0), tmp_path / "init")
+    prompts = random_prompts(86, VOCAB, seed=1, lo=3, hi=8)
+    answers = random_prompts(86, VOCAB, seed=2, lo=6, hi=12)
+    for name, lo, hi in (("a", 0, 45), ("b", 45, 86)):
+        recs = [{"prompt": "", "prompt_ids": p, "answer_ids": a, "temperature": 0.0}
+                for p, a in zip(prompts[lo:hi], answers[lo:hi], strict=True)]
+        data.chunk_path(tmp_path / name, 0).parent.mkdir(parents=True)
+        data.chunk_path(tmp_path / name, 0).write_text(json.dumps(recs))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([
+        "--out", str(tmp_path / "a"), "--extra-data", str(tmp_path / "b"),
+        "--target", str(tmp_path / "target"), "--device", "cpu", "--stages", "train",
+        "--init-head", str(tmp_path / "init"), "--epochs", "0.5", "--batch-tokens", "128",
+        "--ttt-steps", "2", "--bf16", "off", "--eval-every", "2", "--save", str(tmp_path / "new")])
+    assert run(args) == 0
+    summary = json.loads((tmp_path / "a" / "train-ttt-eagle2" / "summary.json").read_text())
+    assert (summary["num_sequences"], summary["num_val_sequences"]) == (80, 6)
+    assert summary["steps"] >= 2 and len(summary["val"]["acc"]) == 2
+    head = load_head(tmp_path / "new")
+    assert head.kind == "eagle2"
+    assert not torch.equal(head.fc.weight, load_head(tmp_path / "init").fc.weight)

@@ -288,6 +288,19 @@ def split(seqs: list[Sequence], every: int = 20) -> tuple[list[Sequence], list[S
             [s for i, s in enumerate(seqs) if i % every == 0])
 
 
+def split_sources(sources: list[list[Sequence]], every: int = 20
+                  ) -> tuple[list[Sequence], list[Sequence]]:
+    """`split` of each source (a data directory) on its own, so that a data set grown by
+    appending chunks to any source keeps every held-out sequence held out: the next head,
+    trained from the previous one on more data, is never validated on what that one saw."""
+    train, val = [], []
+    for seqs in sources:
+        t, v = split(seqs, every)
+        train += t
+        val += v
+    return train, val
+
+
 def build_head(target, train: list[Sequence], vocab_size: int, init: str, seed: int):
     d2t = draft_vocab(train, target.config.vocab_size, vocab_size) if vocab_size else None
     head = new_head(target.config, seed=seed, bias=False, draft_vocab=d2t)
@@ -299,12 +312,10 @@ def build_head(target, train: list[Sequence], vocab_size: int, init: str, seed: 
 def train_from_args(args, target, root: Path) -> dict:
     from eagle2.train.plot import plot_log
 
-    seqs = load_shards(root)
-    for extra in args.extra_data:
-        seqs += load_shards(Path(extra))
-    if not seqs:
+    sources = [load_shards(path) for path in [root, *map(Path, args.extra_data)]]
+    if not any(sources):
         raise ValueError(f"no feature shards under {root}; run the 'features' stage first")
-    train, val = split(seqs)
+    train, val = split_sources(sources)
     cfg = TrainConfig(lr=args.lr, warmup=args.warmup, epochs=args.epochs,
                       batch_tokens=args.batch_tokens, noise=args.noise,
                       ce_weight=args.ce_weight, checkpoint_seconds=60 * args.checkpoint_minutes,

@@ -36,7 +36,7 @@ from eagle2.eagle3 import Eagle3Head, new_eagle3_head
 from eagle2.head import DraftHead
 from eagle2.train.batches import epoch_batches
 from eagle2.train.data import Sequence, atomic_write, draft_vocab, loss_mask
-from eagle2.train.trainer import Resumable, lr_at, split
+from eagle2.train.trainer import Resumable, lr_at, split_sources
 
 
 @dataclass(frozen=True)
@@ -419,12 +419,11 @@ def train_ttt_from_args(args, target, root: Path) -> dict:
     from eagle2.head import save_head
     from eagle2.train.plot import plot_ttt_log
 
-    seqs = []
-    for path in [root, *map(Path, args.extra_data)]:
-        seqs += conversation_sequences(path, args.max_len)
-    if not seqs:
+    sources = [conversation_sequences(path, args.max_len)
+               for path in [root, *map(Path, args.extra_data)]]
+    if not any(sources):
         raise ValueError(f"no conversations under {root}; run the 'data' stage first")
-    train, val = split(seqs)
+    train, val = split_sources(sources)
     cfg = TTTConfig(steps=args.ttt_steps, lr=args.lr, warmup=args.warmup, epochs=args.epochs,
                     batch_tokens=args.batch_tokens, noise=args.noise,
                     eval_every=args.eval_every, patience=args.patience, bf16=args.bf16,
