@@ -5,7 +5,8 @@
 #   export   the chunks into data/smollm2-135m-instruct/*.tar.xz (kept in git)
 #   import   those archives back into DATA_DIR (a fresh machine); then `data` goes on after them
 #   train    the training-time test from the previous head, TRAIN_MINUTES (default 55), 2 threads
-#   calib    the value calibration of the trained head (held-out prompts)
+#   calib    the value calibration of the trained head (held-out prompts: the last 32
+#            synthetic prompts, which `data` never answers, and code stubs)
 set -e
 STAGE=$1; D=${2:-runs/head-data}
 E=".venv/bin/python -m eagle2.cli"
@@ -14,7 +15,7 @@ GEN="--stages data --chunk-size 64 --gen-batch 64 --max-new-tokens 256 --sample-
   --threads 1 --gen-dtype auto --data-minutes ${DATA_MINUTES:-60}"
 case $STAGE in
   data)
-    $E train-head --out $D/synthetic --num-prompts 11200 $GEN > $D-synthetic.log 2>&1 &
+    $E train-head --out $D/synthetic --num-prompts 11200 --hold-out-prompts 32 $GEN > $D-synthetic.log 2>&1 &
     $E train-head --out $D/self --prompt-source self --num-prompts 8000 $GEN > $D-self.log 2>&1 &
     wait ;;
   export)

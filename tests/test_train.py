@@ -249,6 +249,24 @@ def test_self_written_prompts_are_stored_reproducible_and_filtered(smol, tmp_pat
     assert dropped["benchmark_overlap"] == 1
 
 
+def test_the_data_stage_never_answers_held_out_prompts(tmp_path):
+    """`--hold-out-prompts N`: the last N prompts of the list (calibration's) get no answer;
+    the others are answered in order, chunk by chunk."""
+    import argparse
+
+    from eagle2.train.prompts import make_prompts
+    from eagle2.train.run import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args([
+        "--out", str(tmp_path), "--stages", "data", "--num-prompts", "6",
+        "--hold-out-prompts", "2", "--chunk-size", "2", "--gen-batch", "2",
+        "--max-new-tokens", "2", "--device", "cpu"])) == 0
+    answered = [rec["prompt"] for rec in data.load_conversations(tmp_path)]
+    assert answered == make_prompts(6)[:4]
+
+
 def test_data_archive_round_trips_and_keeps_existing_chunks(tmp_path):
     """`--export-data` / `--import-data`: the chunk files (conversations and self-written
     prompts) survive the round trip byte for byte, the archive is reproducible, an import

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "writes itself from its user-turn header (self_prompts.py); one source "
                         "per --out")
     g.add_argument("--prompt-seed", type=int, default=0)
+    g.add_argument("--hold-out-prompts", type=int, default=0, metavar="N",
+                   help="never answer the last N prompts of the list (synthetic, "
+                        "stdlib-code): they stay unseen for `eagle2 calibrate` and evaluation")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers")
     g.add_argument("--sample-every", type=int, default=0,
@@ -192,6 +195,7 @@ def _data_stage(args, cfg, root: Path):
         num_prompts = cfg.num_prompts
     else:
         prompts = _prompts(args.prompt_source, cfg.num_prompts, cfg.seed)
+        prompts = prompts[:max(len(prompts) - args.hold_out_prompts, 0)]
         num_prompts = len(prompts)
     deadline = time.time() + 60 * args.data_minutes if args.data_minutes else None
     start = time.time()
