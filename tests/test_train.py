@@ -21,7 +21,14 @@ from eagle2.head import load_head, save_head
 from eagle2.runner import LocalRunner
 from eagle2.train import data
 from eagle2.train.batches import collate, epoch_batches
-from eagle2.train.trainer import TrainConfig, Trainer, build_head, init_from_target, split_sources
+from eagle2.train.trainer import (
+    TrainConfig,
+    Trainer,
+    build_head,
+    evenly_spaced,
+    init_from_target,
+    split_sources,
+)
 
 VOCAB = 48
 CFG = TrainConfig(lr=3e-3, warmup=2, epochs=1.0, batch_tokens=256, noise=0.1, log_every=1,
@@ -103,10 +110,13 @@ def test_held_out_sequences_stay_held_out_as_the_data_grows():
     synthetic, own = [f"s{i}" for i in range(128)], [f"o{i}" for i in range(64)]
     train, val = split_sources([synthetic, own])
     assert len(val) == 7 + 4 and not set(train) & set(val)
-    grown = [synthetic + [f"s{i}" for i in range(128, 192)], own + [f"o{i}" for i in range(64, 100)]]
+    grown = [synthetic + [f"s{i}" for i in range(128, 192)],
+             own + [f"o{i}" for i in range(64, 100)]]
     train2, val2 = split_sources(grown)
     assert set(val) <= set(val2) and set(train) <= set(train2)
     assert len(train2) + len(val2) == 192 + 100 and not set(train2) & set(val2)
+    assert evenly_spaced(val2, 4) == [val2[0], val2[3], val2[7], val2[11]]  # of 15
+    assert evenly_spaced(val2, 0) == val2
 
 
 def test_batches_are_padded_and_reproducible(tiny):
@@ -322,7 +332,8 @@ def test_the_train_stage_fine_tunes_a_head_on_two_sources_held_out_per_source(tm
     """`eagle2 train-head --stages train --init-head H --extra-data D` end to end on a saved
     tiny target: the conversations of both directories are split per source (3 + 3 held out
     of 45 + 41), the fine-tuned head keeps the initial head's kind and is written in the
-    published layout, and its training log has the held-out evaluation."""
+    published layout, its log starts with the initial head's held-out evaluation, and the
+    summary reports the kept head's evaluation."""
     import argparse
 
     from eagle2.head import new_head
@@ -349,6 +360,11 @@ def test_the_train_stage_fine_tunes_a_head_on_two_sources_held_out_per_source(tm
     summary = json.loads((tmp_path / "a" / "train-ttt-eagle2" / "summary.json").read_text())
     assert (summary["num_sequences"], summary["num_val_sequences"]) == (80, 6)
     assert summary["steps"] >= 2 and len(summary["val"]["acc"]) == 2
+    log = [json.loads(x) for x in
+           (tmp_path / "a" / "train-ttt-eagle2" / "train_log.jsonl").read_text().splitlines()]
+    evals = [r for r in log if "val_loss" in r]
+    assert evals[0]["step"] == 0  # the initial head, evaluated first
+    assert summary["val"]["loss"] == min(r["val_loss"] for r in evals)  # the kept head's
     head = load_head(tmp_path / "new")
     assert head.kind == "eagle2"
     assert not torch.equal(head.fc.weight, load_head(tmp_path / "init").fc.weight)

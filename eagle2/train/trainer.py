@@ -301,6 +301,14 @@ def split_sources(sources: list[list[Sequence]], every: int = 20
     return train, val
 
 
+def evenly_spaced(seqs: list, n: int) -> list:
+    """At most n of seqs, evenly spaced (all if n <= 0): a subset of a held-out split is
+    still held out, and an evaluation's cost grows with it."""
+    if n <= 0 or len(seqs) <= n:
+        return seqs
+    return [seqs[i * len(seqs) // n] for i in range(n)]
+
+
 def build_head(target, train: list[Sequence], vocab_size: int, init: str, seed: int):
     d2t = draft_vocab(train, target.config.vocab_size, vocab_size) if vocab_size else None
     head = new_head(target.config, seed=seed, bias=False, draft_vocab=d2t)

@@ -36,7 +36,7 @@ from eagle2.eagle3 import Eagle3Head, new_eagle3_head
 from eagle2.head import DraftHead
 from eagle2.train.batches import epoch_batches
 from eagle2.train.data import Sequence, atomic_write, draft_vocab, loss_mask
-from eagle2.train.trainer import Resumable, lr_at, split_sources
+from eagle2.train.trainer import Resumable, evenly_spaced, lr_at, split_sources
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class TTTConfig:
     batch_tokens: int = 2048
     noise: float = 0.05  # uniform noise amplitude relative to the feature RMS (step 0)
     eval_every: int = 200  # steps between held-out evaluations (early stopping)
+    eval_first: bool = False  # evaluate the initial head too (a fine-tune: it may stay best)
     patience: int = 3  # evaluations without improvement before stopping
     checkpoint_seconds: float = 180.0
     max_seconds: float | None = None
@@ -285,7 +286,7 @@ class TTTTrainer(Resumable):
                                      weight_decay=0.0)
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.step, self.elapsed = 0, 0.0
-        self.best, self.bad_evals = float("inf"), 0
+        self.best, self.bad_evals, self.best_val = float("inf"), 0, {}
         self.bf16 = use_bf16(cfg.bf16, self.device)
         self.feature_rms = self._feature_rms()
         self.out.mkdir(parents=True, exist_ok=True)
@@ -301,10 +302,11 @@ class TTTTrainer(Resumable):
 
     # -- checkpoints (eagle2.train.trainer.Resumable) --
     def _extra_state(self) -> dict:
-        return {"best": self.best, "bad_evals": self.bad_evals}
+        return {"best": self.best, "bad_evals": self.bad_evals, "best_val": self.best_val}
 
     def _load_extra(self, state: dict) -> None:
         self.best, self.bad_evals = state["best"], state["bad_evals"]
+        self.best_val = state.get("best_val", {})
 
     # -- steps --
     def batch_at(self, step: int) -> Batch:
@@ -347,6 +349,8 @@ class TTTTrainer(Resumable):
         cfg = self.cfg
         last_ckpt, start = time.time(), time.time() - self.elapsed
         window: list[StepStats] = []
+        if cfg.eval_first and self.val_seqs and self.step == 0 and not self.best_path.exists():
+            self._eval_and_keep_best()  # the log's "before" row; a worse fine-tune loses to it
         while self.step < self.total_steps:
             window.append(self.train_step())
             self.elapsed = time.time() - start
@@ -366,7 +370,8 @@ class TTTTrainer(Resumable):
         self.save_checkpoint()
         if self.best_path.exists():
             self.head.load_state_dict(torch.load(self.best_path, map_location=self.device))
-        val = self.evaluate() if self.val_seqs else {}
+        # the best head's evaluation is known (an evaluation costs minutes on a CPU)
+        val = self.best_val or (self.evaluate() if self.val_seqs else {})
         return {"steps": self.step, "total_steps": self.total_steps, "elapsed_s": self.elapsed,
                 "val": val, "best_val_loss": self.best}
 
@@ -377,9 +382,10 @@ class TTTTrainer(Resumable):
         self._write({"step": self.step, "elapsed_s": round(self.elapsed, 1),
                      "val_loss": val["loss"], "val_ce": val["ce"], "val_acc": val["acc"]})
         if val["loss"] < self.best:
-            self.best, self.bad_evals = val["loss"], 0
+            self.best, self.bad_evals, self.best_val = val["loss"], 0, val
             state = self.head.state_dict()
             atomic_write(self.best_path, lambda tmp: torch.save(state, tmp))
+            self.save_checkpoint()  # best.pt and the checkpoint's best stay one pair
             return False
         self.bad_evals += 1
         return self.bad_evals >= self.cfg.patience
@@ -424,9 +430,11 @@ def train_ttt_from_args(args, target, root: Path) -> dict:
     if not any(sources):
         raise ValueError(f"no conversations under {root}; run the 'data' stage first")
     train, val = split_sources(sources)
+    val = evenly_spaced(val, args.val_sequences)
     cfg = TTTConfig(steps=args.ttt_steps, lr=args.lr, warmup=args.warmup, epochs=args.epochs,
                     batch_tokens=args.batch_tokens, noise=args.noise,
-                    eval_every=args.eval_every, patience=args.patience, bf16=args.bf16,
+                    eval_every=args.eval_every, eval_first=bool(args.init_head),
+                    patience=args.patience, bf16=args.bf16,
                     checkpoint_seconds=60 * args.checkpoint_minutes,
                     max_seconds=60 * args.train_minutes if args.train_minutes else None,
                     seed=args.seed)
