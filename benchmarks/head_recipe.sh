@@ -4,11 +4,13 @@
 #   data     two processes (one per core) write conversations for DATA_MINUTES (default 60)
 #   export   the chunks into data/smollm2-135m-instruct/*.tar.xz (kept in git)
 #   import   those archives back into DATA_DIR (a fresh machine); then `data` goes on after them
-#   train    the training-time test from the previous head, TRAIN_MINUTES (default 55), 2 threads
+#   train    the training-time test from the previous head (INIT), TRAIN_MINUTES (default 55),
+#            EPOCHS, LR (default 3e-4), 2 threads, into DATA_DIR/FT (default ft; a new FT for a
+#            new head: an existing one resumes)
 #   calib    the value calibration of the trained head (held-out prompts: the last 32
 #            synthetic prompts, which `data` never answers, and code stubs)
 set -e
-STAGE=$1; D=${2:-runs/head-data}
+STAGE=$1; D=${2:-runs/head-data}; FT=${FT:-ft}
 E=".venv/bin/python -m eagle2.cli"
 A=data/smollm2-135m-instruct
 GEN="--stages data --chunk-size 64 --gen-batch 64 --max-new-tokens 256 --sample-every 4 \
@@ -23,12 +25,12 @@ case $STAGE in
   import)
     for s in synthetic self; do $E train-head --out $D/$s --stages "" --import-data $A/$s.tar.xz; done ;;
   train)
-    $E train-head --ttt --init-head ${INIT:-eagle2/heads/smollm2-135m-instruct-v3} --out $D/ft \
+    $E train-head --ttt --init-head ${INIT:-eagle2/heads/smollm2-135m-instruct-v3} --out $D/$FT \
       --extra-data $D/synthetic --extra-data $D/self --stages train --epochs ${EPOCHS:-1} \
-      --batch-tokens 2048 --lr 3e-4 --warmup 20 --noise 0.1 --ttt-steps 4 --eval-every 200 \
-      --patience 3 --threads 2 --train-minutes ${TRAIN_MINUTES:-55} --save $D/ft/head ;;
+      --batch-tokens 2048 --lr ${LR:-3e-4} --warmup 20 --noise 0.1 --ttt-steps 4 --eval-every ${EVAL_EVERY:-200} \
+      --patience 3 --threads 2 --train-minutes ${TRAIN_MINUTES:-55} --save $D/$FT/head ;;
   calib)
-    $E calibrate --draft $D/ft/head --num-chat 32 --num-code 16 --first-chat 11168 \
+    $E calibrate --draft $D/$FT/head --num-chat 32 --num-code 16 --first-chat 11168 \
       --max-tokens 128 --bins 24 --threads ${THREADS:-1} --lookup 16 ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
