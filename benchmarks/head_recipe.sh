@@ -11,13 +11,14 @@
 #            synthetic prompts, which `data` never answers, and code stubs)
 set -e
 STAGE=$1; D=${2:-runs/head-data}; FT=${FT:-ft}
+CHAT=11200; CALIB=32  # synthetic chat prompts; the last CALIB are calibration's, never answered
 E=".venv/bin/python -m eagle2.cli"
 A=data/smollm2-135m-instruct
 GEN="--stages data --chunk-size 64 --gen-batch 64 --max-new-tokens 256 --sample-every 4 \
   --threads 1 --gen-dtype auto --data-minutes ${DATA_MINUTES:-60}"
 case $STAGE in
   data)
-    $E train-head --out $D/synthetic --num-prompts 11200 --hold-out-prompts 32 $GEN > $D-synthetic.log 2>&1 &
+    $E train-head --out $D/synthetic --num-prompts $CHAT --hold-out-prompts $CALIB $GEN > $D-synthetic.log 2>&1 &
     $E train-head --out $D/self --prompt-source self --num-prompts 8000 $GEN > $D-self.log 2>&1 &
     wait ;;
   export)
@@ -30,7 +31,7 @@ case $STAGE in
       --batch-tokens 2048 --lr ${LR:-3e-4} --warmup 20 --noise 0.1 --ttt-steps 4 --eval-every ${EVAL_EVERY:-200} \
       --patience 3 --threads 2 --train-minutes ${TRAIN_MINUTES:-55} --save $D/$FT/head ;;
   calib)
-    $E calibrate --draft $D/$FT/head --num-chat 32 --num-code 16 --first-chat 11168 \
+    $E calibrate --draft $D/$FT/head --num-chat $CALIB --num-code 16 --first-chat $((CHAT - CALIB)) \
       --max-tokens 128 --bins 24 --threads ${THREADS:-1} --lookup 16 ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

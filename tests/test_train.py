@@ -55,6 +55,18 @@ def tiny():
     return target, greedy_sequences(target, 12)
 
 
+def train_head(*argv: str) -> int:
+    """`eagle2 train-head ARGV` in this process (its exit code)."""
+    import argparse
+
+    from eagle2.train.run import add_arguments
+    from eagle2.train.run import run as run_stages
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return run_stages(parser.parse_args(list(argv)))
+
+
 def trainer(target, seqs, out: Path, cfg: TrainConfig = CFG, vocab: int = 0) -> Trainer:
     head = build_head(target, seqs, vocab, "target", seed=0)
     return Trainer(head, target.embed, target.lm_head, seqs, seqs[:2], cfg, out)
@@ -262,17 +274,11 @@ def test_self_written_prompts_are_stored_reproducible_and_filtered(smol, tmp_pat
 def test_the_data_stage_never_answers_held_out_prompts(tmp_path):
     """`--hold-out-prompts N`: the last N prompts of the list (calibration's) get no answer;
     the others are answered in order, chunk by chunk."""
-    import argparse
-
     from eagle2.train.prompts import make_prompts
-    from eagle2.train.run import add_arguments, run
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert run(parser.parse_args([
-        "--out", str(tmp_path), "--stages", "data", "--num-prompts", "6",
-        "--hold-out-prompts", "2", "--chunk-size", "2", "--gen-batch", "2",
-        "--max-new-tokens", "2", "--device", "cpu"])) == 0
+    assert train_head("--out", str(tmp_path), "--stages", "data", "--num-prompts", "6",
+                      "--hold-out-prompts", "2", "--chunk-size", "2", "--gen-batch", "2",
+                      "--max-new-tokens", "2", "--device", "cpu") == 0
     answered = [rec["prompt"] for rec in data.load_conversations(tmp_path)]
     assert answered == make_prompts(6)[:4]
 
@@ -281,11 +287,9 @@ def test_data_archive_round_trips_and_keeps_existing_chunks(tmp_path):
     """`--export-data` / `--import-data`: the chunk files (conversations and self-written
     prompts) survive the round trip byte for byte, the archive is reproducible, an import
     keeps chunks the directory already has, and a foreign member is refused."""
-    import argparse
     import io
     import tarfile
 
-    from eagle2.train.run import add_arguments, run
     from eagle2.train.self_prompts import prompts_path
 
     src = tmp_path / "src"
@@ -300,18 +304,14 @@ def test_data_archive_round_trips_and_keeps_existing_chunks(tmp_path):
     (src / "features" / "shard_00000.safetensors").write_bytes(b"large, not archived")
 
     archive = tmp_path / "data.tar.xz"
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert run(parser.parse_args(["--out", str(src), "--stages", "", "--export-data",
-                                  str(archive)])) == 0
+    assert train_head("--out", str(src), "--stages", "", "--export-data", str(archive)) == 0
     first = archive.read_bytes()
     assert data.pack_archive(src, archive) == 3 and archive.read_bytes() == first
 
     dst = tmp_path / "dst"
     data.chunk_path(dst, 1).parent.mkdir(parents=True)
     data.chunk_path(dst, 1).write_text("[]")  # already there: kept
-    assert run(parser.parse_args(["--out", str(dst), "--stages", "", "--import-data",
-                                  str(archive)])) == 0
+    assert train_head("--out", str(dst), "--stages", "", "--import-data", str(archive)) == 0
     assert data.chunk_path(dst, 0).read_bytes() == data.chunk_path(src, 0).read_bytes()
     assert prompts_path(dst, 0).read_bytes() == prompts_path(src, 0).read_bytes()
     assert data.chunk_path(dst, 1).read_text() == "[]"
@@ -334,10 +334,7 @@ def test_the_train_stage_fine_tunes_a_head_on_two_sources_held_out_per_source(tm
     of 45 + 41), the fine-tuned head keeps the initial head's kind and is written in the
     published layout, its log starts with the initial head's held-out evaluation, and the
     summary reports the kept head's evaluation."""
-    import argparse
-
     from eagle2.head import new_head
-    from eagle2.train.run import add_arguments, run
 
     target = tiny_target(vocab=VOCAB, seed=3)
     save_tiny_target(target, tmp_path / "target")
@@ -349,14 +346,12 @@ def test_the_train_stage_fine_tunes_a_head_on_two_sources_held_out_per_source(tm
                 for p, a in zip(prompts[lo:hi], answers[lo:hi], strict=True)]
         data.chunk_path(tmp_path / name, 0).parent.mkdir(parents=True)
         data.chunk_path(tmp_path / name, 0).write_text(json.dumps(recs))
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args([
+    assert train_head(
         "--out", str(tmp_path / "a"), "--extra-data", str(tmp_path / "b"),
         "--target", str(tmp_path / "target"), "--device", "cpu", "--stages", "train",
         "--init-head", str(tmp_path / "init"), "--epochs", "0.5", "--batch-tokens", "128",
-        "--ttt-steps", "2", "--bf16", "off", "--eval-every", "2", "--save", str(tmp_path / "new")])
-    assert run(args) == 0
+        "--ttt-steps", "2", "--bf16", "off", "--eval-every", "2",
+        "--save", str(tmp_path / "new")) == 0
     summary = json.loads((tmp_path / "a" / "train-ttt-eagle2" / "summary.json").read_text())
     assert (summary["num_sequences"], summary["num_val_sequences"]) == (80, 6)
     assert summary["steps"] >= 2 and len(summary["val"]["acc"]) == 2

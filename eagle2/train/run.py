@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="unrolled draft steps of the training-time test")
     t.add_argument("--val-sequences", type=int, default=256,
                    help="TTT: evaluate on at most this many of the held-out conversations "
-                        "(evenly spaced; 0 = all): an evaluation costs ~0.6 s a sequence on "
+                        "(evenly spaced; 0 = all): an evaluation costs ~0.5 s a sequence on "
                         "2 CPU threads")
     t.add_argument("--eval-every", type=int, default=200,
                    help="TTT: steps between held-out evaluations (early stopping)")
