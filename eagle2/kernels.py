@@ -32,6 +32,10 @@ from torch import nn
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # M is rounded up to one of these for the lookup
 BLOCK_BYTES = (0, 256 << 10, 512 << 10, 1 << 20, 2 << 20)  # 0: the whole weight, one call
 PACKED = -1  # not a block size: the whole weight pre-packed for oneDNN (bf16 on CPU)
+# not a block size either: the whole weight packed for eagle2's native bf16 kernel
+# (`eagle2_cpu.linear`, csrc/cpu_ops.cpp), bitwise equal to PACKED where
+# `native_linear_exact` holds, and faster for the few rows of a decode step
+NATIVE = -2
 # Packed bf16 kernels give each output row bitwise the same for any row count only up to
 # about this many input features (measured: 512-1152 yes, 1536 no, 1 and 2 threads); wider
 # weights are multiplied in column chunks of at most this width and the chunks added in fp32.
@@ -88,6 +92,7 @@ class BlockedWeight:
         self.weight, self.plan = weight, plan
         self._blocks: dict[int, tuple[torch.Tensor, ...]] = {}
         self._packed: list[torch.Tensor] | None = None
+        self._native: list[torch.Tensor] | None = None
 
     def blocks(self, block_bytes: int) -> tuple[torch.Tensor, ...]:
         if block_bytes not in self._blocks:
@@ -101,32 +106,90 @@ class BlockedWeight:
         block_bytes = self.plan.for_rows(num_rows) if x.device.type == "cpu" else 0
         if block_bytes == PACKED:
             return self.packed(x)
+        if block_bytes == NATIVE:
+            return self.native(x)
         if block_bytes == 0 or block_bytes >= self.weight.numel() * self.weight.element_size():
             return F.linear(x, self.weight)
         return torch.cat([F.linear(x, w) for w in self.blocks(block_bytes)], dim=-1)
+
+    def _chunks(self) -> tuple[torch.Tensor, ...]:
+        """The weight in column chunks of at most PACKED_MAX_K features (equal widths)."""
+        k = self.weight.shape[1]
+        width = -(-k // -(-k // PACKED_MAX_K))
+        return tuple(w.contiguous() for w in self.weight.split(width, dim=1))
 
     def packed(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T through oneDNN's packed bf16 kernel, in column chunks of at most
         PACKED_MAX_K features (exactness, see PACKED_MAX_K)."""
         if self._packed is None:
-            k = self.weight.shape[1]
-            width = -(-k // -(-k // PACKED_MAX_K))  # equal chunks
-            self._packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
-                            for w in self.weight.split(width, dim=1)]
-        if len(self._packed) == 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed[0], None, "none", [], "")
-        parts = x.split(-(-x.shape[-1] // len(self._packed)), dim=-1)
-        out = None
-        for part, w in zip(parts, self._packed, strict=True):
-            y = torch.ops.mkldnn._linear_pointwise(part.contiguous(), w, None, "none", [],
-                                                   "").float()  # (a strided row is slow)
-            out = y if out is None else out.add_(y)
-        return out.to(x.dtype)
+            self._packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in self._chunks()]
+        return _chunked(x, self._packed, lambda part, w: torch.ops.mkldnn._linear_pointwise(
+            part, w, None, "none", [], ""))
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T through eagle2's native bf16 kernel, in the column chunks of `packed`
+        and added the same way: bitwise `packed`'s result where `native_linear_exact()`."""
+        ops = native_linear_ops()
+        assert ops is not None, "the native bf16 linear is not available here"
+        if self._native is None:
+            self._native = [ops.pack_linear(w) for w in self._chunks()]
+        out_features = self.weight.shape[0]
+        return _chunked(x, self._native, lambda part, w: ops.linear(part, w, out_features))
+
+
+def _chunked(x: torch.Tensor, weights: list[torch.Tensor], multiply) -> torch.Tensor:
+    """x @ W.T for W in column chunks: each chunk's bf16 product, added in fp32."""
+    if len(weights) == 1:
+        return multiply(x, weights[0])
+    parts = x.split(-(-x.shape[-1] // len(weights)), dim=-1)
+    out = None
+    for part, w in zip(parts, weights, strict=True):
+        y = multiply(part.contiguous(), w).float()  # (a strided row is slow)
+        out = y if out is None else out.add_(y)
+    return out.to(x.dtype)
+
+
+@functools.cache
+def native_linear_ops():
+    """`torch.ops.eagle2_cpu` where its bf16 linear was built and gives bitwise oneDNN's
+    packed result on this machine (`native_linear_exact`), else None."""
+    from eagle2.native import cpu_ops
+
+    ops = cpu_ops() if native_bf16_cpu() else None
+    if ops is None or not ops.linear_supported() or not native_linear_exact(ops):
+        return None
+    return ops
+
+
+def native_linear_exact(ops) -> bool:
+    """Does the native kernel sum in oneDNN's order here? Random weights and inputs of the
+    widths a chunk can have, row counts 1 to 33: every output bitwise equal. (oneDNN picks its
+    kernel by CPU: with AMX its order differs, and then only oneDNN is used.)"""
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for out_features, k in ((200, 64), (72, 576), (130, 768), (64, 1024)):
+            w = torch.randn(out_features, k, generator=g).bfloat16()
+            x = (torch.randn(33, k, generator=g) * 3).bfloat16()
+            reference = torch.ops.mkldnn._linear_pointwise(
+                x, torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
+            packed = ops.pack_linear(w)
+            for rows in (1, 2, 3, 4, 7, 33):
+                if not torch.equal(ops.linear(x[:rows], packed, out_features),
+                                   reference[:rows]):
+                    return False
+    return True
 
 
 def packed_plan() -> BlockPlan:
     """The plan that multiplies every row count through the packed bf16 kernel."""
     return BlockPlan({rows: PACKED for rows in ROW_BUCKETS})
+
+
+def exact_bf16_candidates() -> tuple[int, ...]:
+    """The bf16 kernels that give each output row bitwise the same for any row count and
+    equal each other, so a plan may mix them: oneDNN's packed kernel, and the native one
+    where it sums in the same order on this CPU."""
+    return (PACKED, NATIVE) if native_linear_ops() is not None else (PACKED,)
 
 
 class PackedLinear(nn.Module):
@@ -209,15 +272,15 @@ def machine_key(extra: str = "") -> str:
 
 
 def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
-                refresh: bool = False) -> BlockPlan:
+                refresh: bool = False, candidates: Sequence[int] = BLOCK_BYTES) -> BlockPlan:
     """The plan for these weights on this machine: from the cache, else measured and saved."""
     shapes = sorted({tuple(w.shape) for w in weights})
-    key = machine_key(f"{name}|{shapes}|{weights[0].dtype}")
+    key = machine_key(f"{name}|{shapes}|{weights[0].dtype}|{tuple(candidates)}")
     path = cache_dir / f"{key}.json"
     if path.exists() and not refresh:
         data = json.loads(path.read_text())
         return BlockPlan({int(k): v for k, v in data["block_bytes"].items()})
-    plan, timings = measure_plan(weights)
+    plan, timings = measure_plan(weights, candidates=candidates)
     write_json_atomic(path, {"name": name, "shapes": shapes, "threads": torch.get_num_threads(),
                              "block_bytes": plan.block_bytes, "timings_ms": timings})
     return plan

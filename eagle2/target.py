@@ -20,9 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from eagle2.attention import KVCache, decoder_layer, step_inputs
 from eagle2.fused import FusedLayer, can_fuse, fused_layer
 from eagle2.kernels import (
+    NATIVE,
     BlockedWeight,
     BlockPlan,
     cached_plan,
+    exact_bf16_candidates,
     native_bf16_cpu,
     packed_plan,
     packing_supported,
@@ -53,6 +55,8 @@ def cost_cache_path(target: TargetModel) -> Path:
     shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
              cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
     native = "|native" if target.native is not None else ""  # other kernels, other costs
+    if NATIVE in target.plan.block_bytes.values():
+        native += "|native-linear"
     key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}|"
                       f"v{COSTS_VERSION}{native}")
     return cache_root() / "costs" / f"{key}.json"
@@ -189,10 +193,12 @@ class TargetModel:
         return self
 
     def fuse(self, measure: bool | None = None, refresh: bool = False) -> TargetModel:
-        """Switch to the fused layers (`eagle2.fused`) when the model allows it. bf16 on a CPU
-        that packs bf16 weights uses the packed kernel for every row count; otherwise the
-        linear kernels are measured on this machine (cached). measure None: only for models
-        of more than MEASURE_KERNELS_ABOVE bytes on a CPU. Idempotent; returns self."""
+        """Switch to the fused layers (`eagle2.fused`) when the model allows it. The linear
+        kernel per row count is measured on this machine (cached): bf16 on a CPU that packs
+        bf16 weights chooses between the exact ones (oneDNN's packed kernel, and the native
+        kernel where it equals it bitwise; packed where not measured), other dtypes between
+        block sizes. measure None: only for models of more than MEASURE_KERNELS_ABOVE bytes
+        on a CPU. Idempotent; returns self."""
         if self.fused is not None or not can_fuse(self.layers):
             return self
         self.fused = [FusedLayer.from_hf(layer, self.plan) for layer in self.layers]
@@ -202,13 +208,18 @@ class TargetModel:
         weights = [w for lw in self.fused for w in lw.weights()]
         if self.head_proj is not None:
             weights.append(self.head_proj.weight)
-        if packing_supported(self.dtype, self.device):  # one kernel for every row count
-            self.plan.block_bytes.update(packed_plan().block_bytes)
-            self.native = cpu_ops() if self.canonical else None
-            return self
         size = sum(w.numel() * w.element_size() for w in weights)
         if measure is None:
             measure = self.device.type == "cpu" and size > MEASURE_KERNELS_ABOVE
+        if packing_supported(self.dtype, self.device):  # exact kernels only (bf16)
+            self.plan.block_bytes.update(packed_plan().block_bytes)
+            candidates = exact_bf16_candidates()
+            if measure and len(candidates) > 1:  # which one per row count: measured
+                found = cached_plan(weights, self.name, cache_root() / "kernels",
+                                    refresh=refresh, candidates=candidates)
+                self.plan.block_bytes.update(found.block_bytes)
+            self.native = cpu_ops() if self.canonical else None
+            return self
         if measure:
             found = cached_plan(weights, self.name, cache_root() / "kernels", refresh=refresh)
             self.plan.block_bytes.update(found.block_bytes)

@@ -10,11 +10,14 @@ from conftest import make_engine, random_prompts, run, tiny_target
 from eagle2.bench.load import busy_processes
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.kernels import (
+    NATIVE,
     PACKED,
     ROW_BUCKETS,
     BlockedWeight,
     BlockPlan,
     measure_plan,
+    native_linear_ops,
+    packed_plan,
     packing_supported,
 )
 
@@ -132,3 +135,35 @@ def test_packed_linear_matches_linear_follows_updates_and_keeps_the_state_dict()
         torch.testing.assert_close(model[0](x.float()), x.float() @ model[0].weight.T)
     model(x.float()).sum().backward()
     assert model[0].weight.grad is not None
+
+
+@pytest.fixture(scope="module")
+def native_linear():
+    if native_linear_ops() is None:
+        pytest.skip("no native bf16 linear here (needs AVX512-BF16, a C++ compiler and "
+                    "oneDNN summing in the same order)")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(576, 1536), (3072, 576), (1000, 64), (130, 1000)])
+def test_native_bf16_linear_equals_the_packed_kernel_for_any_row_count(native_linear, shape,
+                                                                       threads):
+    """The native kernel is bitwise oneDNN's packed kernel, so a plan may mix them per row
+    count and stay exact: every row count, 1 and 2 threads, flat and batched inputs, a
+    column-chunked weight (1536 features) and outputs that are not a multiple of 64."""
+    torch.manual_seed(2)
+    weight = torch.randn(shape, dtype=torch.bfloat16) / 24
+    native = BlockedWeight(weight, BlockPlan({rows: NATIVE for rows in ROW_BUCKETS}))
+    packed = BlockedWeight(weight, packed_plan())
+    x = torch.randn(520, shape[1], dtype=torch.bfloat16) * 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = packed(x)
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 26, 33, 64, 100, 520):
+            assert torch.equal(native(x[:rows]), whole[:rows]), rows
+        batched = x[:24].view(3, 8, shape[1])
+        assert torch.equal(native(batched), whole[:24].view(3, 8, -1))
+        assert torch.equal(native(x[:5, :].t().contiguous().t()), whole[:5])  # strided input
+    finally:
+        torch.set_num_threads(before)

@@ -146,3 +146,25 @@ def test_bf16_all_modes_equal_vanilla_in_a_batch(seed):
                                          budget="fixed")}
     for name, tree in trees.items():
         assert run(make_engine(target, seed), prompts, params, tree) == alone, name
+
+
+@needs_packed_bf16
+def test_bf16_native_linears_mixed_with_packed_ones_equal_vanilla():
+    """The kernel plan a large bf16 model measures (the native linear for a few rows,
+    oneDNN's for more, `kernels.exact_bf16_candidates`): every mode, batched, equals plain
+    decoding of each prompt alone through oneDNN's kernel only."""
+    from eagle2.kernels import NATIVE, native_linear_ops
+
+    if native_linear_ops() is None:
+        pytest.skip("no native bf16 linear here")
+    target = bf16_target(30)
+    prompts = random_prompts(6, 48, seed=3, lo=3, hi=40)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = [run(make_engine(target, None, max_batch=1), [p], params, TreeConfig("vanilla"))[0]
+             for p in prompts]
+    mixed = {rows: NATIVE if rows <= 8 else target.plan.block_bytes[rows]
+             for rows in target.plan.block_bytes}
+    target.plan.block_bytes.update(mixed)
+    assert run(make_engine(target, None), prompts, params, TreeConfig("vanilla")) == alone
+    for name, tree in TREES.items():
+        assert run(make_engine(target, 1), prompts, params, tree) == alone, name

@@ -397,6 +397,142 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
   return out;
 }
 
+
+// ---- bf16 linears for a few rows: y [M, N] = x [M, K] @ w [N, K].T ----
+// docs/DESIGN.md, "CPU performance": a decode step multiplies a handful of rows by every
+// weight, so its floor is streaming the weights once. The weight is packed once into blocks
+// of 64 outputs, [ceil(N / 64)][K / 2][64] uint32, each uint32 the bf16 pair (w[n][2j],
+// w[n][2j+1]): one block is read front to back, 256 contiguous bytes per input pair, the
+// layout `vdpbf16ps` multiplies. Each output element is summed in this order: the pairs of
+// every 512 inputs accumulated one after another into one fp32 lane by `vdpbf16ps`, starting
+// from zero, the 512-input partial sums then added in order, one rounding to bf16 at the end.
+// That is the order oneDNN's packed bf16 kernel (avx512_core_bf16, K <= 1024) uses, so both
+// give bitwise the same outputs, and the engine picks either per row count by speed;
+// `eagle2.kernels.native_linear_exact` checks the equality on the machine at hand before the
+// native kernel is used at all. Any row count gives each row the same result (exactness).
+#if defined(__AVX512BF16__)
+constexpr int64_t kBlockN = 64;
+constexpr int64_t kPairsPerSum = 256;  // 512 inputs
+
+template <int M, int B>  // M rows of x, B consecutive blocks of 64 outputs
+inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t K2,
+                        bf16* y, int64_t y_stride, int64_t n0, int64_t N) {
+  __m512 acc[M][B][4], total[M][B][4];
+  for (int64_t k0 = 0; k0 < K2; k0 += kPairsPerSum) {
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < B; ++b)
+        for (int r = 0; r < 4; ++r) acc[m][b][r] = _mm512_setzero_ps();
+    const int64_t k1 = std::min(K2, k0 + kPairsPerSum);
+    for (int64_t k = k0; k < k1; ++k) {
+      __m512bh xb[M];
+      for (int m = 0; m < M; ++m)
+        xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * x_stride + k]));
+      for (int b = 0; b < B; ++b) {
+        const uint32_t* wk = w + (b * K2 + k) * kBlockN;
+        for (int r = 0; r < 4; ++r) {
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + 16 * r);
+          for (int m = 0; m < M; ++m) acc[m][b][r] = _mm512_dpbf16_ps(acc[m][b][r], wv, xb[m]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int b = 0; b < B; ++b)
+        for (int r = 0; r < 4; ++r)
+          total[m][b][r] = k0 ? _mm512_add_ps(total[m][b][r], acc[m][b][r]) : acc[m][b][r];
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < B; ++b)
+      for (int r = 0; r < 4; ++r) {
+        const int64_t n = n0 + b * kBlockN + r * 16;
+        if (n >= N) continue;
+        const __m256i v = (__m256i)_mm512_cvtneps_pbh(total[m][b][r]);
+        bf16* out = y + m * y_stride + n;
+        if (n + 16 <= N) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v);
+        } else {
+          alignas(32) bf16 tail[16];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tail), v);
+          std::copy(tail, tail + (N - n), out);
+        }
+      }
+}
+#endif
+
+bool linear_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor pack_linear(const torch::Tensor& weight) {
+  TORCH_CHECK(linear_supported(), "eagle2_cpu.linear needs AVX512-BF16");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                  weight.device().is_cpu() && weight.size(1) % 2 == 0,
+              "pack_linear expects a bf16 CPU weight [N, K] with K even");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), K2 = K / 2, blocks = (N + 63) / 64;
+  auto packed = torch::zeros({blocks, K2, 64}, torch::dtype(torch::kInt32));
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* pp = reinterpret_cast<uint32_t*>(packed.data_ptr());
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t j = 0; j < K2; ++j)
+        pp[((n / 64) * K2 + j) * 64 + n % 64] =
+            static_cast<uint32_t>(wp[n * K + 2 * j]) |
+            (static_cast<uint32_t>(wp[n * K + 2 * j + 1]) << 16);
+  });
+  return packed;
+}
+
+// x [..., K] bf16, packed from pack_linear -> [..., out_features] bf16
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(linear_supported(), "eagle2_cpu.linear needs AVX512-BF16");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "linear expects a bf16 CPU input");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64 && packed.scalar_type() == at::kInt &&
+                  x.size(-1) == 2 * packed.size(1) && (out_features + 63) / 64 == packed.size(0),
+              "linear: the input's features or out_features do not match the packed weight");
+  const auto xc = x.contiguous();
+  const int64_t K2 = packed.size(1), N = out_features, blocks = packed.size(0);
+  const int64_t M = xc.numel() / (2 * K2);
+  auto sizes = xc.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, xc.options());
+#if defined(__AVX512BF16__)
+  const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
+  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  auto* yp = y.data_ptr<bf16>();
+  // work unit: two consecutive blocks (two weight streams hide the load latency of one row)
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t blk = 2 * p, n0 = blk * kBlockN;
+      const uint32_t* w = wp + blk * K2 * kBlockN;
+      const bool pair = blk + 1 < blocks;
+      for (int64_t m = 0; m < M;) {
+        const uint32_t* xm = xp + m * K2;
+        bf16* ym = yp + m * N;
+        if (M - m >= 4) {  // 16 accumulators; the second block comes from L2
+          linear_tile<4, 1>(xm, K2, w, K2, ym, N, n0, N);
+          if (pair) linear_tile<4, 1>(xm, K2, w + K2 * kBlockN, K2, ym, N, n0 + kBlockN, N);
+          m += 4;
+        } else if (M - m >= 2) {
+          if (pair) linear_tile<2, 2>(xm, K2, w, K2, ym, N, n0, N);
+          else linear_tile<2, 1>(xm, K2, w, K2, ym, N, n0, N);
+          m += 2;
+        } else {
+          if (pair) linear_tile<1, 2>(xm, K2, w, K2, ym, N, n0, N);
+          else linear_tile<1, 1>(xm, K2, w, K2, ym, N, n0, N);
+          m += 1;
+        }
+      }
+    }
+  });
+#endif
+  return y;
+}
+
 // Registered as torch operators (torch.ops.eagle2_cpu.*): the profiler sees them by name.
 TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -405,6 +541,9 @@ TORCH_LIBRARY(eagle2_cpu, m) {
         "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos) -> Tensor");
   m.def("attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor slots, Tensor base, "
         "Tensor tree_mask, float scale) -> Tensor");
+  m.def("linear_supported() -> bool", &linear_supported);
+  m.def("pack_linear(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
@@ -412,4 +551,6 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("qkv_rope_write", &qkv_rope_write);
   m.impl("attention", &attention);
+  m.impl("pack_linear", &pack_linear);
+  m.impl("linear", &linear);
 }
