@@ -63,6 +63,7 @@ class FusedLayer:
     post_norm: torch.Tensor  # [H]
     eps: float
     act: nn.Module
+    silu: bool  # act is SiLU (the native path fuses it with the multiply by up)
 
     @classmethod
     def from_hf(cls, layer: nn.Module, plan: BlockPlan) -> FusedLayer:
@@ -73,7 +74,8 @@ class FusedLayer:
         return cls(BlockedWeight(qkv, plan), BlockedWeight(attn.o_proj.weight.detach(), plan),
                    BlockedWeight(gate_up, plan), BlockedWeight(mlp.down_proj.weight.detach(), plan),
                    norm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                   norm.variance_epsilon, mlp.act_fn)
+                   norm.variance_epsilon, mlp.act_fn,
+                   isinstance(mlp.act_fn, nn.SiLU) or type(mlp.act_fn).__name__ == "SiLUActivation")
 
     def weights(self) -> list[torch.Tensor]:
         return [w.weight for w in (self.qkv, self.o, self.gate_up, self.down)]
@@ -123,6 +125,8 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
     out = ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
                         q.shape[-1] ** -0.5)  # [B, N, Hq Dh]
     x, h = ops.add_rms_norm(x, lw.o(out), lw.post_norm, lw.eps)
+    if lw.silu:
+        return x + lw.down(ops.silu_mul(lw.gate_up(h)))
     gate, up = lw.gate_up(h).chunk(2, dim=-1)
     return x + lw.down(lw.act(gate) * up)
 

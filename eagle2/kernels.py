@@ -92,7 +92,7 @@ class BlockedWeight:
         self.weight, self.plan = weight, plan
         self._blocks: dict[int, tuple[torch.Tensor, ...]] = {}
         self._packed: list[torch.Tensor] | None = None
-        self._native: list[torch.Tensor] | None = None
+        self._native: torch.Tensor | None = None
 
     def blocks(self, block_bytes: int) -> tuple[torch.Tensor, ...]:
         if block_bytes not in self._blocks:
@@ -114,9 +114,7 @@ class BlockedWeight:
 
     def _chunks(self) -> tuple[torch.Tensor, ...]:
         """The weight in column chunks of at most PACKED_MAX_K features (equal widths)."""
-        k = self.weight.shape[1]
-        width = -(-k // -(-k // PACKED_MAX_K))
-        return tuple(w.contiguous() for w in self.weight.split(width, dim=1))
+        return tuple(w.contiguous() for w in self.weight.split(self._chunk_width(), dim=1))
 
     def packed(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T through oneDNN's packed bf16 kernel, in column chunks of at most
@@ -126,15 +124,22 @@ class BlockedWeight:
         return _chunked(x, self._packed, lambda part, w: torch.ops.mkldnn._linear_pointwise(
             part, w, None, "none", [], ""))
 
+    def _chunk_width(self) -> int:
+        k = self.weight.shape[1]
+        return -(-k // -(-k // PACKED_MAX_K))
+
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T through eagle2's native bf16 kernel, in the column chunks of `packed`
-        and added the same way: bitwise `packed`'s result where `native_linear_exact()`."""
+        """x @ weight.T through eagle2's native bf16 kernel, one call that adds the column
+        chunks of `packed` the same way: bitwise `packed`'s result where
+        `native_linear_exact()`. (Odd widths, which it does not pack, take `packed`.)"""
         ops = native_linear_ops()
         assert ops is not None, "the native bf16 linear is not available here"
+        width = self._chunk_width()
+        if self.weight.shape[1] % 2 or width % 2:
+            return self.packed(x)
         if self._native is None:
-            self._native = [ops.pack_linear(w) for w in self._chunks()]
-        out_features = self.weight.shape[0]
-        return _chunked(x, self._native, lambda part, w: ops.linear(part, w, out_features))
+            self._native = ops.pack_linear(self.weight)
+        return ops.linear(x, self._native, self.weight.shape[0], width)
 
 
 def _chunked(x: torch.Tensor, weights: list[torch.Tensor], multiply) -> torch.Tensor:
@@ -156,7 +161,7 @@ def native_linear_ops():
     from eagle2.native import cpu_ops
 
     ops = cpu_ops() if native_bf16_cpu() else None
-    if ops is None or not ops.linear_supported() or not native_linear_exact(ops):
+    if ops is None or not native_linear_exact(ops):
         return None
     return ops
 
@@ -174,7 +179,7 @@ def native_linear_exact(ops) -> bool:
                 x, torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
             packed = ops.pack_linear(w)
             for rows in (1, 2, 3, 4, 7, 33):
-                if not torch.equal(ops.linear(x[:rows], packed, out_features),
+                if not torch.equal(ops.linear(x[:rows], packed, out_features, 0),
                                    reference[:rows]):
                     return False
     return True

@@ -410,35 +410,53 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
 // give bitwise the same outputs, and the engine picks either per row count by speed;
 // `eagle2.kernels.native_linear_exact` checks the equality on the machine at hand before the
 // native kernel is used at all. Any row count gives each row the same result (exactness).
-#if defined(__AVX512BF16__)
 constexpr int64_t kBlockN = 64;
 constexpr int64_t kPairsPerSum = 256;  // 512 inputs
 
-template <int M, int B>  // M rows of x, B consecutive blocks of 64 outputs
+inline __m512 round_bf16(__m512 v) {  // fp32 -> the nearest bf16 (even), as fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// M rows of x, B consecutive blocks of 64 outputs. The input pairs come in column chunks of
+// C2 pairs (K2 when not chunked): a chunked weight's result is each chunk's product rounded to
+// bf16, added in fp32 in chunk order (what `kernels.BlockedWeight` does with oneDNN's kernel).
+template <int M, int B>
 inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t K2,
-                        bf16* y, int64_t y_stride, int64_t n0, int64_t N) {
-  __m512 acc[M][B][4], total[M][B][4];
-  for (int64_t k0 = 0; k0 < K2; k0 += kPairsPerSum) {
-    for (int m = 0; m < M; ++m)
-      for (int b = 0; b < B; ++b)
-        for (int r = 0; r < 4; ++r) acc[m][b][r] = _mm512_setzero_ps();
-    const int64_t k1 = std::min(K2, k0 + kPairsPerSum);
-    for (int64_t k = k0; k < k1; ++k) {
-      __m512bh xb[M];
+                        int64_t C2, bf16* y, int64_t y_stride, int64_t n0, int64_t N) {
+  __m512 acc[M][B][4], part[M][B][4], total[M][B][4];
+  for (int64_t c0 = 0; c0 < K2; c0 += C2) {
+    const int64_t c1 = std::min(K2, c0 + C2);
+    for (int64_t k0 = c0; k0 < c1; k0 += kPairsPerSum) {
       for (int m = 0; m < M; ++m)
-        xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * x_stride + k]));
-      for (int b = 0; b < B; ++b) {
-        const uint32_t* wk = w + (b * K2 + k) * kBlockN;
-        for (int r = 0; r < 4; ++r) {
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + 16 * r);
-          for (int m = 0; m < M; ++m) acc[m][b][r] = _mm512_dpbf16_ps(acc[m][b][r], wv, xb[m]);
+        for (int b = 0; b < B; ++b)
+          for (int r = 0; r < 4; ++r) acc[m][b][r] = _mm512_setzero_ps();
+      const int64_t k1 = std::min(c1, k0 + kPairsPerSum);
+      for (int64_t k = k0; k < k1; ++k) {
+        __m512bh xb[M];
+        for (int m = 0; m < M; ++m)
+          xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * x_stride + k]));
+        for (int b = 0; b < B; ++b) {
+          const uint32_t* wk = w + (b * K2 + k) * kBlockN;
+          for (int r = 0; r < 4; ++r) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + 16 * r);
+            for (int m = 0; m < M; ++m)
+              acc[m][b][r] = _mm512_dpbf16_ps(acc[m][b][r], wv, xb[m]);
+          }
         }
       }
+      for (int m = 0; m < M; ++m)
+        for (int b = 0; b < B; ++b)
+          for (int r = 0; r < 4; ++r)
+            part[m][b][r] = k0 > c0 ? _mm512_add_ps(part[m][b][r], acc[m][b][r]) : acc[m][b][r];
     }
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < B; ++b)
-        for (int r = 0; r < 4; ++r)
-          total[m][b][r] = k0 ? _mm512_add_ps(total[m][b][r], acc[m][b][r]) : acc[m][b][r];
+        for (int r = 0; r < 4; ++r) {
+          if (C2 >= K2) total[m][b][r] = part[m][b][r];
+          else if (c0 == 0) total[m][b][r] = round_bf16(part[m][b][r]);
+          else total[m][b][r] = _mm512_add_ps(total[m][b][r], round_bf16(part[m][b][r]));
+        }
   }
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < B; ++b)
@@ -456,18 +474,8 @@ inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, 
         }
       }
 }
-#endif
-
-bool linear_supported() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
 
 torch::Tensor pack_linear(const torch::Tensor& weight) {
-  TORCH_CHECK(linear_supported(), "eagle2_cpu.linear needs AVX512-BF16");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
                   weight.device().is_cpu() && weight.size(1) % 2 == 0,
               "pack_linear expects a bf16 CPU weight [N, K] with K even");
@@ -486,9 +494,10 @@ torch::Tensor pack_linear(const torch::Tensor& weight) {
   return packed;
 }
 
-// x [..., K] bf16, packed from pack_linear -> [..., out_features] bf16
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(linear_supported(), "eagle2_cpu.linear needs AVX512-BF16");
+// x [..., K] bf16, packed from pack_linear -> [..., out_features] bf16; chunk_features: the
+// width of the column chunks (0: one chunk)
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                     int64_t chunk_features) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
               "linear expects a bf16 CPU input");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64 && packed.scalar_type() == at::kInt &&
@@ -497,10 +506,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const auto xc = x.contiguous();
   const int64_t K2 = packed.size(1), N = out_features, blocks = packed.size(0);
   const int64_t M = xc.numel() / (2 * K2);
+  TORCH_CHECK(chunk_features % 2 == 0 && chunk_features >= 0,
+              "linear: chunk_features must be even");
+  const int64_t C2 = chunk_features ? std::min(K2, chunk_features / 2) : K2;
   auto sizes = xc.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, xc.options());
-#if defined(__AVX512BF16__)
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   auto* yp = y.data_ptr<bf16>();
@@ -514,23 +525,66 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
         const uint32_t* xm = xp + m * K2;
         bf16* ym = yp + m * N;
         if (M - m >= 4) {  // 16 accumulators; the second block comes from L2
-          linear_tile<4, 1>(xm, K2, w, K2, ym, N, n0, N);
-          if (pair) linear_tile<4, 1>(xm, K2, w + K2 * kBlockN, K2, ym, N, n0 + kBlockN, N);
+          linear_tile<4, 1>(xm, K2, w, K2, C2, ym, N, n0, N);
+          if (pair) linear_tile<4, 1>(xm, K2, w + K2 * kBlockN, K2, C2, ym, N, n0 + kBlockN, N);
           m += 4;
         } else if (M - m >= 2) {
-          if (pair) linear_tile<2, 2>(xm, K2, w, K2, ym, N, n0, N);
-          else linear_tile<2, 1>(xm, K2, w, K2, ym, N, n0, N);
+          if (pair) linear_tile<2, 2>(xm, K2, w, K2, C2, ym, N, n0, N);
+          else linear_tile<2, 1>(xm, K2, w, K2, C2, ym, N, n0, N);
           m += 2;
         } else {
-          if (pair) linear_tile<1, 2>(xm, K2, w, K2, ym, N, n0, N);
-          else linear_tile<1, 1>(xm, K2, w, K2, ym, N, n0, N);
+          if (pair) linear_tile<1, 2>(xm, K2, w, K2, C2, ym, N, n0, N);
+          else linear_tile<1, 1>(xm, K2, w, K2, C2, ym, N, n0, N);
           m += 1;
         }
       }
     }
   });
-#endif
   return y;
+}
+
+
+// gate_up [..., 2I] bf16 -> [..., I] = bf16(bf16(silu(gate)) * up) (HF's act_fn(gate) * up in
+// bf16), silu(g) = g * sigmoid(g) with sigmoid from exp16(-|g|): every lane from its own value.
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kBFloat16 &&
+                  gate_up.size(-1) % 2 == 0, "silu_mul expects bf16 [..., 2I] on the CPU");
+  const auto in = gate_up.contiguous();
+  const int64_t I = in.size(-1) / 2, rows = in.numel() / (2 * I);
+  auto sizes = in.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, in.options());
+  const bf16* ip = in.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const bf16* g = ip + r * 2 * I;
+      const bf16* u = g + I;
+      bf16* o = op + r * I;
+      for (int64_t i = 0; i < I; i += 32) {
+        const __mmask32 mask = chunk_mask(I - i);
+        __m512 glo, ghi, ulo, uhi;
+        widen(g + i, mask, &glo, &ghi);
+        widen(u + i, mask, &ulo, &uhi);
+        __m512 res[2];
+        const __m512 gs[2] = {glo, ghi}, us[2] = {ulo, uhi};
+        for (int h = 0; h < 2; ++h) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gs[h])));
+          const __m512 one = _mm512_set1_ps(1.0f);
+          const __m512 denom = _mm512_add_ps(one, e);
+          const __mmask16 neg = _mm512_cmp_ps_mask(gs[h], _mm512_setzero_ps(), _CMP_LT_OQ);
+          const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), denom);
+          const __m512 act = round_bf16(_mm512_mul_ps(gs[h], sig));
+          res[h] = _mm512_mul_ps(act, us[h]);
+        }
+        const __m512i packed = _mm512_inserti64x4(
+            _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(res[0])),
+            (__m256i)_mm512_cvtneps_pbh(res[1]), 1);
+        _mm512_mask_storeu_epi16(o + i, mask, packed);
+      }
+    }
+  });
+  return out;
 }
 
 // Registered as torch operators (torch.ops.eagle2_cpu.*): the profiler sees them by name.
@@ -541,9 +595,9 @@ TORCH_LIBRARY(eagle2_cpu, m) {
         "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos) -> Tensor");
   m.def("attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor slots, Tensor base, "
         "Tensor tree_mask, float scale) -> Tensor");
-  m.def("linear_supported() -> bool", &linear_supported);
   m.def("pack_linear(Tensor weight) -> Tensor");
-  m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int out_features, int chunk_features) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
@@ -553,4 +607,5 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("attention", &attention);
   m.impl("pack_linear", &pack_linear);
   m.impl("linear", &linear);
+  m.impl("silu_mul", &silu_mul);
 }
