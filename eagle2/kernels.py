@@ -280,7 +280,12 @@ def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
                 refresh: bool = False, candidates: Sequence[int] = BLOCK_BYTES) -> BlockPlan:
     """The plan for these weights on this machine: from the cache, else measured and saved."""
     shapes = sorted({tuple(w.shape) for w in weights})
-    key = machine_key(f"{name}|{shapes}|{weights[0].dtype}|{tuple(candidates)}")
+    kernels = tuple(candidates)
+    if NATIVE in kernels:  # a changed native kernel is measured again
+        from eagle2.native import build_key
+
+        kernels += (build_key(),)
+    key = machine_key(f"{name}|{shapes}|{weights[0].dtype}|{kernels}")
     path = cache_dir / f"{key}.json"
     if path.exists() and not refresh:
         data = json.loads(path.read_text())

@@ -30,14 +30,21 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math")
 
 
-def _build_dir() -> Path:
+@functools.cache
+def build_key() -> str:
+    """Source, flags, torch and CPU: what the compiled operators (and their speed) depend on."""
     from eagle2.kernels import cpu_info
-    from eagle2.target import cache_root
 
     model, flags = cpu_info()
     key = hashlib.sha256("|".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__,
                                    str(model), " ".join(sorted(flags))]).encode())
-    return cache_root() / "ext" / f"cpu_ops-{key.hexdigest()[:16]}"
+    return key.hexdigest()[:16]
+
+
+def _build_dir() -> Path:
+    from eagle2.target import cache_root
+
+    return cache_root() / "ext" / f"cpu_ops-{build_key()}"
 
 
 @functools.cache

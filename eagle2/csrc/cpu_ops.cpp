@@ -401,16 +401,19 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
 // ---- bf16 linears for a few rows: y [M, N] = x [M, K] @ w [N, K].T ----
 // docs/DESIGN.md, "CPU performance": a decode step multiplies a handful of rows by every
 // weight, so its floor is streaming the weights once. The weight is packed once into blocks
-// of 64 outputs, [ceil(N / 64)][K / 2][64] uint32, each uint32 the bf16 pair (w[n][2j],
-// w[n][2j+1]): one block is read front to back, 256 contiguous bytes per input pair, the
-// layout `vdpbf16ps` multiplies. Each output element is summed in this order: the pairs of
+// of 32 outputs, [ceil(N / 32)][K / 2][32] uint32, each uint32 the bf16 pair (w[n][2j],
+// w[n][2j+1]): one block is read front to back, 128 contiguous bytes per input pair, the
+// layout `vdpbf16ps` multiplies. A work unit is four blocks: one to three rows read all four
+// at once (four streams), four rows two at a time, up to eight rows one block at a time (16
+// accumulators), more rows again in groups of eight from L2. Each output element is summed in this order: the pairs of
 // every 512 inputs accumulated one after another into one fp32 lane by `vdpbf16ps`, starting
 // from zero, the 512-input partial sums then added in order, one rounding to bf16 at the end.
 // That is the order oneDNN's packed bf16 kernel (avx512_core_bf16, K <= 1024) uses, so both
 // give bitwise the same outputs, and the engine picks either per row count by speed;
 // `eagle2.kernels.native_linear_exact` checks the equality on the machine at hand before the
 // native kernel is used at all. Any row count gives each row the same result (exactness).
-constexpr int64_t kBlockN = 64;
+constexpr int64_t kBlockN = 32;
+constexpr int kGroups = kBlockN / 16;  // 16-lane accumulators per row and block
 constexpr int64_t kPairsPerSum = 256;  // 512 inputs
 
 inline __m512 round_bf16(__m512 v) {  // fp32 -> the nearest bf16 (even), as fp32
@@ -424,13 +427,13 @@ inline __m512 round_bf16(__m512 v) {  // fp32 -> the nearest bf16 (even), as fp3
 template <int M, int B>
 inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t K2,
                         int64_t C2, bf16* y, int64_t y_stride, int64_t n0, int64_t N) {
-  __m512 acc[M][B][4], part[M][B][4], total[M][B][4];
+  __m512 acc[M][B][kGroups], part[M][B][kGroups], total[M][B][kGroups];
   for (int64_t c0 = 0; c0 < K2; c0 += C2) {
     const int64_t c1 = std::min(K2, c0 + C2);
     for (int64_t k0 = c0; k0 < c1; k0 += kPairsPerSum) {
       for (int m = 0; m < M; ++m)
         for (int b = 0; b < B; ++b)
-          for (int r = 0; r < 4; ++r) acc[m][b][r] = _mm512_setzero_ps();
+          for (int r = 0; r < kGroups; ++r) acc[m][b][r] = _mm512_setzero_ps();
       const int64_t k1 = std::min(c1, k0 + kPairsPerSum);
       for (int64_t k = k0; k < k1; ++k) {
         __m512bh xb[M];
@@ -438,7 +441,7 @@ inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, 
           xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * x_stride + k]));
         for (int b = 0; b < B; ++b) {
           const uint32_t* wk = w + (b * K2 + k) * kBlockN;
-          for (int r = 0; r < 4; ++r) {
+          for (int r = 0; r < kGroups; ++r) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + 16 * r);
             for (int m = 0; m < M; ++m)
               acc[m][b][r] = _mm512_dpbf16_ps(acc[m][b][r], wv, xb[m]);
@@ -447,12 +450,12 @@ inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, 
       }
       for (int m = 0; m < M; ++m)
         for (int b = 0; b < B; ++b)
-          for (int r = 0; r < 4; ++r)
+          for (int r = 0; r < kGroups; ++r)
             part[m][b][r] = k0 > c0 ? _mm512_add_ps(part[m][b][r], acc[m][b][r]) : acc[m][b][r];
     }
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < B; ++b)
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < kGroups; ++r) {
           if (C2 >= K2) total[m][b][r] = part[m][b][r];
           else if (c0 == 0) total[m][b][r] = round_bf16(part[m][b][r]);
           else total[m][b][r] = _mm512_add_ps(total[m][b][r], round_bf16(part[m][b][r]));
@@ -460,7 +463,7 @@ inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, 
   }
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < B; ++b)
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < kGroups; ++r) {
         const int64_t n = n0 + b * kBlockN + r * 16;
         if (n >= N) continue;
         const __m256i v = (__m256i)_mm512_cvtneps_pbh(total[m][b][r]);
@@ -475,19 +478,47 @@ inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, 
       }
 }
 
+// rows [0, M) of x against B consecutive blocks at w
+template <int B>
+inline void linear_rows(const uint32_t* x, const uint32_t* w, int64_t K2, int64_t C2, bf16* y,
+                        int64_t N, int64_t n0, int64_t M) {
+  const int64_t bs = K2 * kBlockN;
+  for (int64_t m = 0; m < M;) {
+    const uint32_t* xm = x + m * K2;
+    bf16* ym = y + m * N;
+    const int64_t left = M - m;
+    if (left >= 8) {
+      for (int b = 0; b < B; ++b) linear_tile<8, 1>(xm, K2, w + b * bs, K2, C2, ym, N, n0 + b * kBlockN, N);
+      m += 8;
+    } else if (left >= 6) {
+      for (int b = 0; b < B; ++b) linear_tile<6, 1>(xm, K2, w + b * bs, K2, C2, ym, N, n0 + b * kBlockN, N);
+      m += 6;
+    } else if (left >= 4 && B % 2 == 0) {
+      for (int b = 0; b < B; b += 2) linear_tile<4, 2>(xm, K2, w + b * bs, K2, C2, ym, N, n0 + b * kBlockN, N);
+      m += 4;
+    } else if (left >= 2) {
+      linear_tile<2, B>(xm, K2, w, K2, C2, ym, N, n0, N);
+      m += 2;
+    } else {
+      linear_tile<1, B>(xm, K2, w, K2, C2, ym, N, n0, N);
+      m += 1;
+    }
+  }
+}
+
 torch::Tensor pack_linear(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
                   weight.device().is_cpu() && weight.size(1) % 2 == 0,
               "pack_linear expects a bf16 CPU weight [N, K] with K even");
   const auto w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), K2 = K / 2, blocks = (N + 63) / 64;
-  auto packed = torch::zeros({blocks, K2, 64}, torch::dtype(torch::kInt32));
+  const int64_t N = w.size(0), K = w.size(1), K2 = K / 2, blocks = (N + kBlockN - 1) / kBlockN;
+  auto packed = torch::zeros({blocks, K2, kBlockN}, torch::dtype(torch::kInt32));
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* pp = reinterpret_cast<uint32_t*>(packed.data_ptr());
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, kBlockN, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t j = 0; j < K2; ++j)
-        pp[((n / 64) * K2 + j) * 64 + n % 64] =
+        pp[((n / kBlockN) * K2 + j) * kBlockN + n % kBlockN] =
             static_cast<uint32_t>(wp[n * K + 2 * j]) |
             (static_cast<uint32_t>(wp[n * K + 2 * j + 1]) << 16);
   });
@@ -500,8 +531,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
                      int64_t chunk_features) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
               "linear expects a bf16 CPU input");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64 && packed.scalar_type() == at::kInt &&
-                  x.size(-1) == 2 * packed.size(1) && (out_features + 63) / 64 == packed.size(0),
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockN && packed.scalar_type() == at::kInt &&
+                  x.size(-1) == 2 * packed.size(1) &&
+                  (out_features + kBlockN - 1) / kBlockN == packed.size(0),
               "linear: the input's features or out_features do not match the packed weight");
   const auto xc = x.contiguous();
   const int64_t K2 = packed.size(1), N = out_features, blocks = packed.size(0);
@@ -515,28 +547,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   auto* yp = y.data_ptr<bf16>();
-  // work unit: two consecutive blocks (two weight streams hide the load latency of one row)
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t blk = 2 * p, n0 = blk * kBlockN;
-      const uint32_t* w = wp + blk * K2 * kBlockN;
-      const bool pair = blk + 1 < blocks;
-      for (int64_t m = 0; m < M;) {
-        const uint32_t* xm = xp + m * K2;
-        bf16* ym = yp + m * N;
-        if (M - m >= 4) {  // 16 accumulators; the second block comes from L2
-          linear_tile<4, 1>(xm, K2, w, K2, C2, ym, N, n0, N);
-          if (pair) linear_tile<4, 1>(xm, K2, w + K2 * kBlockN, K2, C2, ym, N, n0 + kBlockN, N);
-          m += 4;
-        } else if (M - m >= 2) {
-          if (pair) linear_tile<2, 2>(xm, K2, w, K2, C2, ym, N, n0, N);
-          else linear_tile<2, 1>(xm, K2, w, K2, C2, ym, N, n0, N);
-          m += 2;
-        } else {
-          if (pair) linear_tile<1, 2>(xm, K2, w, K2, C2, ym, N, n0, N);
-          else linear_tile<1, 1>(xm, K2, w, K2, C2, ym, N, n0, N);
-          m += 1;
-        }
+  at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t blk = 4 * u;
+      if (blk + 4 <= blocks) {
+        linear_rows<4>(xp, wp + blk * K2 * kBlockN, K2, C2, yp, N, blk * kBlockN, M);
+      } else {
+        for (int64_t b = blk; b < blocks; ++b)
+          linear_rows<1>(xp, wp + b * K2 * kBlockN, K2, C2, yp, N, b * kBlockN, M);
       }
     }
   });
