@@ -260,14 +260,19 @@ SPECULATION_MARGIN = 0.05
 
 def draft_key(drafter) -> str:
     """What decides a draft level's cost: the head's kind, its matrices' shapes and whether its
-    layer runs on eagle2.native (a remote drafter: "remote")."""
+    layer and linears run on eagle2.native, which build (a remote drafter: "remote")."""
     head = getattr(drafter, "head", None)
     if head is None:
         return "remote"
     shapes = ",".join("x".join(map(str, p.shape)) for p in head.parameters())
     vocab = getattr(drafter, "draft_lm_head", None)
     rows = "" if vocab is None else f"|{tuple(vocab.shape)}"
-    native = "|native" if getattr(drafter, "native", None) is not None else ""
+    native = ""
+    if getattr(drafter, "native", None) is not None:
+        from eagle2.kernels import native_linear_ops
+        from eagle2.native import build_key
+
+        native = f"|native-{build_key()}" + ("-linear" if native_linear_ops() else "")
     return f"{getattr(head, 'kind', 'eagle2')}|{shapes}{rows}|{head.fc.weight.dtype}{native}"
 
 

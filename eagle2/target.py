@@ -54,7 +54,11 @@ def cost_cache_path(target: TargetModel) -> Path:
     cfg = target.config
     shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
              cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
-    native = "|native" if target.native is not None else ""  # other kernels, other costs
+    native = ""  # other kernels, other costs
+    if target.native is not None:
+        from eagle2.native import build_key
+
+        native = f"|native-{build_key()}"
     if NATIVE in target.plan.block_bytes.values():
         native += "|native-linear"
     key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}|"
