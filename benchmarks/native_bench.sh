@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Session 9 (AMD EPYC, AVX512-BF16 without AMX: dtype auto = bf16): the release with the fused
 # CPU operations and their exact attention (eagle2.native), on a quiet machine, from the
-# repository root (the session ran it from a worktree of the release commit). One thread per
+# repository root (the session ran it from a worktree of the release commit). Session 12 (the
+# native linear): OUT=runs/s12/bench FULL_AB=1 ALTERNATE=EAGLE2_NATIVE_LINEAR=0. One thread per
 # process; the two shards of a sharded run share the machine (one per core), every other
-# command runs alone. Writes runs/s9/ (timeline.txt has the load average per command).
+# command runs alone. Writes $OUT (default runs/s9/; timeline.txt has the load average per command).
 E=".venv/bin/python -m eagle2.cli"
 [ -x .venv/bin/python ] || E="python -m eagle2.cli"
-B=runs/s9
+B=${OUT:-runs/s9}
 mkdir -p $B
 log() { echo "$(date +%T) $* | load $(cut -d' ' -f1-3 /proc/loadavg)" >> $B/timeline.txt; }
 shards() {  # name, then bench arguments: two shards (one per core), merged
@@ -17,12 +18,19 @@ shards() {  # name, then bench arguments: two shards (one per core), merged
   log $name
 }
 log "start $(git rev-parse --short HEAD)"
-shards full --suite mt_bench,humaneval --num-prompts 40 --max-tokens 256 --modes vanilla,eagle2
-for native in 1 0; do  # the same layers with ATen operations and canonical_attention: 0
-  EAGLE2_NATIVE=$native $E bench-forward --threads 1 --repeats 3 --batches 1,4,8 \
-    --nodes 1,2,4,8,16,32,64 --out $B/fw-native$native > $B/fw-native$native.txt 2>&1
-  log fw native=$native
+# A/B (session 12): ALTERNATE=EAGLE2_NATIVE_LINEAR=0 (oneDNN's linears alone); the default,
+# EAGLE2_NATIVE=0, is the same layers with ATen operations and canonical_attention. The forward
+# curves go first: bench-forward stores each kernel set's costs, which the budget then reads.
+ALT=${ALTERNATE:-EAGLE2_NATIVE=0}
+for alt in "" "$ALT"; do
+  name=fw${alt:+-ab}
+  env $alt $E bench-forward --threads 1 --repeats 3 --batches 1,4,8 \
+    --nodes 1,2,4,8,16,32,64 --out $B/$name > $B/$name.txt 2>&1
+  log $name $alt
 done
+FULL="--suite mt_bench,humaneval --num-prompts 40 --max-tokens 256 --modes vanilla,eagle2"
+shards full $FULL
+[ -n "$FULL_AB" ] && { export "${ALT?}"; shards full-ab $FULL; unset "${ALT%%=*}"; }
 shards hf --suite mt_bench,humaneval --num-prompts 6 --max-tokens 128 --modes vanilla,eagle2,hf
 $E bench --suite mt_bench,humaneval --num-prompts 6 --max-tokens 96 --modes vanilla,eagle2 \
   --threads 1 --out $B/quiet > $B/quiet.txt 2>&1

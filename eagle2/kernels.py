@@ -157,9 +157,12 @@ def _chunked(x: torch.Tensor, weights: list[torch.Tensor], multiply) -> torch.Te
 @functools.cache
 def native_linear_ops():
     """`torch.ops.eagle2_cpu` where its bf16 linear was built and gives bitwise oneDNN's
-    packed result on this machine (`native_linear_exact`), else None."""
+    packed result on this machine (`native_linear_exact`), else None (also where
+    EAGLE2_NATIVE_LINEAR=0: oneDNN's kernel alone, for comparison)."""
     from eagle2.native import cpu_ops
 
+    if os.environ.get("EAGLE2_NATIVE_LINEAR", "1") == "0":
+        return None
     ops = cpu_ops() if native_bf16_cpu() else None
     if ops is None or not native_linear_exact(ops):
         return None
