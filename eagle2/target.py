@@ -217,8 +217,8 @@ class TargetModel:
             measure = self.device.type == "cpu" and size > MEASURE_KERNELS_ABOVE
         if packing_supported(self.dtype, self.device):  # exact kernels only (bf16)
             self.plan.block_bytes.update(packed_plan().block_bytes)
-            candidates = exact_bf16_candidates()
-            if measure and len(candidates) > 1:  # which one per row count: measured
+            candidates = exact_bf16_candidates() if measure else ()
+            if len(candidates) > 1:  # which one per row count: measured
                 found = cached_plan(weights, self.name, cache_root() / "kernels",
                                     refresh=refresh, candidates=candidates)
                 self.plan.block_bytes.update(found.block_bytes)
