@@ -26,8 +26,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-# no -ffast-math: every floating-point operation stays as written (row invariance)
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math")
+# no -ffast-math: every floating-point operation stays as written (row invariance); -fopenmp:
+# at::parallel_for runs on torch's OpenMP threads (without it, the operators ran on one thread
+# whatever torch.get_num_threads() said); the process keeps torch's one libgomp (same soname)
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
 
 
 @functools.cache
@@ -70,7 +72,8 @@ def cpu_ops() -> ModuleType | None:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (build / "lock").unlink(missing_ok=True)
             load("eagle2_cpu_ops", [str(SOURCE)], extra_cflags=list(CFLAGS),
-                 build_directory=str(build), verbose=False, is_python_module=False)
+                 extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False,
+                 is_python_module=False)
         return torch.ops.eagle2_cpu
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, build error
         log.warning("eagle2's fused CPU operations could not be built (%s); using ATen "

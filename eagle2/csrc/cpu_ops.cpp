@@ -415,6 +415,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
 constexpr int64_t kBlockN = 32;
 constexpr int kGroups = kBlockN / 16;  // 16-lane accumulators per row and block
 constexpr int64_t kPairsPerSum = 256;  // 512 inputs
+constexpr int64_t kParallelRows = 12;
 
 inline __m512 round_bf16(__m512 v) {  // fp32 -> the nearest bf16 (even), as fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -547,7 +548,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   auto* yp = y.data_ptr<bf16>();
-  at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t u0, int64_t u1) {
+  // threads only for 12+ rows: below that the step streams memory that one core reads nearly
+  // as fast as two, and waking a passive OpenMP thread costs more than it saves (measured)
+  const int64_t units = (blocks + 3) / 4;
+  at::parallel_for(0, units, M >= kParallelRows ? 1 : units, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t blk = 4 * u;
       if (blk + 4 <= blocks) {
