@@ -405,9 +405,10 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
 // w[n][2j+1]): one block is read front to back, 128 contiguous bytes per input pair, the
 // layout `vdpbf16ps` multiplies. A work unit is four blocks: one to three rows read all four
 // at once (four streams), four rows two at a time, up to eight rows one block at a time (16
-// accumulators), more rows again in groups of eight from L2. Each output element is summed in this order: the pairs of
-// every 512 inputs accumulated one after another into one fp32 lane by `vdpbf16ps`, starting
-// from zero, the 512-input partial sums then added in order, one rounding to bf16 at the end.
+// accumulators), more rows again in groups of eight from L2. Each output element is summed in
+// this order: the pairs of every 512 inputs accumulated one after another into one fp32 lane
+// by `vdpbf16ps`, starting from zero, the 512-input partial sums then added in order, one
+// rounding to bf16 at the end.
 // That is the order oneDNN's packed bf16 kernel (avx512_core_bf16, K <= 1024) uses, so both
 // give bitwise the same outputs, and the engine picks either per row count by speed;
 // `eagle2.kernels.native_linear_exact` checks the equality on the machine at hand before the
@@ -422,7 +423,7 @@ inline __m512 round_bf16(__m512 v) {  // fp32 -> the nearest bf16 (even), as fp3
       _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
-// M rows of x, B consecutive blocks of 64 outputs. The input pairs come in column chunks of
+// M rows of x, B consecutive blocks of kBlockN outputs. The input pairs come in column chunks of
 // C2 pairs (K2 when not chunked): a chunked weight's result is each chunk's product rounded to
 // bf16, added in fp32 in chunk order (what `kernels.BlockedWeight` does with oneDNN's kernel).
 template <int M, int B>
