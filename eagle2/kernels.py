@@ -92,7 +92,9 @@ class BlockedWeight:
         self.weight, self.plan = weight, plan
         self._blocks: dict[int, tuple[torch.Tensor, ...]] = {}
         self._packed: list[torch.Tensor] | None = None
-        self._native: torch.Tensor | None = None
+        self._native: tuple[object, torch.Tensor] | None = None  # (ops, packed weight)
+        k = weight.shape[1]
+        self.chunk_width = -(-k // -(-k // PACKED_MAX_K))  # column chunks of equal widths
 
     def blocks(self, block_bytes: int) -> tuple[torch.Tensor, ...]:
         if block_bytes not in self._blocks:
@@ -114,7 +116,7 @@ class BlockedWeight:
 
     def _chunks(self) -> tuple[torch.Tensor, ...]:
         """The weight in column chunks of at most PACKED_MAX_K features (equal widths)."""
-        return tuple(w.contiguous() for w in self.weight.split(self._chunk_width(), dim=1))
+        return tuple(w.contiguous() for w in self.weight.split(self.chunk_width, dim=1))
 
     def packed(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T through oneDNN's packed bf16 kernel, in column chunks of at most
@@ -124,22 +126,18 @@ class BlockedWeight:
         return _chunked(x, self._packed, lambda part, w: torch.ops.mkldnn._linear_pointwise(
             part, w, None, "none", [], ""))
 
-    def _chunk_width(self) -> int:
-        k = self.weight.shape[1]
-        return -(-k // -(-k // PACKED_MAX_K))
-
     def native(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T through eagle2's native bf16 kernel, one call that adds the column
         chunks of `packed` the same way: bitwise `packed`'s result where
         `native_linear_exact()`. (Odd widths, which it does not pack, take `packed`.)"""
-        ops = native_linear_ops()
-        assert ops is not None, "the native bf16 linear is not available here"
-        width = self._chunk_width()
-        if self.weight.shape[1] % 2 or width % 2:
+        if self.weight.shape[1] % 2 or self.chunk_width % 2:
             return self.packed(x)
         if self._native is None:
-            self._native = ops.pack_linear(self.weight)
-        return ops.linear(x, self._native, self.weight.shape[0], width)
+            ops = native_linear_ops()
+            assert ops is not None, "the native bf16 linear is not available here"
+            self._native = ops, ops.pack_linear(self.weight)
+        ops, packed = self._native
+        return ops.linear(x, packed, self.weight.shape[0], self.chunk_width)
 
 
 def _chunked(x: torch.Tensor, weights: list[torch.Tensor], multiply) -> torch.Tensor:

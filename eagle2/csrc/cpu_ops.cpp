@@ -579,7 +579,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   auto out = torch::empty(sizes, in.options());
   const bf16* ip = in.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {  // rows as the norms above
     for (int64_t r = r0; r < r1; ++r) {
       const bf16* g = ip + r * 2 * I;
       const bf16* u = g + I;
