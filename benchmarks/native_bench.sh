@@ -2,7 +2,8 @@
 # Session 9 (AMD EPYC, AVX512-BF16 without AMX: dtype auto = bf16): the release with the fused
 # CPU operations and their exact attention (eagle2.native), on a quiet machine, from the
 # repository root (the session ran it from a worktree of the release commit). Session 12 (the
-# native linear): OUT=runs/s12/bench FULL_AB=1 ALTERNATE=EAGLE2_NATIVE_LINEAR=0. One thread per
+# native linear): OUT=runs/s12/bench FULL_AB=1 ALTERNATE=EAGLE2_NATIVE_LINEAR=0 (the A/B forward
+# and full bench run only with FULL_AB). Session 13: OUT=runs/s13/bench. One thread per
 # process; the two shards of a sharded run share the machine (one per core), every other
 # command runs alone. Writes $OUT (default runs/s9/; timeline.txt has the load average per command).
 E=".venv/bin/python -m eagle2.cli"
@@ -22,7 +23,7 @@ log "start $(git rev-parse --short HEAD)"
 # EAGLE2_NATIVE=0, is the same layers with ATen operations and canonical_attention. The forward
 # curves go first: bench-forward stores each kernel set's costs, which the budget then reads.
 ALT=${ALTERNATE:-EAGLE2_NATIVE=0}
-for alt in "" "$ALT"; do
+for alt in "" ${FULL_AB:+"$ALT"}; do
   name=fw${alt:+-ab}
   env $alt $E bench-forward --threads 1 --repeats 3 --batches 1,4,8 \
     --nodes 1,2,4,8,16,32,64 --out $B/$name > $B/$name.txt 2>&1

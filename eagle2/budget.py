@@ -58,6 +58,11 @@ class CostModel:
     # run, so the tree chosen for a seeded sampling request is the same on every run here.
     draft_batches: tuple[int, ...] = ()
     draft_level_s: tuple[float, ...] = ()
+    # the same at each of draft_batches for a level of DRAFT_NARROW_TOP_K nodes a request: a
+    # level's cost grows with its nodes (B x top_k rows through the head and its vocabulary),
+    # and the engine drafts narrower trees where the budget keeps small ones (empty: not
+    # measured, every width costs as the wide level)
+    draft_narrow_s: tuple[float, ...] = ()
     # which head the draft costs were measured with (`draft_key`): another head re-measures
     draft_head: str = ""
     long_prefix: int = 0  # 0: one grid, the cost does not depend on the context
@@ -76,17 +81,26 @@ class CostModel:
         per_batch = [_interp(self.nodes, list(row), num_n) for row in grid]
         return _interp(self.batches, per_batch, num_b)
 
-    def draft_level(self, num_b: int) -> float:
-        """Seconds of one draft-head call for num_b sequences (linear past the measured)."""
+    def draft_level(self, num_b: int, width: int = 0) -> float:
+        """Seconds of one draft-head call for num_b sequences (linear past the measured) of
+        `width` nodes each (0: DRAFT_PROBE_TOP_K), linear in the width between the narrow and
+        the wide measurement. E.g. 4 ms wide (8 nodes), 2 ms narrow (2 nodes): width 4 costs
+        2 + 2 x (4 - 2) / 6 = 2.67 ms."""
         if not self.draft_batches:
             return 0.0
-        return _interp(self.draft_batches, list(self.draft_level_s), num_b)
+        wide = _interp(self.draft_batches, list(self.draft_level_s), num_b)
+        if not self.draft_narrow_s or not width or width >= DRAFT_PROBE_TOP_K:
+            return wide
+        narrow = _interp(self.draft_batches, list(self.draft_narrow_s), num_b)
+        frac = (width - DRAFT_NARROW_TOP_K) / (DRAFT_PROBE_TOP_K - DRAFT_NARROW_TOP_K)
+        return max(narrow + (wide - narrow) * frac, 0.5 * min(narrow, wide))
 
     def to_json(self) -> dict:
         return {"batches": list(self.batches), "nodes": list(self.nodes),
                 "seconds": [list(r) for r in self.seconds], "prefix": self.prefix,
                 "draft_batches": list(self.draft_batches),
-                "draft_level_s": list(self.draft_level_s), "draft_head": self.draft_head,
+                "draft_level_s": list(self.draft_level_s),
+                "draft_narrow_s": list(self.draft_narrow_s), "draft_head": self.draft_head,
                 "long_prefix": self.long_prefix,
                 "long_seconds": [list(r) for r in self.long_seconds]}
 
@@ -96,14 +110,16 @@ class CostModel:
         (none if it has none); None: the ones the JSON names (draft_head/draft_level_s)."""
         batches = tuple(data.get("draft_batches", ()))
         levels = tuple(data.get("draft_level_s", ())) if batches else ()
+        narrow = tuple(data.get("draft_narrow_s", ())) if batches else ()
         head = data.get("draft_head", "")
         if draft_head is not None and draft_head != head:
             entry = data.get("drafts", {}).get(draft_head, {})
             batches, levels = tuple(entry.get("batches", ())), tuple(entry.get("level_s", ()))
+            narrow = tuple(entry.get("narrow_s", ()))
             head = draft_head if batches else ""
         return cls(tuple(data["batches"]), tuple(data["nodes"]),
                    tuple(tuple(r) for r in data["seconds"]), data.get("prefix", 0),
-                   batches, levels, head, data.get("long_prefix", 0),
+                   batches, levels, narrow, head, data.get("long_prefix", 0),
                    tuple(tuple(r) for r in data.get("long_seconds", ())))
 
     def save(self, path: Path) -> None:
@@ -125,7 +141,8 @@ class CostModel:
                 drafts = {}
         if self.draft_head:
             drafts[self.draft_head] = {"batches": list(self.draft_batches),
-                                       "level_s": list(self.draft_level_s)}
+                                       "level_s": list(self.draft_level_s),
+                                       "narrow_s": list(self.draft_narrow_s)}
         write_json_atomic(path, {**self.to_json(), "drafts": drafts})
 
     @classmethod
@@ -254,6 +271,7 @@ def _locked(path: Path):
 
 
 DRAFT_PROBE_TOP_K = 8
+DRAFT_NARROW_TOP_K = 2  # the narrow level measured beside it (CostModel.draft_narrow_s)
 # how much better than plain decoding a speculative step must be predicted to keep drafting
 SPECULATION_MARGIN = 0.05
 
@@ -277,26 +295,31 @@ def draft_key(drafter) -> str:
 
 
 def measure_draft_levels(drafter, batches: list[int], hidden: int, dtype: torch.dtype,
-                         repeats: int = 3) -> dict[int, float]:
-    """Seconds per draft-head call at each batch size: a depth-2 tree of top_k 8 from one new
-    position per sequence (three head calls), best of 1 + `repeats` sweeps over the batch
-    sizes (as `time_grid`: a slow phase of the machine spoils one sample of each size, not
-    all of one), on throwaway sequences (the drafter needs that many free slots)."""
+                         repeats: int = 3,
+                         widths: tuple[int, ...] = (DRAFT_PROBE_TOP_K, DRAFT_NARROW_TOP_K)
+                         ) -> dict[int, dict[int, float]]:
+    """Seconds per draft-head call at each width (top_k) and batch size: {width: {batch: s}}.
+    A depth-2 tree from one new position per sequence (three head calls), best of 1 +
+    `repeats` sweeps over all (width, batch) cells (as `time_grid`: a slow phase of the
+    machine spoils one sample of each cell, not all of one), on throwaway sequences (the
+    drafter needs that many free slots)."""
     from eagle2.config import TreeConfig
 
-    tree = TreeConfig("eagle2", total_tokens=16, depth=2, top_k=DRAFT_PROBE_TOP_K,
-                      budget="fixed")
+    trees = {k: TreeConfig("eagle2", total_tokens=16, depth=2, top_k=k, budget="fixed",
+                           lookup=0) for k in widths}
     ids = [f"__cost_probe_{i}" for i in range(max(batches))]
-    best = dict.fromkeys(batches, float("inf"))
+    best = {k: dict.fromkeys(batches, float("inf")) for k in widths}
     try:
         for i in range(repeats + 1):
-            for num_b in batches:
-                feats = torch.zeros(num_b, 1, hidden, dtype=dtype)
-                toks = torch.zeros(num_b, 1, dtype=torch.long)
-                t0 = time.perf_counter()
-                drafter.draft(ids[:num_b], feats, toks, torch.ones(num_b, dtype=torch.long), tree)
-                if i:  # the first sweep builds each shape's kernels
-                    best[num_b] = min(best[num_b], (time.perf_counter() - t0) / 3)
+            for k, tree in trees.items():
+                for num_b in batches:
+                    feats = torch.zeros(num_b, 1, hidden, dtype=dtype)
+                    toks = torch.zeros(num_b, 1, dtype=torch.long)
+                    t0 = time.perf_counter()
+                    drafter.draft(ids[:num_b], feats, toks, torch.ones(num_b, dtype=torch.long),
+                                  tree)
+                    if i:  # the first sweep builds each shape's kernels
+                        best[k][num_b] = min(best[k][num_b], (time.perf_counter() - t0) / 3)
     finally:
         for sid in ids:
             drafter.release(sid)

@@ -24,6 +24,8 @@ import torch
 
 from eagle2.attention import causal_mask
 from eagle2.budget import (
+    DRAFT_NARROW_TOP_K,
+    DRAFT_PROBE_TOP_K,
     CostModel,
     SpeculationGate,
     choose_num_nodes,
@@ -138,6 +140,8 @@ class Engine:
         self._last_gate: SpeculationGate | None = None  # the gate of the last step's batch size
         self._rate = 0.0  # tokens/s predicted for the last speculative step
         self._depths_used: list[int] = []  # deepest kept node of recent auto trees
+        self._sizes_used: list[int] = []  # nodes kept per auto tree (root included), recent
+        self._width = DRAFT_PROBE_TOP_K  # top_k of this step's auto-budget drafts
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -248,22 +252,27 @@ class Engine:
         wanted = [b for b in costs.batches if b <= min(free, self.max_batch)]
         key = draft_key(self.drafter)
         measured = max(costs.draft_batches, default=0)
-        if self._cost_path is not None and costs.draft_head != key:
-            measured = 0  # the cache holds no draft costs for this head (given ones are kept)
+        if self._cost_path is not None and (costs.draft_head != key or not costs.draft_narrow_s):
+            # the cache holds no draft costs for this head (given ones are kept), or only
+            # those of wide levels (written before narrow levels were measured)
+            measured = 0
         if wanted and max(wanted) > measured:
             feats = self.seqs[0].pending_feats
             levels = measure_draft_levels(self.drafter, wanted, feats.shape[-1], feats.dtype)
-            self._costs = costs = replace(costs, draft_batches=tuple(levels),
-                                          draft_level_s=tuple(levels.values()), draft_head=key)
+            wide, narrow = levels[DRAFT_PROBE_TOP_K], levels[DRAFT_NARROW_TOP_K]
+            self._costs = costs = replace(costs, draft_batches=tuple(wide),
+                                          draft_level_s=tuple(wide.values()),
+                                          draft_narrow_s=tuple(narrow.values()), draft_head=key)
             if self._cost_path is not None:
                 costs.save(self._cost_path)
         return costs
 
-    def _min_gain(self, num_b: int) -> float:
-        """Expected accepted tokens one more tree level must promise to be worth drafting."""
+    def _min_gain(self, num_b: int, width: int) -> float:
+        """Expected accepted tokens one more tree level (of `width` nodes a request) must
+        promise to be worth drafting."""
         costs = self._draft_costs()
         rate = max(self._rate, num_b / costs(num_b, 1, self._context()))
-        return rate * costs.draft_level(num_b)
+        return rate * costs.draft_level(num_b, width)
 
     def _choose_budget(self, tree: DraftTree, drafted: bool) -> DraftTree:
         """Cut the auto-budget trees to the size that pays best this step (eagle2.budget)."""
@@ -273,7 +282,7 @@ class Engine:
             self.stats.skipped_drafts += 1
             return tree
         costs = self._draft_costs()
-        draft_s = (tree.head_depth() + 1) * costs.draft_level(len(self.seqs))
+        draft_s = (tree.head_depth() + 1) * costs.draft_level(len(self.seqs), self._width)
         fixed = tree.num_nodes[~auto]
         values = tree.values[auto]
         scale = torch.tensor([self._acceptance_scale(s) for s in self.seqs if s.auto])
@@ -290,6 +299,7 @@ class Engine:
         for s, value in zip(self.seqs, promised, strict=True):
             s.kept_value = value
         self._depths_used = [*self._depths_used[-7:], pruned.select(auto).head_depth()]
+        self._sizes_used = [*self._sizes_used[-7:], choice.num_nodes]
         return pruned
 
     ACCEPTANCE_DECAY = 0.9  # per step: the scale follows about the last 10 steps
@@ -316,10 +326,18 @@ class Engine:
     def _expansions(self, config: TreeConfig) -> TreeConfig:
         """An auto tree expands one level past the deepest node kept in the last 8 steps: the
         levels below it cost draft time and were not chosen (e.g. where verifying a third
-        token costs far more than a second, trees stay shallow and so does the drafting)."""
+        token costs far more than a second, trees stay shallow and so does the drafting).
+
+        Likewise its levels are at most as wide as the largest tree kept in those steps
+        (root included, so one node more than that tree's drafts; at least 2): a tree of m
+        draft nodes keeps each level's best nodes, which a frontier of top_k >= m finds
+        (a node outside its level's top m has m better ones before it), and the level's cost
+        grows with its width (B x top_k rows through the head and its vocabulary: at batch
+        8 a level of 2 nodes a request cost 8 ms here, of 8 nodes 21 ms)."""
         if config.budget != "auto" or not self._depths_used:
             return config
-        return replace(config, depth=min(config.depth, max(1, *self._depths_used)))
+        return replace(config, depth=min(config.depth, max(1, *self._depths_used)),
+                       top_k=min(config.top_k, max(DRAFT_NARROW_TOP_K, *self._sizes_used)))
 
     def _draft(self, draft_auto: bool = True) -> DraftTree:
         """One tree per sequence; auto-budget ones get the one-node tree if not draft_auto,
@@ -338,9 +356,12 @@ class Engine:
                 parts.append((idx, root_only(toks[rows, counts - 1])))
             else:
                 ids = [self.seqs[i].req.seq_id for i in idx]
-                gain = self._min_gain(len(self.seqs)) if config.budget == "auto" else 0.0
-                parts.append((idx, self.drafter.draft(ids, feats, toks, counts,
-                                                      self._expansions(config), gain)))
+                config = self._expansions(config)
+                gain = 0.0
+                if config.budget == "auto":
+                    self._width = config.top_k
+                    gain = self._min_gain(len(self.seqs), config.top_k)
+                parts.append((idx, self.drafter.draft(ids, feats, toks, counts, config, gain)))
         if len(parts) == 1:
             return parts[0][1]
         order = [i for idx, _ in parts for i in idx]
@@ -455,10 +476,10 @@ class Engine:
             self.seqs.append(s)
             events.append(self._emit(s, [tok]))
         self._drop_finished(events)
-        # what earlier steps learnt goes with the batch they ran: the rate and depths always;
-        # the gates too when the engine was idle, so a seeded request that runs alone samples
-        # the same whatever ran before it (its trees, so its sample, depend on them)
-        self._rate, self._depths_used = 0.0, []
+        # what earlier steps learnt goes with the batch they ran: the rate, depths and sizes
+        # always; the gates too when the engine was idle, so a seeded request that runs alone
+        # samples the same whatever ran before it (its trees, so its sample, depend on them)
+        self._rate, self._depths_used, self._sizes_used = 0.0, [], []
         if idle:
             self.gates.clear()
             self._last_gate = None

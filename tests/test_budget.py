@@ -522,3 +522,79 @@ def test_a_seeded_request_samples_the_same_whatever_ran_before_it():
             run(engine, [p], params, AUTO, seeds=[99])
         outs.append(run(engine, [prompts[0]], params, AUTO, seeds=[7]))
     assert outs[0] == outs[1] == outs[2]
+
+
+# ----- draft width --------------------------------------------------------------------------
+def test_draft_level_cost_follows_the_width_and_round_trips():
+    costs = CostModel((1,), (1,), ((0.01,),), draft_batches=(1, 2), draft_level_s=(0.004, 0.006),
+                      draft_narrow_s=(0.002, 0.003))
+    assert costs.draft_level(1) == pytest.approx(0.004)  # default: the wide level
+    assert costs.draft_level(1, 8) == pytest.approx(0.004)
+    assert costs.draft_level(1, 2) == pytest.approx(0.002)
+    assert costs.draft_level(1, 4) == pytest.approx(0.002 + 0.002 * 2 / 6)  # the docstring's
+    assert costs.draft_level(2, 5) == pytest.approx(0.003 + 0.003 * 3 / 6)
+    assert CostModel.from_json(costs.to_json()) == costs
+    wide_only = replace(costs, draft_narrow_s=())  # a cache written before: every width is wide
+    assert wide_only.draft_level(1, 2) == pytest.approx(0.004)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_tree_of_m_drafts_is_the_same_from_levels_m_wide(seed):
+    """What `Engine._expansions` relies on when it narrows the levels to the largest tree kept
+    recently: the best m draft nodes of a width-8 draft are those of a width-m draft (random
+    heads, several depths; lookup off, so only the head proposes)."""
+    target = tiny_target(seed=10 + seed)
+    drafter = make_engine(target, seed).drafter
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(2, 5, target.config.hidden_size, generator=g)
+    toks = torch.randint(0, 64, (2, 5), generator=g)
+    counts = torch.tensor([5, 3])
+    for m in (1, 2, 3, 5):
+        for depth in (1, 3):
+            trees = []
+            for k in (8, max(m, 2)):
+                config = TreeConfig("eagle2", total_tokens=m + 1, depth=depth, top_k=k,
+                                    budget="fixed", lookup=0)
+                trees.append(drafter.draft(["a", "b"], feats, toks, counts, config))
+                drafter.rewind("a", 0)
+                drafter.rewind("b", 0)
+            wide, narrow = trees
+            assert torch.equal(wide.tokens, narrow.tokens), (m, depth)
+            assert torch.equal(wide.parents, narrow.parents), (m, depth)
+
+
+def test_auto_trees_are_drafted_no_wider_than_the_largest_tree_kept():
+    """With verification so dear that small trees are kept, the head is asked for narrow
+    levels (at least 2 nodes, at most the largest tree of the last steps), the output still
+    equals plain decoding, and the draft cost is read at that width."""
+    target = tiny_target(seed=6)
+    prompts = random_prompts(2, 64, seed=9)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    engine = make_engine(target, 0)
+    nodes, batches = (1, 2, 3, 4, 8, 16), (1, 2, 4, 8)
+    engine._costs = CostModel(batches, nodes, tuple(tuple(0.01 * (1 + 0.4 * (n - 1)) * b
+                                                          for n in nodes) for b in batches),
+                              draft_batches=batches, draft_level_s=(1e-5,) * 4,
+                              draft_narrow_s=(1e-6,) * 4)
+    widths, reads = [], []
+    draft, level = engine.drafter.draft, CostModel.draft_level
+
+    def spy_draft(ids, feats, toks, counts, config, min_gain=0.0):
+        widths.append((config.top_k, max(engine._sizes_used, default=None)))
+        return draft(ids, feats, toks, counts, config, min_gain)
+
+    def spy_level(self, num_b, width=0):
+        reads.append(width)
+        return level(self, num_b, width)
+
+    engine.drafter.draft = spy_draft
+    CostModel.draft_level = spy_level
+    try:
+        assert run(engine, prompts, GREEDY, AUTO) == vanilla
+    finally:
+        CostModel.draft_level = level
+    assert widths[0] == (AUTO.top_k, None)  # nothing kept yet: the configured width
+    later = [(k, kept) for k, kept in widths if kept is not None]
+    assert later and all(k == min(AUTO.top_k, max(2, kept)) for k, kept in later)
+    assert any(k < AUTO.top_k for k, _ in later)
+    assert set(reads) - {0} <= {k for k, _ in widths}
