@@ -14,11 +14,13 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from eagle2.budget import CostModel
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.drafter import Drafter
 from eagle2.eagle3 import Eagle3Head
-from eagle2.engine import Engine, Event, Request
+from eagle2.engine import Engine, EngineStats, Event, Request
 from eagle2.head import DraftHead, load_head, new_head
 from eagle2.runner import LocalRunner
 from eagle2.target import EMBEDDED_NAME, TargetModel, cost_cache_path
@@ -72,11 +74,35 @@ class Eagle2:
     def load(cls, target: str | None = None, draft: str | None = None,
              tree: TreeConfig = TreeConfig(), dtype: str | None = None, device: str | None = None,
              max_batch: int = 8, max_context: int | None = None,
-             costs: CostModel | Path | None = None) -> Eagle2:
+             costs: CostModel | Path | None = None, threads: int | str | None = "auto"
+             ) -> Eagle2:
         """target: None = embedded SmolLM2. draft: a head directory, "untrained", or None for
-        the head shipped for this target (an untrained one if there is none)."""
+        the head shipped for this target (an untrained one if there is none).
+        threads (CPU only): a count to set; "auto" (the default): EAGLE2_THREADS or
+        OMP_NUM_THREADS if set, else the count that decodes fastest on this machine
+        (`eagle2.threads`: cached, or measured once at this load, ~1 s a count); None:
+        leave torch's setting alone."""
+        from eagle2 import threads as thr
+
         tgt = TargetModel.load(target, dtype=dtype, device=device)
-        return cls(tgt, resolve_head(tgt, draft), tree, max_batch, max_context, costs)
+        measure = False
+        if threads == "auto" and tgt.device.type == "cpu":
+            chosen = thr.requested() or thr.cached(tgt)
+            measure = chosen is None
+            threads = chosen
+        elif threads == "auto":
+            threads = None
+        if isinstance(threads, int):
+            if threads < 1:
+                raise ValueError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+        llm = cls(tgt, resolve_head(tgt, draft), tree, max_batch, max_context, costs)
+        if measure:
+            torch.set_num_threads(thr.measure_and_save(llm))
+            llm.engine.stats = EngineStats()  # the probe's steps are not the caller's
+            if costs is None:  # the costs of the chosen count (their cache is per count)
+                llm.engine._costs = llm.engine._cost_path = cost_cache_path(tgt)
+        return llm
 
     # ----- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:

@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="send the text without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--threads", default="auto",
+                   help="CPU threads: a number, or auto (EAGLE2_THREADS / OMP_NUM_THREADS if "
+                        "set, else the count that decodes fastest here, measured once per "
+                        "machine and cached)")
     add_model_arguments(p)
     add_tree_arguments(p)
 
@@ -88,8 +92,9 @@ def run(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
     tree = tree_from_args(args)
+    threads = args.threads if args.threads == "auto" else int(args.threads)
     llm = Eagle2.load(args.target, args.draft, tree=tree, dtype=args.dtype, device=args.device,
-                      max_batch=1)
+                      max_batch=1, threads=threads)
     out = llm.generate([args.prompt], params, chat=not args.raw)[0]
     if args.json:
         print(json.dumps({

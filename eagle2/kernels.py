@@ -276,13 +276,15 @@ def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = R
     return plan, timings
 
 
-def machine_key(extra: str = "") -> str:
-    """Which CPU, how many threads, which torch: what the fastest kernel depends on."""
+def machine_key(extra: str = "", threads: int | None = None) -> str:
+    """Which CPU, how many threads (None: torch's current count), which torch: what the
+    fastest kernel depends on."""
     model, flags = cpu_info()
     cpu = model or platform.processor() or platform.machine()
     if model is not None or flags:
         cpu += "|" + ",".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))
-    text = f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{extra}"
+    threads = torch.get_num_threads() if threads is None else threads
+    text = f"{cpu}|{os.cpu_count()}|{threads}|{torch.__version__}|{extra}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -339,7 +339,8 @@ def run(args) -> int:
         report["inproc_costs"] = "service" if costs else "own"
         llm = Eagle2.load(args.target, args.draft, tree=tree, max_batch=args.max_batch_size,
                           max_context=args.max_context,
-                          costs=CostModel.from_json(costs) if costs else None)
+                          costs=CostModel.from_json(costs) if costs else None,
+                          threads=args.inprocess_threads)
         _log(f"in-process model loaded in {time.perf_counter() - t0:.0f} s "
              f"(torch threads {torch.get_num_threads()})")
         _inprocess_one(llm, prompts[0], 8, args.mode)

@@ -92,7 +92,8 @@ def smol():
     """The embedded SmolLM2-135M-Instruct with its default head (shipped, else untrained)."""
     from eagle2.api import Eagle2
 
-    return Eagle2.load(max_batch=4, max_context=1024, dtype="float32", device="cpu")
+    return Eagle2.load(max_batch=4, max_context=1024, dtype="float32", device="cpu",
+                       threads=None)
 
 
 def kill_mid_stream(client, pid: int, prompt: str):

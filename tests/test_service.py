@@ -51,7 +51,8 @@ def client(service):
 def local():
     from eagle2.api import Eagle2
 
-    return Eagle2.load(max_batch=1, max_context=512, device="cpu")  # the service's dtype: auto
+    # the service's dtype (auto); the test process keeps its thread count
+    return Eagle2.load(max_batch=1, max_context=512, device="cpu", threads=None)
 
 
 def stream_ids(client, prompt, **kw) -> tuple[list[int], str, object]:

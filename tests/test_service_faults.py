@@ -62,7 +62,8 @@ def client(service):
 def plain():
     from eagle2.api import Eagle2
 
-    model = Eagle2.load(max_batch=4, max_context=512, device="cpu")  # the service's dtype: auto
+    model = Eagle2.load(max_batch=4, max_context=512, device="cpu",  # the service's dtype: auto
+                        threads=None)
     outs = model.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), mode="vanilla")
     return {p: r.token_ids for p, r in zip(PROMPTS, outs, strict=True)}
 

@@ -85,7 +85,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = Eagle2.load(args.target, args.draft, dtype=args.dtype, device=args.device,
-                      max_batch=args.batch)
+                      max_batch=args.batch, threads=args.threads)
     if llm.head is None:
         raise ValueError("calibration needs a draft head")
     llm.engine.drafter = Drafter(llm.head, llm.target.embed, llm.target.lm_head,

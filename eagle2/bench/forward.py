@@ -135,7 +135,8 @@ def run(args) -> int:
     long_prefix = args.long_prefix if args.long_prefix > args.prefix else 0
     llm = Eagle2.load(args.target, "untrained", dtype=args.dtype, device=args.device,
                       max_batch=max(batches),
-                      max_context=max(args.prefix, long_prefix) + max(nodes) + 8)
+                      max_context=max(args.prefix, long_prefix) + max(nodes) + 8,
+                      threads=args.threads)
     runner, target = llm.engine.runner, llm.target
     if args.refresh_kernels:
         target.fused = None

@@ -67,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default runs/bench-<timestamp>)")
     p.add_argument("--warmup", action="store_true", help="one short untimed run per mode first")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's); 1 suffers least on a shared machine")
+                   help="torch CPU threads (default: the count that decodes fastest here, "
+                        "measured once and cached: eagle2.threads); 1 suffers least on a shared "
+                        "machine")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="run N busy-loop processes beside the benchmark (killed at the end), to "
                         "measure speculation on a machine that is not quiet")
@@ -235,7 +237,7 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
               f"noisy (with --threads 1 torch suffers less from oversubscription)",
               file=sys.stderr)
     llm = Eagle2.load(args.target, args.draft, dtype=args.dtype, device=args.device,
-                      max_batch=args.batch)
+                      max_batch=args.batch, threads=args.threads or "auto")
     trees, tuned = _trees(llm, args, modes, source)
     greedy = args.temperature == 0
     # the cost-aware budget measures this machine's forward and draft costs at its first step

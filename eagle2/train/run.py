@@ -187,7 +187,7 @@ def _data_stage(args, cfg, root: Path):
     from eagle2.api import Eagle2
     from eagle2.train.data import chunk_path, generate_conversations
     llm = Eagle2.load(args.target, draft="untrained", dtype=args.gen_dtype, device=args.device,
-                      max_batch=cfg.max_batch, max_context=args.max_len)
+                      max_batch=cfg.max_batch, max_context=args.max_len, threads=None)
     if args.prompt_source == "self":
         from eagle2.train.self_prompts import bench_texts, chunk_prompts
 
