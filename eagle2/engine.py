@@ -26,6 +26,7 @@ from eagle2.attention import causal_mask
 from eagle2.budget import (
     DRAFT_NARROW_TOP_K,
     DRAFT_PROBE_TOP_K,
+    SPECULATION_MARGIN,
     CostModel,
     SpeculationGate,
     choose_num_nodes,
@@ -95,6 +96,10 @@ class _Seq:
     generator: torch.Generator
     pending_feats: torch.Tensor  # [A, H] features of the positions committed last
     pending_tokens: torch.Tensor  # [A] the token after each of them (last = next root)
+    # earlier pending pairs the drafter has not seen (plain steps of an auto request), joined
+    # in front of the pending ones only when it drafts: a plain step then costs what it costs
+    # in vanilla mode (copying the growing backlog every step cost 2 ms a step at batch 4)
+    backlog: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     num_steps: int = 1  # target forwards that produced output (prefill counted)
     accepted_at_depth: Counter = field(default_factory=Counter)
@@ -109,6 +114,15 @@ class _Seq:
     @property
     def auto(self) -> bool:
         return self.req.tree.mode != "vanilla" and self.req.tree.budget == "auto"
+
+    def take_backlog(self) -> _Seq:
+        """Join the backlog in front of the pending pairs (the drafter is about to see them)."""
+        if self.backlog:
+            feats, tokens = zip(*self.backlog, strict=True)
+            self.pending_feats = torch.cat([*feats, self.pending_feats])
+            self.pending_tokens = torch.cat([*tokens, self.pending_tokens])
+            self.backlog.clear()
+        return self
 
 
 class Engine:
@@ -267,6 +281,21 @@ class Engine:
                 costs.save(self._cost_path)
         return costs
 
+    def _could_pay(self, drafting: int) -> bool:
+        """Whether a step in which `drafting` of the batch's requests draft could beat plain
+        decoding at all: if each of their n - 1 draft nodes were certain to be accepted,
+        (B + drafting x (n - 1)) / (two narrow draft levels + c(B, n)) must beat B / c(B, 1)
+        by SPECULATION_MARGIN for some n. Trees are padded to the largest, so a lone newcomer
+        in a batch of 4 on a CPU without AMX never can (c(4, 2) = 1.42 c(4, 1) here): its
+        probe would only cost (its prompt through the head, then a wider forward)."""
+        costs = self._draft_costs()
+        num_b, context = len(self.seqs), self._context()
+        plain = num_b / costs(num_b, 1, context) * (1 + SPECULATION_MARGIN)
+        draft = 2 * costs.draft_level(drafting, DRAFT_NARROW_TOP_K)
+        most = max(s.req.tree.num_nodes for s in self.seqs if s.auto)
+        return any((num_b + drafting * (n - 1)) / (draft + costs(num_b, n, context)) > plain
+                   for n in range(2, most + 1))
+
     def _min_gain(self, num_b: int, width: int) -> float:
         """Expected accepted tokens one more tree level (of `width` nodes a request) must
         promise to be worth drafting."""
@@ -344,24 +373,28 @@ class Engine:
         unless they just joined (a probe of the newcomers only: their text may suit the head
         where the others' did not, and drafting for the whole batch is what a probe costs)."""
         groups: dict[TreeConfig | None, list[int]] = {}
+        probes = sum(s.probe and s.auto for s in self.seqs)
+        if not draft_auto and probes and not self._could_pay(probes):
+            probes = 0  # not even certain drafts for the newcomers could pay at this batch
         for i, s in enumerate(self.seqs):
-            s.drafted = s.req.tree.mode != "vanilla" and (draft_auto or not s.auto or s.probe)
+            s.drafted = s.req.tree.mode != "vanilla" and (
+                draft_auto or not s.auto or (s.probe and probes > 0))
             s.probe = False
             groups.setdefault(s.req.tree if s.drafted else None, []).append(i)
         parts: list[tuple[list[int], DraftTree]] = []
         for config, idx in groups.items():
-            feats, toks, counts = _pad([self.seqs[i] for i in idx])
             if config is None:
-                rows = torch.arange(len(idx))
-                parts.append((idx, root_only(toks[rows, counts - 1])))
-            else:
-                ids = [self.seqs[i].req.seq_id for i in idx]
-                config = self._expansions(config)
-                gain = 0.0
-                if config.budget == "auto":
-                    self._width = config.top_k
-                    gain = self._min_gain(len(self.seqs), config.top_k)
-                parts.append((idx, self.drafter.draft(ids, feats, toks, counts, config, gain)))
+                roots = [int(self.seqs[i].pending_tokens[-1]) for i in idx]
+                parts.append((idx, root_only(torch.tensor(roots))))
+                continue
+            feats, toks, counts = _pad([self.seqs[i].take_backlog() for i in idx])
+            ids = [self.seqs[i].req.seq_id for i in idx]
+            config = self._expansions(config)
+            gain = 0.0
+            if config.budget == "auto":
+                self._width = config.top_k
+                gain = self._min_gain(len(self.seqs), config.top_k)
+            parts.append((idx, self.drafter.draft(ids, feats, toks, counts, config, gain)))
         if len(parts) == 1:
             return parts[0][1]
         order = [i for idx, _ in parts for i in idx]
@@ -395,8 +428,7 @@ class Engine:
             new_feats = features[b, :n].to(dev)
             new_tokens = torch.tensor(verified.tokens[b], device=dev)
             if s.auto and not s.drafted:  # the drafter has not seen the pending pairs yet
-                new_feats = torch.cat([s.pending_feats, new_feats])
-                new_tokens = torch.cat([s.pending_tokens.to(dev), new_tokens])
+                s.backlog.append((s.pending_feats, s.pending_tokens.to(dev)))
             s.pending_feats, s.pending_tokens = new_feats, new_tokens
             if s.auto and s.drafted:
                 self.stats.accepted += n - 1

@@ -130,9 +130,12 @@ def test_gate_backs_off_and_resets():
     assert gate.should_draft() and gate.backoff == 0
 
 
-def test_a_join_probes_the_newcomer_only():
+@pytest.mark.parametrize("certain_drafts_could_pay", [True, False])
+def test_a_join_probes_the_newcomer_only(certain_drafts_could_pay):
     """With the gate backed off (no tree pays: 50 ms a token), a request that joins the batch
-    is drafted for at its first step, the others are not; output stays plain decoding's."""
+    is drafted for at its first step, the others are not, where certain drafts of its alone
+    could pay at that batch (a 50 ms step and 2 ms a token); where even they could not
+    (50 ms a token), it is not drafted for either. Output stays plain decoding's."""
     from eagle2.engine import Request
 
     target = tiny_target(seed=6)
@@ -159,11 +162,16 @@ def test_a_join_probes_the_newcomer_only():
             engine.gates[3] = SpeculationGate(backoff=64, skip_left=64)
             engine.add(Request("s2", tuple(prompts[2]), params, AUTO))
             before = len(drafted)
+            if certain_drafts_could_pay:
+                engine._costs = flat_costs(0.002, base=0.05)
+                assert engine._could_pay(1)
+            else:
+                assert not engine._could_pay(1)
         for ev in engine.step():
             out[ev.seq_id].extend(ev.token_ids)
         steps += 1
         if steps == 14:  # 13: s2's prefill; 14: its first step, a probe of s2 alone
-            assert drafted[before:] == [["s2"]]
+            assert drafted[before:] == ([["s2"]] if certain_drafts_could_pay else [])
     assert [out[f"s{i}"] for i in range(3)] == vanilla
 
 
