@@ -73,9 +73,12 @@ class KVCache:
         self.lengths[slots] += num_kept
 
     def copy_slot(self, src: int, dst: int) -> None:
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
-        self.lengths[dst] = self.lengths[src]
+        """Slot src's committed entries (only those: a whole slot of the embedded model is
+        50 MB, and copying it took 17-30 ms each time a request finished) into slot dst."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
 
 
 @dataclass

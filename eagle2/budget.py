@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -332,6 +333,14 @@ class BudgetChoice:
     expected_tokens: float  # sum over requests of 1 + expected accepted drafts at N
     rate: float  # predicted tokens per second of this step at N
     plain_rate: float  # predicted tokens per second of a plain step
+    plain_s: float = 0.0  # predicted seconds of a plain step
+
+    @property
+    def price(self) -> float:
+        """Seconds this step is predicted to lose against plain decoding of the same tokens
+        (0 if it gains): E / rate - E / plain_rate. A step pruned to the root loses its draft
+        time."""
+        return max(self.expected_tokens * (1 / self.rate - 1 / self.plain_rate), 0.0)
 
     @property
     def pays(self) -> bool:
@@ -339,6 +348,20 @@ class BudgetChoice:
         than SPECULATION_MARGIN (the predictions' error: near break-even, drafting on a
         coin flip's verdict loses its probes' cost)."""
         return self.num_nodes > 1 and self.rate > self.plain_rate * (1 + SPECULATION_MARGIN)
+
+
+# the share of plain decoding time that failed probes may cost (`probe_backoff`)
+PROBE_BUDGET = 0.02
+
+
+def probe_backoff(choice: BudgetChoice, budget: float = PROBE_BUDGET) -> int:
+    """Plain steps to decode after a speculative step that did not pay, so that its predicted
+    price is at most `budget` of their time (at least 0). E.g. batch 8, a probe losing 19.6 ms
+    against plain steps of 61.6 ms: 16 steps (where 2, 4, 8 ... had probed 6 times in 96
+    steps, the loss of each probe ~4x the gain of its accepted tokens)."""
+    if choice.price <= 0 or choice.plain_s <= 0:
+        return 0
+    return math.ceil(choice.price / (budget * choice.plain_s) - 1e-9)
 
 
 def choose_num_nodes(values: torch.Tensor, costs: CostModel, draft_s: float,
@@ -359,8 +382,8 @@ def choose_num_nodes(values: torch.Tensor, costs: CostModel, draft_s: float,
     sizes = range(max(min_nodes, 1), num_n + 1)
     rates = [(float(expected[n - 1]) / (draft_s + costs(num_b, n, context)), n) for n in sizes]
     rate, n = max(rates)
-    plain = num_b / costs(num_b, max(min_nodes, 1), context)
-    return BudgetChoice(n, float(expected[n - 1]), rate, plain)
+    plain_s = costs(num_b, max(min_nodes, 1), context)
+    return BudgetChoice(n, float(expected[n - 1]), rate, num_b / plain_s, plain_s)
 
 
 @dataclass
@@ -379,10 +402,12 @@ class SpeculationGate:
             return False
         return True
 
-    def record(self, pays: bool) -> None:
+    def record(self, pays: bool, min_backoff: int = 0) -> None:
+        """min_backoff: skip at least this many steps after a step that did not pay (what
+        keeps a probe's price a small share of the plain steps after it: `probe_backoff`)."""
         self.history = [*self.history[-63:], pays]
         if pays:
             self.backoff = 0
         else:
-            self.backoff = min(max(2 * self.backoff, 2), self.max_backoff)
+            self.backoff = min(max(2 * self.backoff, 2, min_backoff), self.max_backoff)
             self.skip_left = self.backoff

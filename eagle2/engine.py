@@ -32,6 +32,7 @@ from eagle2.budget import (
     choose_num_nodes,
     draft_key,
     measure_draft_levels,
+    probe_backoff,
 )
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.runner import TargetRunner
@@ -318,7 +319,7 @@ class Engine:
         values = torch.cat([values[:, :1], (values[:, 1:] * scale[:, None]).clamp(max=1)], 1)
         choice = choose_num_nodes(values, costs, draft_s, int(fixed.max()) if len(fixed) else 1,
                                   context=self._context())
-        self.gate.record(choice.pays)
+        self.gate.record(choice.pays, probe_backoff(choice))
         self._rate = choice.rate
         self.stats.nodes_chosen[choice.num_nodes] += 1
         self.stats.predicted_accepted += choice.expected_tokens - int(auto.sum())

@@ -72,6 +72,29 @@ def test_cache_after_commit_equals_recomputation():
     torch.testing.assert_close(cache.v[:, 0, :, :n], ref.v[:, 0, :, :n], rtol=1e-5, atol=1e-5)
 
 
+def test_a_copied_slot_decodes_as_the_original():
+    """copy_slot moves only the committed entries (the rest of a slot is scratch); the next
+    token's features from the copy equal those from the original slot, and a longer stale
+    request that held the slot before leaves nothing the copy can see."""
+    target = tiny_target(seed=5)
+    cache = target.allocate_cache(3, 64)
+    for slot, prompt in ((0, list(range(1, 30))), (2, [3, 1, 4, 1, 5, 9, 2, 6])):
+        n = len(prompt)
+        target.forward(torch.tensor([prompt]), torch.arange(n)[None],
+                       causal_mask(torch.tensor([n]), n), cache, torch.tensor([slot]))
+        cache.lengths[slot] = n
+    cache.copy_slot(2, 0)
+    assert int(cache.lengths[0]) == 8
+    torch.testing.assert_close(cache.k[:, 0, :, :8], cache.k[:, 2, :, :8], rtol=0, atol=0)
+
+    def next_features(slot: int) -> torch.Tensor:
+        pos = cache.lengths[[slot], None].clone()
+        return target.forward(torch.tensor([[7]]), pos, torch.ones(1, 1, 1, dtype=torch.bool),
+                              cache, torch.tensor([slot])).features
+
+    torch.testing.assert_close(next_features(0), next_features(2), rtol=0, atol=0)
+
+
 # --- exact bf16 attention (docs/DESIGN.md "Exact bf16 attention") ---------------------------
 
 def _bf16_target(seed: int):

@@ -130,6 +130,34 @@ def test_gate_backs_off_and_resets():
     assert gate.should_draft() and gate.backoff == 0
 
 
+def test_a_failed_probe_backs_off_until_its_price_is_a_small_share():
+    """The docstring's example: a batch-8 step predicted to lose 19.6 ms against plain steps of
+    61.6 ms backs off 16 steps (2% of them pays for it), not 2; a step that gains (or loses
+    nothing) keeps the doubling; the gate takes the larger of the two."""
+    from eagle2.budget import PROBE_BUDGET, BudgetChoice, probe_backoff
+
+    plain_s = 0.0616
+    plain = 8 / plain_s
+    expected = 11.28
+    rate = 1 / (1 / plain + 0.0196 / expected)  # E / rate - E / plain = 19.6 ms
+    lossy = BudgetChoice(2, expected, rate, plain, plain_s)
+    assert lossy.price == pytest.approx(0.0196) and not lossy.pays
+    assert probe_backoff(lossy) == math.ceil(0.0196 / (PROBE_BUDGET * plain_s)) == 16
+    assert probe_backoff(BudgetChoice(2, expected, plain * 1.02, plain, plain_s)) == 0
+    # pruned to the root: the price is the draft time, 5 ms against 61.6 -> 5 steps
+    root = BudgetChoice(1, 8.0, 8 / (plain_s + 0.005), plain, plain_s)
+    assert root.price == pytest.approx(0.005) and probe_backoff(root) == 5
+    gate = SpeculationGate()
+    gate.record(False, probe_backoff(lossy))
+    assert gate.backoff == 16
+    gate.record(False, 3)
+    assert gate.backoff == 32  # doubling beats the minimum
+    choice = choose_num_nodes(torch.tensor([[1.0, 0.01, 0.0]]), CostModel((1,), (1, 2, 3), (
+        (0.05, 0.07, 0.09),)), draft_s=0.004)
+    assert choice.plain_s == pytest.approx(0.05) and choice.num_nodes == 1
+    assert probe_backoff(choice) == math.ceil(0.004 / (PROBE_BUDGET * 0.05))
+
+
 @pytest.mark.parametrize("certain_drafts_could_pay", [True, False])
 def test_a_join_probes_the_newcomer_only(certain_drafts_could_pay):
     """With the gate backed off (no tree pays: 50 ms a token), a request that joins the batch
