@@ -100,7 +100,9 @@ def test_draft_worker_loss_falls_back_to_plain_decoding_and_reconnects():
     prompts = random_prompts(3, 64, seed=2)
     params = SamplingParams(max_tokens=40)
     expected = run(plain_engine, prompts, params, TreeConfig("vanilla"))
-    tree = TreeConfig("eagle2", total_tokens=8, depth=3, top_k=3)
+    # a fixed tree: drafted every step (an auto budget may back off past the kill with a
+    # random head, and then never call the dead worker)
+    tree = TreeConfig("eagle2", total_tokens=8, depth=3, top_k=3, budget="fixed")
 
     out: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
