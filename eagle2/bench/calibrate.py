@@ -82,8 +82,6 @@ def run(args) -> int:
     from eagle2.calibration import FILE_NAME
     from eagle2.drafter import Drafter
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     llm = Eagle2.load(args.target, args.draft, dtype=args.dtype, device=args.device,
                       max_batch=args.batch, threads=args.threads)
     if llm.head is None:

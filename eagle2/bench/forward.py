@@ -127,8 +127,6 @@ def run(args) -> int:
     nodes = [int(x) for x in args.nodes.split(",")]
     if min(batches) < 1 or min(nodes) < 1 or args.repeats < 1:
         raise ValueError("--batches, --nodes and --repeats must be positive")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     out_dir = Path(args.out or f"runs/forward-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     t_load = time.perf_counter()
