@@ -288,10 +288,11 @@ def draft_key(drafter) -> str:
     rows = "" if vocab is None else f"|{tuple(vocab.shape)}"
     native = ""
     if getattr(drafter, "native", None) is not None:
-        from eagle2.kernels import native_linear_ops
+        from eagle2.kernels import FMA, native_linear_ops, small_rows_plan
         from eagle2.native import build_key
 
         native = f"|native-{build_key()}" + ("-linear" if native_linear_ops() else "")
+        native += "-fma" if FMA in small_rows_plan().block_bytes.values() else ""
     return f"{getattr(head, 'kind', 'eagle2')}|{shapes}{rows}|{head.fc.weight.dtype}{native}"
 
 

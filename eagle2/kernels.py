@@ -36,6 +36,12 @@ PACKED = -1  # not a block size: the whole weight pre-packed for oneDNN (bf16 on
 # (`eagle2_cpu.linear`, csrc/cpu_ops.cpp), bitwise equal to PACKED where
 # `native_linear_exact` holds, and faster for the few rows of a decode step
 NATIVE = -2
+# nor this: the same packed weight through the native kernel's fp32-FMA variant
+# (`eagle2_cpu.linear_fma`): each row's result is the same for any row count, but it is not
+# bitwise PACKED / NATIVE, so a plan uses it for every row count or for none (`one_family`).
+# Where vdpbf16ps is slow (an Intel Xeon without AMX: 1.2 G a second against 5.3 G 16-lane
+# fp32 FMAs) it keeps 3-16 rows near the cost of one.
+FMA = -3
 # Packed bf16 kernels give each output row bitwise the same for any row count only up to
 # about this many input features (measured: 512-1152 yes, 1536 no, 1 and 2 threads); wider
 # weights are multiplied in column chunks of at most this width and the chunks added in fp32.
@@ -110,6 +116,8 @@ class BlockedWeight:
             return self.packed(x)
         if block_bytes == NATIVE:
             return self.native(x)
+        if block_bytes == FMA:
+            return self.fma(x)
         if block_bytes == 0 or block_bytes >= self.weight.numel() * self.weight.element_size():
             return F.linear(x, self.weight)
         return torch.cat([F.linear(x, w) for w in self.blocks(block_bytes)], dim=-1)
@@ -139,6 +147,16 @@ class BlockedWeight:
         ops, packed = self._native
         return ops.linear(x, packed, self.weight.shape[0], self.chunk_width)
 
+    def fma(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T through the native kernel's fp32-FMA variant (the same packed weight
+        as `native`; one fp32 sum per output over all K, no column chunks)."""
+        if self._native is None:
+            ops = fma_linear_ops()
+            assert ops is not None, "the native fp32-FMA linear is not available here"
+            self._native = ops, ops.pack_linear(self.weight)
+        ops, packed = self._native
+        return ops.linear_fma(x, packed, self.weight.shape[0])
+
 
 def _chunked(x: torch.Tensor, weights: list[torch.Tensor], multiply) -> torch.Tensor:
     """x @ W.T for W in column chunks: each chunk's bf16 product, added in fp32."""
@@ -167,6 +185,44 @@ def native_linear_ops():
     return ops
 
 
+@functools.cache
+def fma_linear_ops():
+    """`torch.ops.eagle2_cpu` where its fp32-FMA linear was built and passes
+    `fma_linear_exact` here, else None (also where EAGLE2_FMA_LINEAR=0: the bf16 kernels
+    only, for comparison)."""
+    from eagle2.native import cpu_ops
+
+    if os.environ.get("EAGLE2_FMA_LINEAR", "1") == "0":
+        return None
+    ops = cpu_ops() if native_bf16_cpu() else None
+    if ops is None or not hasattr(ops, "linear_fma") or not fma_linear_exact(ops):
+        return None
+    return ops
+
+
+def fma_linear_exact(ops) -> bool:
+    """Is the FMA kernel row-invariant and right here? Random weights and inputs, row counts
+    1 to 33: every row bitwise what it gives alone, and within bf16 rounding (plus fp32
+    summation) of an fp64 reference."""
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for out_features, k in ((200, 64), (72, 576), (130, 1536)):
+            w = torch.randn(out_features, k, generator=g).bfloat16()
+            x = (torch.randn(33, k, generator=g) * 3).bfloat16()
+            packed = ops.pack_linear(w)
+            full = ops.linear_fma(x, packed, out_features)
+            reference = x.double() @ w.double().T
+            if not torch.allclose(full.double(), reference, rtol=1 / 128, atol=1e-3 * k ** 0.5):
+                return False
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33):
+                if not torch.equal(ops.linear_fma(x[:rows], packed, out_features), full[:rows]):
+                    return False
+            if not all(torch.equal(ops.linear_fma(x[i:i + 1], packed, out_features), full[i:i + 1])
+                       for i in range(33)):
+                return False
+    return True
+
+
 def native_linear_exact(ops) -> bool:
     """Does the native kernel sum in oneDNN's order here? Random weights and inputs of the
     widths a chunk can have, row counts 1 to 33: every output bitwise equal. (oneDNN picks its
@@ -191,19 +247,43 @@ def packed_plan() -> BlockPlan:
     return BlockPlan({rows: PACKED for rows in ROW_BUCKETS})
 
 
+@functools.cache
 def small_rows_plan() -> BlockPlan:
-    """For small, cache-hot bf16 weights (a draft head): the native kernel for every row
-    count where it is available (1.3-2.5x faster than oneDNN's on the head's linears, 1-32
-    rows, measured on an AMD EPYC without AMX), else oneDNN's packed one."""
+    """For small, cache-hot bf16 weights (a draft head, whose drafts need no exactness): a
+    native kernel for every row count where one is available (the bf16 one was 1.3-2.5x faster
+    than oneDNN's on the head's linears, 1-32 rows, on an AMD EPYC without AMX; the FMA variant
+    where it is faster for 8 rows of a head-sized weight, measured once per machine and
+    cached, so every process drafts alike), else oneDNN's packed one."""
     kernel = NATIVE if native_linear_ops() is not None else PACKED
+    if fma_linear_ops() is not None:
+        from eagle2.target import cache_root
+
+        w = torch.randn(1536, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
+        found = cached_plan([w], "draft-head", cache_root() / "kernels",
+                            candidates=(kernel, FMA), row_buckets=(8,))
+        kernel = found.block_bytes[8]
     return BlockPlan({rows: kernel for rows in ROW_BUCKETS})
 
 
 def exact_bf16_candidates() -> tuple[int, ...]:
-    """The bf16 kernels that give each output row bitwise the same for any row count and
-    equal each other, so a plan may mix them: oneDNN's packed kernel, and the native one
-    where it sums in the same order on this CPU."""
-    return (PACKED, NATIVE) if native_linear_ops() is not None else (PACKED,)
+    """The bf16 kernels that give each output row bitwise the same for any row count: a plan
+    mixes oneDNN's packed kernel and the native one where it sums in the same order on this
+    CPU, or takes the FMA variant for every row count (`one_family`)."""
+    found = (PACKED, NATIVE) if native_linear_ops() is not None else (PACKED,)
+    return found + ((FMA,) if fma_linear_ops() is not None else ())
+
+
+def one_family(timings: dict[int, dict[int, float]]) -> BlockPlan:
+    """{rows: {kernel: ms}} -> the plan of the faster family: the fastest of PACKED / NATIVE
+    per row count, or FMA for all of them (its results differ from theirs in the last bits, so
+    the two never mix). Decided by the sum over the row counts a decode or verify step has
+    (up to 16: the trees the budget keeps); wider batches follow."""
+    bf16 = {rows: min((k for k in t if k != FMA), key=t.get) for rows, t in timings.items()}
+    small = [rows for rows in timings if rows <= 16] or list(timings)
+    if all(FMA in timings[r] for r in small) and \
+            sum(timings[r][FMA] for r in small) < sum(timings[r][bf16[r]] for r in small):
+        return BlockPlan({rows: FMA for rows in timings})
+    return BlockPlan(bf16)
 
 
 class PackedLinear(nn.Module):
@@ -273,6 +353,8 @@ def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = R
                         best = min(best, time.perf_counter() - t0)
                 timings[rows][block] = round(best * 1e3, 3)
             plan.block_bytes[rows] = min(timings[rows], key=timings[rows].get)
+    if FMA in candidates and len(candidates) > 1:
+        plan = one_family(timings)
     return plan, timings
 
 
@@ -289,20 +371,22 @@ def machine_key(extra: str = "", threads: int | None = None) -> str:
 
 
 def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
-                refresh: bool = False, candidates: Sequence[int] = BLOCK_BYTES) -> BlockPlan:
+                refresh: bool = False, candidates: Sequence[int] = BLOCK_BYTES,
+                row_buckets: Sequence[int] = ROW_BUCKETS) -> BlockPlan:
     """The plan for these weights on this machine: from the cache, else measured and saved."""
     shapes = sorted({tuple(w.shape) for w in weights})
     kernels = tuple(candidates)
-    if NATIVE in kernels:  # a changed native kernel is measured again
+    if NATIVE in kernels or FMA in kernels:  # a changed native kernel is measured again
         from eagle2.native import build_key
 
         kernels += (build_key(),)
-    key = machine_key(f"{name}|{shapes}|{weights[0].dtype}|{kernels}")
+    key = machine_key(f"{name}|{shapes}|{weights[0].dtype}|{kernels}"
+                      + ("" if tuple(row_buckets) == ROW_BUCKETS else f"|{tuple(row_buckets)}"))
     path = cache_dir / f"{key}.json"
     if path.exists() and not refresh:
         data = json.loads(path.read_text())
         return BlockPlan({int(k): v for k, v in data["block_bytes"].items()})
-    plan, timings = measure_plan(weights, candidates=candidates)
+    plan, timings = measure_plan(weights, row_buckets=row_buckets, candidates=candidates)
     write_json_atomic(path, {"name": name, "shapes": shapes, "threads": torch.get_num_threads(),
                              "block_bytes": plan.block_bytes, "timings_ms": timings})
     return plan

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from eagle2.attention import KVCache, decoder_layer, step_inputs
 from eagle2.fused import FusedLayer, can_fuse, fused_layer
 from eagle2.kernels import (
+    FMA,
     NATIVE,
     BlockedWeight,
     BlockPlan,
@@ -61,6 +62,8 @@ def cost_cache_path(target: TargetModel) -> Path:
         native = f"|native-{build_key()}"
     if NATIVE in target.plan.block_bytes.values():
         native += "|native-linear"
+    if FMA in target.plan.block_bytes.values():
+        native += "|fma-linear"
     key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}|"
                       f"v{COSTS_VERSION}{native}")
     return cache_root() / "costs" / f"{key}.json"
@@ -199,9 +202,9 @@ class TargetModel:
     def fuse(self, measure: bool | None = None, refresh: bool = False) -> TargetModel:
         """Switch to the fused layers (`eagle2.fused`) when the model allows it. The linear
         kernel per row count is measured on this machine (cached): bf16 on a CPU that packs
-        bf16 weights chooses between the exact ones (oneDNN's packed kernel, and the native
-        kernel where it equals it bitwise; packed where not measured), other dtypes between
-        block sizes. measure None: only for models of more than MEASURE_KERNELS_ABOVE bytes
+        bf16 weights chooses between the exact ones (oneDNN's packed kernel and the native
+        kernel where it equals it bitwise, or the native FMA variant for every row count:
+        `kernels.one_family`; packed where not measured), other dtypes between block sizes. measure None: only for models of more than MEASURE_KERNELS_ABOVE bytes
         on a CPU. Idempotent; returns self."""
         if self.fused is not None or not can_fuse(self.layers):
             return self

@@ -10,13 +10,16 @@ from conftest import make_engine, random_prompts, run, tiny_target
 from eagle2.bench.load import busy_processes
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.kernels import (
+    FMA,
     NATIVE,
     PACKED,
     ROW_BUCKETS,
     BlockedWeight,
     BlockPlan,
+    fma_linear_ops,
     measure_plan,
     native_linear_ops,
+    one_family,
     packed_plan,
     packing_supported,
 )
@@ -167,3 +170,47 @@ def test_native_bf16_linear_equals_the_packed_kernel_for_any_row_count(native_li
         assert torch.equal(native(x[:5, :].t().contiguous().t()), whole[:5])  # strided input
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(576, 1536), (3072, 576), (1000, 64), (130, 1000)])
+def test_fma_linear_rows_do_not_depend_on_the_row_count(shape, threads):
+    """The FMA variant: each row bitwise what it gives alone, for every row count and tile
+    shape (1-8 rows, groups of 8 for more, 12+ rows on two threads), flat and batched and
+    strided inputs, outputs that are not a multiple of 32; and within bf16 rounding of an
+    fp64 product."""
+    if fma_linear_ops() is None:
+        pytest.skip("no native FMA linear here (needs AVX-512 and a C++ compiler)")
+    torch.manual_seed(3)
+    weight = torch.randn(shape, dtype=torch.bfloat16) / 24
+    fma = BlockedWeight(weight, BlockPlan({rows: FMA for rows in ROW_BUCKETS}))
+    x = torch.randn(300, shape[1], dtype=torch.bfloat16) * 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = fma(x)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 26, 33, 64, 100, 300):
+            assert torch.equal(fma(x[:rows]), whole[:rows]), rows
+        for i in (0, 1, 7, 150, 299):
+            assert torch.equal(fma(x[i:i + 1]), whole[i:i + 1]), i
+        assert torch.equal(fma(x[:24].view(3, 8, shape[1])), whole[:24].view(3, 8, -1))
+        assert torch.equal(fma(x[:5, :].t().contiguous().t()), whole[:5])
+    finally:
+        torch.set_num_threads(before)
+    reference = (x.double() @ weight.double().T)
+    torch.testing.assert_close(whole.double(), reference, rtol=1 / 64, atol=0.02)
+
+
+def test_one_family_never_mixes_fma_with_the_bf16_kernels():
+    """FMA results differ from PACKED / NATIVE in the last bits, so a plan takes FMA for every
+    row count (when its sum over 1-16 rows is smaller) or none; bf16 kernels mix per row."""
+    faster = {1: {PACKED: 30, NATIVE: 20, FMA: 21}, 8: {PACKED: 60, NATIVE: 45, FMA: 30},
+              64: {PACKED: 200, NATIVE: 240, FMA: 250}}
+    assert set(one_family(faster).block_bytes.values()) == {FMA}
+    slower = {1: {PACKED: 30, NATIVE: 20, FMA: 26}, 8: {PACKED: 60, NATIVE: 45, FMA: 44},
+              64: {PACKED: 200, NATIVE: 240, FMA: 150}}
+    assert one_family(slower).block_bytes == {1: NATIVE, 8: NATIVE, 64: PACKED}
+    plan, timings = measure_plan([torch.randn(64, 64).bfloat16()], row_buckets=(1, 4),
+                                 candidates=(PACKED, FMA) if fma_linear_ops() else (PACKED,),
+                                 repeats=1)
+    assert len(set(plan.block_bytes.values())) == 1

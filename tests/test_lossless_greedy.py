@@ -168,3 +168,24 @@ def test_bf16_native_linears_mixed_with_packed_ones_equal_vanilla():
     assert run(make_engine(target, None), prompts, params, TreeConfig("vanilla")) == alone
     for name, tree in TREES.items():
         assert run(make_engine(target, 1), prompts, params, tree) == alone, name
+
+
+@needs_packed_bf16
+def test_bf16_fma_linears_equal_vanilla():
+    """The other exact family (`kernels.FMA`, fp32 FMAs over the packed bf16 weight, chosen
+    where vdpbf16ps is slow): every row count through it, every mode batched equals plain
+    decoding of each prompt alone through it."""
+    from eagle2.kernels import FMA, ROW_BUCKETS, fma_linear_ops
+
+    if fma_linear_ops() is None:
+        pytest.skip("no native FMA linear here")
+    target = bf16_target(31).fuse()  # fusing sets its own plan; this one replaces it
+    target.plan.block_bytes.update({rows: FMA for rows in ROW_BUCKETS})
+    prompts = random_prompts(6, 48, seed=4, lo=3, hi=40)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = [run(make_engine(target, None, max_batch=1), [p], params, TreeConfig("vanilla"))[0]
+             for p in prompts]
+    assert set(target.plan.block_bytes.values()) == {FMA}  # fusing kept the plan
+    assert run(make_engine(target, None), prompts, params, TreeConfig("vanilla")) == alone
+    for name, tree in TREES.items():
+        assert run(make_engine(target, 2), prompts, params, tree) == alone, name

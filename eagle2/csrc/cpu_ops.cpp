@@ -418,6 +418,16 @@ constexpr int kGroups = kBlockN / 16;  // 16-lane accumulators per row and block
 constexpr int64_t kPairsPerSum = 256;  // 512 inputs
 constexpr int64_t kParallelRows = 12;
 
+// A block is read front to back, 128 bytes per input pair; with a few rows the loop computes
+// long enough per line that the hardware prefetcher falls behind and the time becomes memory
+// plus compute. Asking for the line 8 KB ahead in each stream overlaps the two (measured here:
+// 8 rows 51 -> 35 ms over the target's linears, the vdpbf16ps kernel; 1 row unchanged).
+constexpr int64_t kPrefetch = 2048;  // uint32s ahead
+inline void prefetch_block(const uint32_t* wk) {
+  _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch + 16), _MM_HINT_T0);
+}
+
 inline __m512 round_bf16(__m512 v) {  // fp32 -> the nearest bf16 (even), as fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
@@ -443,6 +453,7 @@ inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, 
           xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * x_stride + k]));
         for (int b = 0; b < B; ++b) {
           const uint32_t* wk = w + (b * K2 + k) * kBlockN;
+          prefetch_block(wk);
           for (int r = 0; r < kGroups; ++r) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + 16 * r);
             for (int m = 0; m < M; ++m)
@@ -567,6 +578,124 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 }
 
 
+// ---- the same products by fp32 FMAs: y [M, N] = x [M, K] @ w [N, K].T ----
+// Same packed weight. Where vdpbf16ps is slow (an Intel Xeon without AMX here: 1.2 G of them a
+// second against 5.3 G fp32 FMAs of 16 lanes, i.e. 2.3x fewer multiply-adds), the bf16 kernel
+// above is compute-bound from 3-4 rows on, and a tree of 8 tokens cost 1.9x one token. Here a
+// weight pair (w[n][2j], w[n][2j+1]) is widened to two fp32 lanes (a shift, a mask: bf16 is the
+// top half of an fp32) and each row adds w[n][2j] * x[2j], then w[n][2j+1] * x[2j+1], by fused
+// multiply-adds into one fp32 accumulator per output, j = 0, 1, ... K/2 - 1, from zero; one
+// rounding to bf16 at the end. That order is the same for every tile shape, row count and
+// thread, so each row's result does not depend on the rows beside it (exactness), but it is
+// not oneDNN's order (`vdpbf16ps` sums pairs, 512-input partials, flushes denormals): a
+// target uses either this kernel for every row count or the bf16 ones, never a mix
+// (`eagle2.kernels.FMA`). The inputs are widened to fp32 once per call.
+template <int M, int B>
+inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t y_stride,
+                     int64_t n0, int64_t N) {
+  __m512 acc[M][B][kGroups];
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < B; ++b)
+      for (int r = 0; r < kGroups; ++r) acc[m][b][r] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K2; ++k) {
+    for (int b = 0; b < B; ++b) {
+      const uint32_t* wk = w + (b * K2 + k) * kBlockN;
+      prefetch_block(wk);
+      for (int r = 0; r < kGroups; ++r) {
+        const __m512i raw = _mm512_loadu_si512(wk + 16 * r);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+        for (int m = 0; m < M; ++m) {
+          const float* xm = x + m * 2 * K2 + 2 * k;
+          acc[m][b][r] = _mm512_fmadd_ps(even, _mm512_set1_ps(xm[0]), acc[m][b][r]);
+          acc[m][b][r] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xm[1]), acc[m][b][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < B; ++b)
+      for (int r = 0; r < kGroups; ++r) {
+        const int64_t n = n0 + b * kBlockN + r * 16;
+        if (n >= N) continue;
+        const __m256i v = (__m256i)_mm512_cvtneps_pbh(acc[m][b][r]);
+        bf16* out = y + m * y_stride + n;
+        if (n + 16 <= N) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v);
+        } else {
+          alignas(32) bf16 tail[16];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tail), v);
+          std::copy(tail, tail + (N - n), out);
+        }
+      }
+}
+
+// rows [0, M) of x (fp32) against B consecutive blocks at w: up to 24 accumulators a tile
+template <int B>
+inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int64_t N,
+                     int64_t n0, int64_t M) {
+  const int64_t bs = K2 * kBlockN;
+  for (int64_t m = 0; m < M;) {
+    const float* xm = x + m * 2 * K2;
+    bf16* ym = y + m * N;
+    const int64_t left = M - m;
+    if (left >= 8) {
+      for (int b = 0; b < B; ++b) fma_tile<8, 1>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
+      m += 8;
+    } else if (left >= 6 && B % 2 == 0) {
+      for (int b = 0; b < B; b += 2) fma_tile<6, 2>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
+      m += 6;
+    } else if (left >= 4 && B % 2 == 0) {
+      for (int b = 0; b < B; b += 2) fma_tile<4, 2>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
+      m += 4;
+    } else if (left >= 3) {
+      fma_tile<3, B>(xm, K2, w, ym, N, n0, N);
+      m += 3;
+    } else if (left >= 2) {
+      fma_tile<2, B>(xm, K2, w, ym, N, n0, N);
+      m += 2;
+    } else {
+      fma_tile<1, B>(xm, K2, w, ym, N, n0, N);
+      m += 1;
+    }
+  }
+}
+
+// x [..., K] bf16, packed from pack_linear -> [..., out_features] bf16 by fp32 FMAs
+torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
+                         int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "linear_fma expects a bf16 CPU input");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockN && packed.scalar_type() == at::kInt &&
+                  x.size(-1) == 2 * packed.size(1) &&
+                  (out_features + kBlockN - 1) / kBlockN == packed.size(0),
+              "linear_fma: the input's features or out_features do not match the packed weight");
+  const auto xf = x.contiguous().to(torch::kFloat);  // exact: bf16 widens to fp32
+  const int64_t K2 = packed.size(1), N = out_features, blocks = packed.size(0);
+  const int64_t M = xf.numel() / (2 * K2);
+  auto sizes = xf.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  auto* yp = y.data_ptr<bf16>();
+  const int64_t units = (blocks + 3) / 4;
+  at::parallel_for(0, units, M >= kParallelRows ? 1 : units, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t blk = 4 * u;
+      if (blk + 4 <= blocks) {
+        fma_rows<4>(xp, wp + blk * K2 * kBlockN, K2, yp, N, blk * kBlockN, M);
+      } else {
+        for (int64_t b = blk; b < blocks; ++b)
+          fma_rows<1>(xp, wp + b * K2 * kBlockN, K2, yp, N, b * kBlockN, M);
+      }
+    }
+  });
+  return y;
+}
+
+
 // gate_up [..., 2I] bf16 -> [..., I] = bf16(bf16(silu(gate)) * up) (HF's act_fn(gate) * up in
 // bf16), silu(g) = g * sigmoid(g) with sigmoid from exp16(-|g|): every lane from its own value.
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
@@ -620,6 +749,7 @@ TORCH_LIBRARY(eagle2_cpu, m) {
         "Tensor tree_mask, float scale) -> Tensor");
   m.def("pack_linear(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, int chunk_features) -> Tensor");
+  m.def("linear_fma(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
@@ -630,5 +760,6 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("attention", &attention);
   m.impl("pack_linear", &pack_linear);
   m.impl("linear", &linear);
+  m.impl("linear_fma", &linear_fma);
   m.impl("silu_mul", &silu_mul);
 }
