@@ -21,6 +21,7 @@ import bisect
 import json
 import math
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,20 @@ class CostModel:
         narrow = _interp(self.draft_batches, list(self.draft_narrow_s), num_b)
         frac = (width - DRAFT_NARROW_TOP_K) / (DRAFT_PROBE_TOP_K - DRAFT_NARROW_TOP_K)
         return max(narrow + (wide - narrow) * frac, 0.5 * min(narrow, wide))
+
+    def catch_up(self, num_b: int, rows: int) -> float:
+        """Seconds a draft call spends beyond a one-position one when it first runs the head
+        over `rows` new positions per sequence (pairs the drafter has not seen: the backlog of
+        plain steps; a narrow level is num_b x 2 rows through the head): the level cost linear
+        in the width, extrapolated past the wide measurement. E.g. narrow 2 ms, wide 4 ms,
+        20 rows: 2 + 2 x 18 / 6 - 2 = 6 ms more."""
+        if not self.draft_batches or rows <= DRAFT_NARROW_TOP_K:
+            return 0.0
+        wide = _interp(self.draft_batches, list(self.draft_level_s), num_b)
+        narrow = _interp(self.draft_batches, list(self.draft_narrow_s or self.draft_level_s),
+                         num_b)
+        slope = max(wide - narrow, 0.0) / (DRAFT_PROBE_TOP_K - DRAFT_NARROW_TOP_K)
+        return slope * (rows - DRAFT_NARROW_TOP_K)
 
     def to_json(self) -> dict:
         return {"batches": list(self.batches), "nodes": list(self.nodes),
@@ -365,7 +380,7 @@ def probe_backoff(choice: BudgetChoice, budget: float = PROBE_BUDGET) -> int:
     return math.ceil(choice.price / (budget * choice.plain_s) - 1e-9)
 
 
-def choose_num_nodes(values: torch.Tensor, costs: CostModel, draft_s: float,
+def choose_num_nodes(values: torch.Tensor, costs: CostModel | Callable[..., float], draft_s: float,
                      min_nodes: int = 1, context: float | None = None) -> BudgetChoice:
     # draft_s: the draft time of this step, predicted from the cost model
     """values: [B, N] calibrated acceptance estimates of each tree's nodes (node 0 = root,
@@ -385,6 +400,38 @@ def choose_num_nodes(values: torch.Tensor, costs: CostModel, draft_s: float,
     rate, n = max(rates)
     plain_s = costs(num_b, max(min_nodes, 1), context)
     return BudgetChoice(n, float(expected[n - 1]), rate, num_b / plain_s, plain_s)
+
+
+@dataclass
+class MeasuredScales:
+    """Measured step times against the cost model's predictions, as decayed ratios: plain
+    steps, verified trees and draft calls. The cost grid is the best of a few quiet sweeps; in
+    the engine a step also pays for acceptance, the tree's masks, the head's catch-up and
+    whatever the machine does meanwhile (here: plain steps 1.2-1.3x their grid cost, trees
+    1.4x, draft calls of a batch of 8 after a back-off 2.1x), and where trees cost more than
+    the grid says against plain steps, the budget kept trees that lost. The engine uses the
+    scaled costs only where timing cannot change an output (greedy batches,
+    `Engine._timed_costs`): a seeded sampled request draws the same tokens on every run."""
+
+    plain: float = 1.0
+    tree: float = 1.0
+    draft: float = 1.0
+    decay: float = 0.9
+    limits: tuple[float, float] = (0.5, 4.0)  # one step's ratio is clipped to these
+
+    def observe(self, kind: str, actual_s: float, predicted_s: float) -> None:
+        """kind: "plain", "tree" or "draft"."""
+        if actual_s <= 0 or predicted_s <= 0:
+            return
+        ratio = min(max(actual_s / predicted_s, self.limits[0]), self.limits[1])
+        setattr(self, kind, self.decay * getattr(self, kind) + (1 - self.decay) * ratio)
+
+    def costs(self, costs: CostModel) -> Callable[..., float]:
+        """The forward cost function c(B, n, context) with plain (n = 1) and tree (n > 1)
+        forwards scaled."""
+        def scaled(num_b: int, num_n: int, context: float | None = None) -> float:
+            return costs(num_b, num_n, context) * (self.plain if num_n <= 1 else self.tree)
+        return scaled
 
 
 @dataclass

@@ -28,6 +28,7 @@ from eagle2.budget import (
     DRAFT_PROBE_TOP_K,
     SPECULATION_MARGIN,
     CostModel,
+    MeasuredScales,
     SpeculationGate,
     choose_num_nodes,
     draft_key,
@@ -157,6 +158,12 @@ class Engine:
         self._depths_used: list[int] = []  # deepest kept node of recent auto trees
         self._sizes_used: list[int] = []  # nodes kept per auto tree (root included), recent
         self._width = DRAFT_PROBE_TOP_K  # top_k of this step's auto-budget drafts
+        # measured step times / predicted, for costs the engine measured or read itself (a
+        # CostModel given to it is taken as it is)
+        self.scales = MeasuredScales()
+        self._timed = False
+        self._predicted_draft = 0.0  # this step's draft call, predicted (0: none)
+        self._caught_up = 1  # new positions per sequence the drafter ran over this step
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -201,13 +208,17 @@ class Engine:
             return []
         t0 = time.perf_counter()
         draft_auto = self.gate.should_draft() if any(s.auto for s in self.seqs) else True
+        self._predicted_draft = 0.0
         tree = self._draft(draft_auto)
-        t1 = time.perf_counter()
+        drafted_s = time.perf_counter() - t0
         if any(s.auto for s in self.seqs):
             tree = self._choose_budget(tree, any(s.drafted for s in self.seqs if s.auto))
+        t1 = time.perf_counter()
+        context = self._context()
         verified, features = self._verify(tree)
         self._count_lookup(tree, verified)
         t2 = time.perf_counter()
+        self._observe(tree, context, drafted_s, t2 - t1)
         events = self._advance(verified, features)
         t3 = time.perf_counter()
         self.stats.draft_s += t1 - t0
@@ -242,6 +253,7 @@ class Engine:
             else:
                 self._costs = CostModel.measure(self.runner, self.max_batch, prefix=short,
                                                 long_prefix=long)
+            self._timed = True
         return self._costs
 
     def _context(self) -> float:
@@ -282,6 +294,32 @@ class Engine:
                 costs.save(self._cost_path)
         return costs
 
+    def _timed_costs(self, costs: CostModel):
+        """The forward cost function the budget decides by: scaled by the measured step times
+        (`MeasuredScales`) when every request is greedy (a tree's size cannot change their
+        outputs) and the costs were measured or read by the engine, else the cost model's own
+        (seeded sampling stays reproducible)."""
+        if self._greedy_timed():
+            return self.scales.costs(costs)
+        return costs
+
+    def _greedy_timed(self) -> bool:
+        return self._timed and all(s.req.params.greedy for s in self.seqs)
+
+    def _draft_scale(self) -> float:
+        return self.scales.draft if self._greedy_timed() else 1.0
+
+    def _observe(self, tree: DraftTree, context: float, draft_s: float, verify_s: float) -> None:
+        """Compare this step's measured times with the cost model's predictions."""
+        costs = self.known_costs
+        if costs is None or not costs.batches or not self._timed:
+            return
+        num_n = int(tree.tokens.shape[1])
+        self.scales.observe("plain" if num_n == 1 else "tree", verify_s,
+                            costs(tree.batch_size, num_n, context))
+        if self._predicted_draft > 0:
+            self.scales.observe("draft", draft_s, self._predicted_draft)
+
     def _could_pay(self, drafting: int) -> bool:
         """Whether a step in which `drafting` of the batch's requests draft could beat plain
         decoding at all: if each of their n - 1 draft nodes were certain to be accepted,
@@ -290,19 +328,20 @@ class Engine:
         in a batch of 4 on a CPU without AMX never can (c(4, 2) = 1.42 c(4, 1) here): its
         probe would only cost (its prompt through the head, then a wider forward)."""
         costs = self._draft_costs()
+        forward = self._timed_costs(costs)
         num_b, context = len(self.seqs), self._context()
-        plain = num_b / costs(num_b, 1, context) * (1 + SPECULATION_MARGIN)
-        draft = 2 * costs.draft_level(drafting, DRAFT_NARROW_TOP_K)
+        plain = num_b / forward(num_b, 1, context) * (1 + SPECULATION_MARGIN)
+        draft = 2 * costs.draft_level(drafting, DRAFT_NARROW_TOP_K) * self._draft_scale()
         most = max(s.req.tree.num_nodes for s in self.seqs if s.auto)
-        return any((num_b + drafting * (n - 1)) / (draft + costs(num_b, n, context)) > plain
+        return any((num_b + drafting * (n - 1)) / (draft + forward(num_b, n, context)) > plain
                    for n in range(2, most + 1))
 
     def _min_gain(self, num_b: int, width: int) -> float:
         """Expected accepted tokens one more tree level (of `width` nodes a request) must
         promise to be worth drafting."""
         costs = self._draft_costs()
-        rate = max(self._rate, num_b / costs(num_b, 1, self._context()))
-        return rate * costs.draft_level(num_b, width)
+        rate = max(self._rate, num_b / self._timed_costs(costs)(num_b, 1, self._context()))
+        return rate * costs.draft_level(num_b, width) * self._draft_scale()
 
     def _choose_budget(self, tree: DraftTree, drafted: bool) -> DraftTree:
         """Cut the auto-budget trees to the size that pays best this step (eagle2.budget)."""
@@ -312,13 +351,20 @@ class Engine:
             self.stats.skipped_drafts += 1
             return tree
         costs = self._draft_costs()
-        draft_s = (tree.head_depth() + 1) * costs.draft_level(len(self.seqs), self._width)
+        num_b = len(self.seqs)
+        levels = (tree.head_depth() + 1) * costs.draft_level(num_b, self._width)
+        # what the call cost is compared with: the levels and the head's first pass over the
+        # pairs it had not seen (the backlog of plain steps: at batch 8 after a back-off ~37
+        # positions a request; a newcomer's prompt). That pass is spent once the tree is
+        # drafted, so the tree is chosen by what the levels cost, as a next step would pay
+        self._predicted_draft = levels + costs.catch_up(num_b, self._caught_up)
+        draft_s = levels * self._draft_scale()
         fixed = tree.num_nodes[~auto]
         values = tree.values[auto]
         scale = torch.tensor([self._acceptance_scale(s) for s in self.seqs if s.auto])
         values = torch.cat([values[:, :1], (values[:, 1:] * scale[:, None]).clamp(max=1)], 1)
-        choice = choose_num_nodes(values, costs, draft_s, int(fixed.max()) if len(fixed) else 1,
-                                  context=self._context())
+        choice = choose_num_nodes(values, self._timed_costs(costs), draft_s,
+                                  int(fixed.max()) if len(fixed) else 1, context=self._context())
         self.gate.record(choice.pays, probe_backoff(choice))
         self._rate = choice.rate
         self.stats.nodes_chosen[choice.num_nodes] += 1
@@ -389,6 +435,7 @@ class Engine:
                 parts.append((idx, root_only(torch.tensor(roots))))
                 continue
             feats, toks, counts = _pad([self.seqs[i].take_backlog() for i in idx])
+            self._caught_up = int(counts.max())  # positions the head runs over first
             ids = [self.seqs[i].req.seq_id for i in idx]
             config = self._expansions(config)
             gain = 0.0

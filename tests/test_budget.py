@@ -13,6 +13,7 @@ from conftest import make_engine, random_prompts, run, tiny_target
 from eagle2.budget import CostModel, SpeculationGate, choose_num_nodes
 from eagle2.calibration import Calibration, _pool_adjacent_violators, accepted_nodes
 from eagle2.config import SamplingParams, TreeConfig
+from eagle2.engine import Request
 from eagle2.tree import build_tree, finish_tree, prune_tree
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -634,3 +635,43 @@ def test_auto_trees_are_drafted_no_wider_than_the_largest_tree_kept():
     assert later and all(k == min(AUTO.top_k, max(2, kept)) for k, kept in later)
     assert any(k < AUTO.top_k for k, _ in later)
     assert set(reads) - {0} <= {k for k, _ in widths}
+
+
+def test_measured_scales_follow_step_times_and_clip_outliers():
+    from eagle2.budget import MeasuredScales
+
+    scales = MeasuredScales(decay=0.5)
+    scales.observe("tree", 0.03, 0.02)  # 1.5x the prediction
+    assert scales.tree == pytest.approx(1.25) and scales.plain == scales.draft == 1.0
+    scales.observe("plain", 10.0, 0.01)  # a stall: clipped to 4x
+    assert scales.plain == pytest.approx(2.5)
+    scales.observe("draft", 0.0, 0.01)  # nothing measured: ignored
+    assert scales.draft == 1.0
+    costs = flat_costs(0.001)
+    scaled = scales.costs(costs)
+    assert scaled(2, 1) == pytest.approx(costs(2, 1) * 2.5)
+    assert scaled(2, 4) == pytest.approx(costs(2, 4) * 1.25)
+
+
+def test_step_times_scale_the_budget_of_greedy_batches_only():
+    """Costs the engine measured itself are corrected by its measured step times (plain
+    steps, verified trees, draft calls), and only where the batch is greedy: a sampled
+    request's trees, and so its draws, follow the cost model alone. Costs given to the engine
+    are used as they are."""
+    target = tiny_target(seed=4)
+    prompts = random_prompts(2, 64, seed=5)
+    engine = make_engine(target, 0, max_batch=2, max_context=64)
+    engine._costs = None  # measured by the engine, as a served engine does
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    assert run(engine, prompts, GREEDY, AUTO) == vanilla
+    assert engine._timed
+    scales = engine.scales
+    assert (scales.plain, scales.tree, scales.draft) != (1.0, 1.0, 1.0)  # steps were observed
+    costs = engine.costs
+    engine.add(Request("s", (1, 2, 3), SamplingParams(temperature=0.7, max_tokens=4), AUTO))
+    engine.step()  # prefill
+    assert engine._timed_costs(costs) is costs and engine._draft_scale() == 1.0
+    given = make_engine(target, 0, max_batch=2, max_context=64)
+    given._costs = flat_costs(0.001)
+    run(given, prompts, GREEDY, AUTO)
+    assert not given._timed and (given.scales.plain, given.scales.tree) == (1.0, 1.0)
