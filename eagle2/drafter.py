@@ -22,7 +22,7 @@ from eagle2.config import TreeConfig
 from eagle2.eagle3 import Eagle3Head
 from eagle2.fused import native_head_layer
 from eagle2.head import DraftHead
-from eagle2.kernels import BlockedWeight, pack_linears, packing_supported, small_rows_plan
+from eagle2.kernels import BlockedWeight, exact_bf16_kernels, pack_linears, small_rows_plan
 from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains
 from eagle2.native import cpu_ops
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
@@ -71,7 +71,7 @@ class Drafter:
         self._vocab_proj: BlockedWeight | None = None
         # ... and its decoder layer through eagle2.native (None: the module path)
         self.native = None
-        if packing_supported(self.dtype, self.device):
+        if exact_bf16_kernels(self.dtype, self.device):
             pack_linears(head)
             self._vocab_proj = BlockedWeight(self.draft_lm_head, small_rows_plan())
             self.native = cpu_ops()

@@ -71,6 +71,22 @@ def cpu_info() -> tuple[str | None, frozenset[str]]:
     return model, frozenset(flags.split())
 
 
+def fma_cpu() -> bool:
+    """The CPU has the vector instructions eagle2's native operations are built for: AVX2 with
+    FMA (x86-64-v3: every x86 server CPU since about 2015), or AVX-512."""
+    flags = cpu_info()[1]
+    return {"avx2", "fma"} <= flags or "avx512f" in flags
+
+
+def exact_bf16_kernels(dtype: torch.dtype, device: torch.device) -> bool:
+    """bf16 on a CPU with a linear kernel whose output rows are bitwise the same for any row
+    count (what exact bf16 verification needs): oneDNN's packed kernel, or eagle2's native
+    FMA kernel (`fma_linear_ops`; e.g. a CPU with AVX2 only, where oneDNN does not pack
+    bf16)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and (packing_supported(dtype, device) or fma_linear_ops() is not None))
+
+
 def native_bf16_cpu() -> bool:
     """The CPU has bf16 dot-product instructions (AMX-BF16 or AVX512-BF16) and oneDNN uses
     them (so bf16 weights can be packed)."""
@@ -194,7 +210,7 @@ def fma_linear_ops():
 
     if os.environ.get("EAGLE2_FMA_LINEAR", "1") == "0":
         return None
-    ops = cpu_ops() if native_bf16_cpu() else None
+    ops = cpu_ops() if fma_cpu() else None
     if ops is None or not hasattr(ops, "linear_fma") or not fma_linear_exact(ops):
         return None
     return ops
@@ -243,8 +259,10 @@ def native_linear_exact(ops) -> bool:
 
 
 def packed_plan() -> BlockPlan:
-    """The plan that multiplies every row count through the packed bf16 kernel."""
-    return BlockPlan({rows: PACKED for rows in ROW_BUCKETS})
+    """The plan that multiplies every row count through an exact bf16 kernel: oneDNN's packed
+    one, or the native FMA kernel where oneDNN does not pack bf16."""
+    kernel = PACKED if packing_supported(torch.bfloat16, torch.device("cpu")) else FMA
+    return BlockPlan({rows: kernel for rows in ROW_BUCKETS})
 
 
 @functools.cache
@@ -255,6 +273,8 @@ def small_rows_plan() -> BlockPlan:
     where it is faster for 8 rows of a head-sized weight, measured once per machine and
     cached, so every process drafts alike), else oneDNN's packed one."""
     kernel = NATIVE if native_linear_ops() is not None else PACKED
+    if not packing_supported(torch.bfloat16, torch.device("cpu")):
+        return BlockPlan({rows: FMA for rows in ROW_BUCKETS})  # (exact_bf16_kernels holds)
     if fma_linear_ops() is not None:
         from eagle2.target import cache_root
 
@@ -269,6 +289,8 @@ def exact_bf16_candidates() -> tuple[int, ...]:
     """The bf16 kernels that give each output row bitwise the same for any row count: a plan
     mixes oneDNN's packed kernel and the native one where it sums in the same order on this
     CPU, or takes the FMA variant for every row count (`one_family`)."""
+    if not packing_supported(torch.bfloat16, torch.device("cpu")):
+        return (FMA,) if fma_linear_ops() is not None else ()
     found = (PACKED, NATIVE) if native_linear_ops() is not None else (PACKED,)
     return found + ((FMA,) if fma_linear_ops() is not None else ())
 
@@ -304,7 +326,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)) \
-                or not packing_supported(self.weight.dtype, self.weight.device):
+                or not exact_bf16_kernels(self.weight.dtype, self.weight.device):
             return F.linear(x, self.weight)
         seen = (self.weight._version, self.weight.data_ptr())  # changed in place, or replaced
         if self._packed is None or self._seen != seen:
@@ -319,7 +341,7 @@ def pack_linears(module: nn.Module) -> int:
     swapped = 0
     for name, child in list(module.named_children()):
         if (type(child) is nn.Linear and child.bias is None
-                and packing_supported(child.weight.dtype, child.weight.device)):
+                and exact_bf16_kernels(child.weight.dtype, child.weight.device)):
             setattr(module, name, PackedLinear(child))
             swapped += 1
         else:

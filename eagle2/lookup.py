@@ -163,24 +163,30 @@ def add_chains(cands: Candidates, chain_tokens: torch.Tensor, chain_len: torch.T
     cur = torch.full((num_b,), -1, dtype=torch.long, device=dev)  # the chain's node so far
     head_depth = int(cands.depths.max()) if num_c else 0  # no reuse below the head's nodes
     new_parents, new_real = [], []
-    for d in range(num_d):
+    walked = min(num_d, head_depth)  # below the head's deepest level nothing can be reused
+    for d in range(walked):
         active = d < chain_len
-        found, idx = torch.zeros_like(active), cur
-        if d < head_depth:
-            hit = (cands.parents == cur[:, None]) & (cands.tokens == chain_tokens[:, d:d + 1])
-            found = hit.any(1) & active
-            idx = hit.long().argmax(1)
-            for x, chain_x in ((scores, chain_scores), (values, chain_values)):
-                old = x.gather(1, idx[:, None])[:, 0]
-                x.scatter_(1, idx[:, None], torch.where(
-                    found, torch.maximum(old, chain_x[:, d].to(x.dtype)), old)[:, None])
+        hit = (cands.parents == cur[:, None]) & (cands.tokens == chain_tokens[:, d:d + 1])
+        found = hit.any(1) & active
+        idx = hit.long().argmax(1)
+        for x, chain_x in ((scores, chain_scores), (values, chain_values)):
+            old = x.gather(1, idx[:, None])[:, 0]
+            x.scatter_(1, idx[:, None], torch.where(
+                found, torch.maximum(old, chain_x[:, d].to(x.dtype)), old)[:, None])
         fresh = active & ~found
         new_parents.append(cur)
         new_real.append(fresh)
         cur = torch.where(found, idx, torch.where(fresh, num_c + d, cur))
-    real = torch.stack(new_real, 1)  # [B, D]
+    if walked < num_d:  # the rest at once: each active token new, under the one before it
+        depth = torch.arange(walked, num_d, device=dev)
+        length = chain_len.to(dev).long()[:, None]
+        after = torch.where(length > walked, num_c + length - 1, cur[:, None])  # past the end
+        chained = torch.where(depth - 1 < length, num_c + depth - 1, after)
+        new_parents.append(torch.where(depth == walked, cur[:, None], chained))
+        new_real.append(depth < length)
+    real = torch.cat([r.view(num_b, -1) for r in new_real], 1)  # [B, D]
     lookup = Candidates(
-        chain_tokens, torch.stack(new_parents, 1),
+        chain_tokens, torch.cat([q.view(num_b, -1) for q in new_parents], 1),
         torch.where(real, chain_scores.to(scores.dtype), float("-inf")),
         torch.arange(1, num_d + 1, device=dev).expand(num_b, num_d),
         torch.where(real, chain_values.to(values.dtype), 0.0), real)

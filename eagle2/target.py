@@ -26,9 +26,8 @@ from eagle2.kernels import (
     BlockPlan,
     cached_plan,
     exact_bf16_candidates,
-    native_bf16_cpu,
+    exact_bf16_kernels,
     packed_plan,
-    packing_supported,
 )
 from eagle2.native import cpu_ops
 
@@ -76,13 +75,15 @@ def pick_device(device: str | None = None) -> torch.device:
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """Unless told: bf16 on GPUs and on CPUs that multiply bf16 natively (AMX or AVX512-BF16:
-    half the bytes of fp32 and a flat cost up to 32+ rows, docs/DESIGN.md "CPU performance"),
-    else fp32 (a CPU without them converts bf16 and runs slower than fp32)."""
+    """Unless told: bf16 on GPUs and on CPUs with exact bf16 kernels (oneDNN's with AMX or
+    AVX512-BF16, or eagle2's native FMA kernel with AVX2: half the bytes of fp32 and a flatter
+    cost in the rows, docs/DESIGN.md "CPU performance"; on an AVX2-only AMD EPYC one token's
+    forward took 18.6 ms in bf16 against 68.4 in fp32, 8 tokens 56.5 against 117.5), else
+    fp32 (without them bf16 is converted and runs slower than fp32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        if device.type == "cuda" or (device.type == "cpu" and native_bf16_cpu()):
+        if device.type == "cuda" or exact_bf16_kernels(torch.bfloat16, device):
             return torch.bfloat16
         return torch.float32
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -184,7 +185,7 @@ class TargetModel:
         # bf16 on a CPU with packed bf16 kernels: attention that gives a token bitwise the
         # same result in a tree as in plain decoding (`attention.canonical_attention`; with
         # bf16 rounding, SDPA's differences flip greedy tokens); fp32 and GPUs keep SDPA
-        self.canonical = packing_supported(self.dtype, self.device)
+        self.canonical = exact_bf16_kernels(self.dtype, self.device)
         self.native: ModuleType | None = None  # fused CPU operations (set by `fuse`)
 
     def set_feature_layers(self, layers: tuple[int, ...] | None) -> TargetModel:
@@ -201,11 +202,13 @@ class TargetModel:
 
     def fuse(self, measure: bool | None = None, refresh: bool = False) -> TargetModel:
         """Switch to the fused layers (`eagle2.fused`) when the model allows it. The linear
-        kernel per row count is measured on this machine (cached): bf16 on a CPU that packs
-        bf16 weights chooses between the exact ones (oneDNN's packed kernel and the native
-        kernel where it equals it bitwise, or the native FMA variant for every row count:
-        `kernels.one_family`; packed where not measured), other dtypes between block sizes. measure None: only for models of more than MEASURE_KERNELS_ABOVE bytes
-        on a CPU. Idempotent; returns self."""
+        kernel per row count is measured on this machine (cached): bf16 on a CPU with exact
+        kernels chooses between them (oneDNN's packed kernel and the native kernel where it
+        equals it bitwise, or the native FMA variant for every row count:
+        `kernels.one_family`; packed where not measured; the FMA variant alone where oneDNN
+        does not pack bf16, e.g. AVX2 only), other dtypes between block sizes. measure None:
+        only for models of more than MEASURE_KERNELS_ABOVE bytes on a CPU. Idempotent;
+        returns self."""
         if self.fused is not None or not can_fuse(self.layers):
             return self
         self.fused = [FusedLayer.from_hf(layer, self.plan) for layer in self.layers]
@@ -218,7 +221,7 @@ class TargetModel:
         size = sum(w.numel() * w.element_size() for w in weights)
         if measure is None:
             measure = self.device.type == "cpu" and size > MEASURE_KERNELS_ABOVE
-        if packing_supported(self.dtype, self.device):  # exact kernels only (bf16)
+        if self.canonical:  # exact kernels only (bf16)
             self.plan.block_bytes.update(packed_plan().block_bytes)
             candidates = exact_bf16_candidates() if measure else ()
             if len(candidates) > 1:  # which one per row count: measured

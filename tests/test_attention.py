@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_target
 
 from eagle2.attention import causal_mask
-from eagle2.kernels import packing_supported
+from eagle2.kernels import exact_bf16_kernels
 from eagle2.target import TargetModel
 from eagle2.tree import finish_tree
 
@@ -136,8 +136,9 @@ def _plain_decode(target, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 needs_packed_bf16 = pytest.mark.skipif(
-    not packing_supported(torch.bfloat16, torch.device("cpu")),
-    reason="exact bf16 verification needs oneDNN's packed bf16 kernels (AVX512/AMX)")
+    not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")),
+    reason="exact bf16 verification needs oneDNN's packed bf16 kernels (AVX512/AMX) or the "
+           "native FMA kernel (AVX2 and a C++ compiler)")
 
 
 @needs_packed_bf16

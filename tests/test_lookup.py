@@ -204,7 +204,7 @@ def check_tree(tree) -> None:
         assert on_paths == set(range(n))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_merge_and_build_against_a_slow_reference(seed):
     g = torch.Generator().manual_seed(seed)
     vocab = 6  # few tokens: the chain often walks through the head's candidates
@@ -219,9 +219,10 @@ def test_merge_and_build_against_a_slow_reference(seed):
         pad[3].append(depths + [3] * extra)
     t, p, s, d = (torch.tensor(x) for x in pad)
     cands = Candidates(t, p, s, d, s.exp(), torch.zeros_like(t, dtype=torch.bool))
-    chain = torch.randint(0, vocab, (2, 5), generator=g)
-    lengths = torch.tensor([5, int(torch.randint(0, 6, (), generator=g))])
-    chain_scores = torch.tensor([[-0.2, -0.5, -0.9, -1.4, -2.0]] * 2)
+    # chains longer than the head's 3 levels (walked, then added at once), of any length
+    chain = torch.randint(0, vocab, (2, 7), generator=g)
+    lengths = torch.tensor([7 if seed % 2 else 5, int(torch.randint(0, 8, (), generator=g))])
+    chain_scores = torch.tensor([[-0.2, -0.5, -0.9, -1.4, -2.0, -2.1, -2.5]] * 2)
     merged, fresh = add_chains(cands, chain, lengths, chain_scores, chain_scores.exp())
     for b in range(2):
         n = len(rows[b][0])

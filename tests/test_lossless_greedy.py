@@ -10,7 +10,7 @@ import torch
 from conftest import make_engine, random_prompts, run, tiny_target
 
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.kernels import packing_supported
+from eagle2.kernels import exact_bf16_kernels
 from eagle2.target import TargetModel
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -121,8 +121,9 @@ def test_embedded_smollm2_modes_equal_hf_greedy(smol):
 
 
 needs_packed_bf16 = pytest.mark.skipif(
-    not packing_supported(torch.bfloat16, torch.device("cpu")),
-    reason="exact bf16 verification needs oneDNN's packed bf16 kernels (AVX512/AMX)")
+    not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")),
+    reason="exact bf16 verification needs oneDNN's packed bf16 kernels (AVX512/AMX) or the "
+           "native FMA kernel (AVX2 and a C++ compiler)")
 
 
 def bf16_target(seed: int) -> TargetModel:

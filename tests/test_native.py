@@ -110,11 +110,11 @@ def test_fused_layers_match_the_aten_layers(ops):
     from conftest import tiny_target
 
     from eagle2.attention import causal_mask
-    from eagle2.kernels import packing_supported
+    from eagle2.kernels import exact_bf16_kernels
     from eagle2.target import TargetModel
 
-    if not packing_supported(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("no packed bf16 kernels on this CPU")
+    if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no exact bf16 kernels on this CPU")
     hf = tiny_target(seed=5, layers=3).hf.to(torch.bfloat16)
     target = TargetModel(hf, name="tiny-native").fuse()
     assert target.native is ops
@@ -218,10 +218,10 @@ def test_the_drafters_native_layer_matches_the_module_path(ops, kind):
     from eagle2.drafter import Drafter
     from eagle2.eagle3 import new_eagle3_head
     from eagle2.head import new_head
-    from eagle2.kernels import packing_supported
+    from eagle2.kernels import exact_bf16_kernels
 
-    if not packing_supported(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("no packed bf16 kernels on this CPU")
+    if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no exact bf16 kernels on this CPU")
     target = tiny_target(seed=7, hidden=64, heads=4, kv_heads=2)
     make = new_head if kind == "eagle2" else new_eagle3_head
     head = make(target.config, seed=1, dtype=torch.bfloat16)

@@ -16,8 +16,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
+
+// Two instruction sets: AVX-512 with bf16 dot products (AVX512-BF16), or AVX2 with FMA (every
+// x86-64 CPU since about 2015). With AVX2 the same operations run on 8 fp32 lanes; the bf16
+// dot-product linear (`linear`) needs AVX512-BF16 and reports that it is not available.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define EAGLE2_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define EAGLE2_AVX2 1
+#else
+#error "eagle2's fused CPU operations need AVX2 and FMA, or AVX512-BF16"
+#endif
 
 namespace {
 
@@ -170,6 +182,9 @@ torch::Tensor qkv_rope_write(const torch::Tensor& qkv, const torch::Tensor& cos,
 
 namespace {
 
+constexpr int kMaxG = 8;  // query heads per KV head handled together
+
+#ifdef EAGLE2_AVX512
 // exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, 2^n exp(r) with a degree-6 polynomial
 // (Cephes' expf coefficients). Only IEEE operations with explicit FMAs, so every lane gives
 // the same bits whatever the other lanes hold. x <= 0 here (scores minus their maximum).
@@ -206,7 +221,7 @@ inline __mmask32 chunk_mask(int64_t left) {
   return left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << left) - 1);
 }
 
-constexpr int kMaxG = 8;  // query heads per KV head handled together
+
 
 // v[i] = the sum of the 16 lanes of a[i], i = 0..15, by a fixed tree of adds (each lane of the
 // result from its own vector's lanes only).
@@ -324,6 +339,129 @@ void attend(const bf16* const* q, int G, const bf16* const* keys, const bf16* co
   }
 }
 
+#else  // EAGLE2_AVX2: the same operations on 8 fp32 lanes, products by fp32 FMAs
+
+// exp(x) for 8 floats, the same formula and operations as the 16-lane version
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// 8 bf16 -> 8 floats (exact)
+inline __m256 widen8(const bf16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// lanes [0, left) set
+inline __m256i tail_mask8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// v[i] = the sum of the 8 lanes of a[i], i = 0..7, by a fixed tree of adds (each lane of the
+// result from its own vector's lanes only).
+inline __m256 sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// s[j] = scale * q . keys[j] for j < L: fp32 FMAs over the 8-dimension chunks in order, the 8
+// lanes then reduced (8 keys at once). CH = dh / 8 (0: read from dh).
+template <int CH>
+void scores_of(const bf16* q, const bf16* const* keys, int64_t L, int64_t dh, float scale,
+               float* s) {
+  const int ch = CH ? CH : static_cast<int>(dh / 8);
+  __m256 qv[16];
+  for (int c = 0; c < ch; ++c) qv[c] = widen8(q + 8 * c);
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < L; j0 += 8) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      if (j0 + i < L)
+        for (int c = 0; c < ch; ++c)
+          acc[i] = _mm256_fmadd_ps(qv[c], widen8(keys[j0 + i] + 8 * c), acc[i]);
+    }
+    _mm256_maskstore_ps(s + j0, tail_mask8(L - j0), _mm256_mul_ps(sum8(acc), sc));
+  }
+}
+
+// s[j] <- exp(s[j] - max s) for j < L; -> their sum (lane l: keys j = l mod 8, in order).
+inline float softmax_numerators(float* s, int64_t L) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) top = std::max(top, s[j]);
+  const __m256 topv = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; j += 8) {
+    const __m256i m = tail_mask8(L - j);
+    const __m256 p = _mm256_and_ps(_mm256_castsi256_ps(m), exp8(_mm256_sub_ps(
+        _mm256_maskload_ps(s + j, m), topv)));
+    _mm256_maskstore_ps(s + j, m, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+// out[d] = bf16(sum_j p[j] values[j][d] / total); the sum runs over j in order.
+template <int CH>
+void weighted_values(const float* p, float total, const bf16* const* values, int64_t L,
+                     int64_t dh, bf16* out) {
+  const int ch = CH ? CH : static_cast<int>(dh / 8);
+  __m256 acc[16];
+  for (int c = 0; c < ch; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int c = 0; c < ch; ++c) acc[c] = _mm256_fmadd_ps(pj, widen8(values[j] + 8 * c), acc[c]);
+  }
+  alignas(32) float buf[128];
+  const __m256 t = _mm256_set1_ps(total);
+  for (int c = 0; c < ch; ++c) _mm256_store_ps(buf + 8 * c, _mm256_div_ps(acc[c], t));
+  for (int64_t d = 0; d < dh; ++d) out[d] = bf16(buf[d]);
+}
+
+template <int CH>
+void attend_ch(const bf16* const* q, int G, const bf16* const* keys, const bf16* const* values,
+               int64_t L, int64_t dh, float scale, float* scores, bf16* const* out) {
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * L;
+    scores_of<CH>(q[g], keys, L, dh, scale, s);
+    const float total = softmax_numerators(s, L);
+    weighted_values<CH>(s, total, values, L, dh, out[g]);
+  }
+}
+
+void attend(const bf16* const* q, int G, const bf16* const* keys, const bf16* const* values,
+            int64_t L, int64_t dh, float scale, float* scores, bf16* const* out) {
+  if (dh == 64) {
+    attend_ch<8>(q, G, keys, values, L, dh, scale, scores, out);
+  } else if (dh == 128) {
+    attend_ch<16>(q, G, keys, values, L, dh, scale, scores, out);
+  } else {
+    attend_ch<0>(q, G, keys, values, L, dh, scale, scores, out);
+  }
+}
+
+#endif
+
 }  // namespace
 
 // Exact attention (docs/DESIGN.md, "Exact bf16 attention"): query n of request b at cache
@@ -340,7 +478,9 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
               "q must be a contiguous bf16 [B, Hq, N, Dh]");
   const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), dh = q.size(3);
   const int64_t KVH = cache_k.size(1), G = Hq / KVH;
-  TORCH_CHECK(Hq % KVH == 0 && G <= kMaxG && dh <= 128, "head layout not supported");
+  TORCH_CHECK(Hq % KVH == 0 && G <= kMaxG && dh <= 128 && dh % 8 == 0,
+              "head layout not supported (up to 8 query heads per KV head, head size a "
+              "multiple of 8 up to 128)");
   TORCH_CHECK(cache_k.scalar_type() == at::kBFloat16 && cache_v.scalar_type() == at::kBFloat16 &&
                   cache_k.stride(3) == 1 && cache_v.stride(3) == 1 && cache_k.size(3) == dh &&
                   cache_v.size(3) >= dh, "cache layer views");
@@ -418,6 +558,7 @@ constexpr int kGroups = kBlockN / 16;  // 16-lane accumulators per row and block
 constexpr int64_t kPairsPerSum = 256;  // 512 inputs
 constexpr int64_t kParallelRows = 12;
 
+#ifdef EAGLE2_AVX512
 // A block is read front to back, 128 bytes per input pair; with a few rows the loop computes
 // long enough per line that the hardware prefetcher falls behind and the time becomes memory
 // plus compute. Asking for the line 8 KB ahead in each stream overlaps the two (measured here:
@@ -519,6 +660,8 @@ inline void linear_rows(const uint32_t* x, const uint32_t* w, int64_t K2, int64_
   }
 }
 
+#endif
+
 torch::Tensor pack_linear(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
                   weight.device().is_cpu() && weight.size(1) % 2 == 0,
@@ -542,6 +685,10 @@ torch::Tensor pack_linear(const torch::Tensor& weight) {
 // width of the column chunks (0: one chunk)
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                      int64_t chunk_features) {
+#ifndef EAGLE2_AVX512
+  TORCH_CHECK(false, "linear: the bf16 dot-product kernel needs AVX512-BF16; "
+              "this build has AVX2 (use linear_fma)");
+#else
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
               "linear expects a bf16 CPU input");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockN && packed.scalar_type() == at::kInt &&
@@ -575,6 +722,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
     }
   });
   return y;
+#endif
 }
 
 
@@ -590,6 +738,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 // not oneDNN's order (`vdpbf16ps` sums pairs, 512-input partials, flushes denormals): a
 // target uses either this kernel for every row count or the bf16 ones, never a mix
 // (`eagle2.kernels.FMA`). The inputs are widened to fp32 once per call.
+#ifdef EAGLE2_AVX512
 template <int M, int B>
 inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t y_stride,
                      int64_t n0, int64_t N) {
@@ -662,6 +811,127 @@ inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int
   }
 }
 
+#else  // EAGLE2_AVX2: the same sums on 8 fp32 lanes (bitwise the 16-lane results)
+
+// fp32 -> bf16 bits, round to nearest even (c10::BFloat16's rounding), in the low 16 bits
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(
+      _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+inline __m256 round_bf16_8(__m256 v) {  // fp32 -> the nearest bf16 (even), as fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+// the first `count` (<= 8) of 8 floats, rounded, to out
+inline void store_bf16_8(bf16* out, __m256 v, int64_t count = 8) {
+  const __m256i h = bf16_bits8(v);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h),
+                                          _mm256_extracti128_si256(h, 1));
+  if (count >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+  } else {
+    alignas(16) bf16 tail[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tail), packed);
+    std::copy(tail, tail + count, out);
+  }
+}
+
+constexpr int kGroups8 = kBlockN / 8;  // 8-lane groups of outputs per block
+
+// M rows against B consecutive blocks (M x B x 4 accumulators: 12 at most, as 16 vector
+// registers allow); the x values are broadcast again for every group (loads are cheap here)
+template <int M, int B>
+inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t y_stride,
+                     int64_t n0, int64_t N) {
+  __m256 acc[M][B][kGroups8];
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < B; ++b)
+      for (int r = 0; r < kGroups8; ++r) acc[m][b][r] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K2; ++k) {
+    for (int b = 0; b < B; ++b) {
+      const uint32_t* wk = w + (b * K2 + k) * kBlockN;
+      for (int r = 0; r < kGroups8; ++r) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8 * r));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+        for (int m = 0; m < M; ++m) {
+          const float* xm = x + m * 2 * K2 + 2 * k;
+          acc[m][b][r] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(xm), acc[m][b][r]);
+          acc[m][b][r] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xm + 1), acc[m][b][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < B; ++b)
+      for (int r = 0; r < kGroups8; ++r) {
+        const int64_t n = n0 + b * kBlockN + r * 8;
+        if (n < N) store_bf16_8(y + m * y_stride + n, acc[m][b][r], N - n);
+      }
+}
+
+// One row against B consecutive blocks (B x 4 accumulators, B streams)
+template <int B>
+inline void fma_row(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t n0,
+                    int64_t N) {
+  __m256 acc[B][kGroups8];
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < kGroups8; ++r) acc[b][r] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m256 x0 = _mm256_broadcast_ss(x + 2 * k), x1 = _mm256_broadcast_ss(x + 2 * k + 1);
+    for (int b = 0; b < B; ++b) {
+      const uint32_t* wk = w + (b * K2 + k) * kBlockN;
+      for (int r = 0; r < kGroups8; ++r) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8 * r));
+        acc[b][r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)), x0,
+                                    acc[b][r]);
+        acc[b][r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(raw, high)), x1,
+                                    acc[b][r]);
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < kGroups8; ++r) {
+      const int64_t n = n0 + b * kBlockN + r * 8;
+      if (n < N) store_bf16_8(y + n, acc[b][r], N - n);
+    }
+}
+
+// rows [0, M) of x (fp32) against B consecutive blocks at w
+template <int B>
+inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int64_t N,
+                     int64_t n0, int64_t M) {
+  const int64_t bs = K2 * kBlockN;
+  for (int64_t m = 0; m < M;) {
+    const float* xm = x + m * 2 * K2;
+    bf16* ym = y + m * N;
+    const int64_t left = M - m;
+    if (left == 1) {
+      if constexpr (B % 2 == 0) {
+        for (int b = 0; b < B; b += 2) fma_row<2>(xm, K2, w + b * bs, ym, n0 + b * kBlockN, N);
+      } else {
+        for (int b = 0; b < B; ++b) fma_row<1>(xm, K2, w + b * bs, ym, n0 + b * kBlockN, N);
+      }
+      m += 1;
+      continue;
+    }
+    if (left >= 3) {
+      for (int b = 0; b < B; ++b) fma_tile<3, 1>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
+      m += 3;
+    } else {
+      for (int b = 0; b < B; ++b) fma_tile<2, 1>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
+      m += 2;
+    }
+  }
+}
+
+#endif
+
 // x [..., K] bf16, packed from pack_linear -> [..., out_features] bf16 by fp32 FMAs
 torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
                          int64_t out_features) {
@@ -696,8 +966,60 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 
-// gate_up [..., 2I] bf16 -> [..., I] = bf16(bf16(silu(gate)) * up) (HF's act_fn(gate) * up in
-// bf16), silu(g) = g * sigmoid(g) with sigmoid from exp16(-|g|): every lane from its own value.
+// o[i] = bf16(bf16(silu(g[i])) * u[i]), i < I (HF's act_fn(gate) * up in bf16), silu(g) =
+// g * sigmoid(g) with sigmoid from exp(-|g|): every lane from its own value.
+#ifdef EAGLE2_AVX512
+inline void silu_mul_row(const bf16* g, const bf16* u, bf16* o, int64_t I) {
+  for (int64_t i = 0; i < I; i += 32) {
+    const __mmask32 mask = chunk_mask(I - i);
+    __m512 glo, ghi, ulo, uhi;
+    widen(g + i, mask, &glo, &ghi);
+    widen(u + i, mask, &ulo, &uhi);
+    __m512 res[2];
+    const __m512 gs[2] = {glo, ghi}, us[2] = {ulo, uhi};
+    for (int h = 0; h < 2; ++h) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gs[h])));
+      const __m512 one = _mm512_set1_ps(1.0f);
+      const __m512 denom = _mm512_add_ps(one, e);
+      const __mmask16 neg = _mm512_cmp_ps_mask(gs[h], _mm512_setzero_ps(), _CMP_LT_OQ);
+      const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), denom);
+      const __m512 act = round_bf16(_mm512_mul_ps(gs[h], sig));
+      res[h] = _mm512_mul_ps(act, us[h]);
+    }
+    const __m512i packed = _mm512_inserti64x4(
+        _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(res[0])),
+        (__m256i)_mm512_cvtneps_pbh(res[1]), 1);
+    _mm512_mask_storeu_epi16(o + i, mask, packed);
+  }
+}
+#else
+inline void silu_mul_row(const bf16* g, const bf16* u, bf16* o, int64_t I) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < I; i += 8) {
+    const int64_t count = std::min<int64_t>(8, I - i);
+    __m256 gv, uv;
+    if (count == 8) {
+      gv = widen8(g + i);
+      uv = widen8(u + i);
+    } else {
+      alignas(16) bf16 gb[8] = {}, ub[8] = {};
+      std::copy(g + i, g + i + count, gb);
+      std::copy(u + i, u + i + count, ub);
+      gv = widen8(gb);
+      uv = widen8(ub);
+    }
+    const __m256 e = exp8(_mm256_sub_ps(zero, _mm256_andnot_ps(sign, gv)));
+    const __m256 denom = _mm256_add_ps(one, e);
+    const __m256 neg = _mm256_cmp_ps(gv, zero, _CMP_LT_OQ);
+    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), denom);
+    const __m256 act = round_bf16_8(_mm256_mul_ps(gv, sig));
+    store_bf16_8(o + i, _mm256_mul_ps(act, uv), count);
+  }
+}
+#endif
+
+// gate_up [..., 2I] bf16 -> [..., I] = silu_mul_row of each row's halves
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kBFloat16 &&
                   gate_up.size(-1) % 2 == 0, "silu_mul expects bf16 [..., 2I] on the CPU");
@@ -709,34 +1031,18 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   const bf16* ip = in.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {  // rows as the norms above
-    for (int64_t r = r0; r < r1; ++r) {
-      const bf16* g = ip + r * 2 * I;
-      const bf16* u = g + I;
-      bf16* o = op + r * I;
-      for (int64_t i = 0; i < I; i += 32) {
-        const __mmask32 mask = chunk_mask(I - i);
-        __m512 glo, ghi, ulo, uhi;
-        widen(g + i, mask, &glo, &ghi);
-        widen(u + i, mask, &ulo, &uhi);
-        __m512 res[2];
-        const __m512 gs[2] = {glo, ghi}, us[2] = {ulo, uhi};
-        for (int h = 0; h < 2; ++h) {
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gs[h])));
-          const __m512 one = _mm512_set1_ps(1.0f);
-          const __m512 denom = _mm512_add_ps(one, e);
-          const __mmask16 neg = _mm512_cmp_ps_mask(gs[h], _mm512_setzero_ps(), _CMP_LT_OQ);
-          const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), denom);
-          const __m512 act = round_bf16(_mm512_mul_ps(gs[h], sig));
-          res[h] = _mm512_mul_ps(act, us[h]);
-        }
-        const __m512i packed = _mm512_inserti64x4(
-            _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(res[0])),
-            (__m256i)_mm512_cvtneps_pbh(res[1]), 1);
-        _mm512_mask_storeu_epi16(o + i, mask, packed);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row(ip + r * 2 * I, ip + r * 2 * I + I, op + r * I, I);
   });
   return out;
+}
+
+// The instruction set this build uses: "avx512_bf16" or "avx2"
+std::string isa() {
+#ifdef EAGLE2_AVX512
+  return "avx512_bf16";
+#else
+  return "avx2";
+#endif
 }
 
 // Registered as torch operators (torch.ops.eagle2_cpu.*): the profiler sees them by name.
@@ -751,6 +1057,7 @@ TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("linear(Tensor x, Tensor packed, int out_features, int chunk_features) -> Tensor");
   m.def("linear_fma(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
@@ -762,4 +1069,8 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_fma", &linear_fma);
   m.impl("silu_mul", &silu_mul);
+}
+
+TORCH_LIBRARY_IMPL(eagle2_cpu, CatchAll, m) {
+  m.impl("isa", &isa);
 }
