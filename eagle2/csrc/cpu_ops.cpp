@@ -841,37 +841,38 @@ inline void store_bf16_8(bf16* out, __m256 v, int64_t count = 8) {
 
 constexpr int kGroups8 = kBlockN / 8;  // 8-lane groups of outputs per block
 
-// M rows against B consecutive blocks (M x B x 4 accumulators: 12 at most, as 16 vector
-// registers allow); the x values are broadcast again for every group (loads are cheap here)
-template <int M, int B>
+// M rows against one block (M x 4 accumulators). Each input pair in two phases: every row's
+// w[2j] x[2j] into all four groups, then every row's w[2j+1] x[2j+1] (each accumulator still
+// adds the even product, then the odd one), so a phase keeps only M broadcast x values live
+// and the loads stay few. Used for M = 2 (8 accumulators, no spills): 3 rows x 4 groups spilled
+// to the stack every input pair, and pairs of rows were faster for 6-16 rows here (the block
+// is read again from L2 for every two rows).
+template <int M>
 inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t y_stride,
                      int64_t n0, int64_t N) {
-  __m256 acc[M][B][kGroups8];
+  __m256 acc[M][kGroups8];
   for (int m = 0; m < M; ++m)
-    for (int b = 0; b < B; ++b)
-      for (int r = 0; r < kGroups8; ++r) acc[m][b][r] = _mm256_setzero_ps();
+    for (int r = 0; r < kGroups8; ++r) acc[m][r] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < K2; ++k) {
-    for (int b = 0; b < B; ++b) {
-      const uint32_t* wk = w + (b * K2 + k) * kBlockN;
-      for (int r = 0; r < kGroups8; ++r) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8 * r));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
-        for (int m = 0; m < M; ++m) {
-          const float* xm = x + m * 2 * K2 + 2 * k;
-          acc[m][b][r] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(xm), acc[m][b][r]);
-          acc[m][b][r] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xm + 1), acc[m][b][r]);
-        }
-      }
+    const __m256i* wk = reinterpret_cast<const __m256i*>(w + k * kBlockN);
+    __m256 xb[M];
+    for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(x + m * 2 * K2 + 2 * k);
+    for (int r = 0; r < kGroups8; ++r) {
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wk + r), 16));
+      for (int m = 0; m < M; ++m) acc[m][r] = _mm256_fmadd_ps(even, xb[m], acc[m][r]);
+    }
+    for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(x + m * 2 * K2 + 2 * k + 1);
+    for (int r = 0; r < kGroups8; ++r) {
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wk + r), high));
+      for (int m = 0; m < M; ++m) acc[m][r] = _mm256_fmadd_ps(odd, xb[m], acc[m][r]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int b = 0; b < B; ++b)
-      for (int r = 0; r < kGroups8; ++r) {
-        const int64_t n = n0 + b * kBlockN + r * 8;
-        if (n < N) store_bf16_8(y + m * y_stride + n, acc[m][b][r], N - n);
-      }
+    for (int r = 0; r < kGroups8; ++r) {
+      const int64_t n = n0 + r * 8;
+      if (n < N) store_bf16_8(y + m * y_stride + n, acc[m][r], N - n);
+    }
 }
 
 // One row against B consecutive blocks (B x 4 accumulators, B streams)
@@ -920,13 +921,8 @@ inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int
       m += 1;
       continue;
     }
-    if (left >= 3) {
-      for (int b = 0; b < B; ++b) fma_tile<3, 1>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
-      m += 3;
-    } else {
-      for (int b = 0; b < B; ++b) fma_tile<2, 1>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
-      m += 2;
-    }
+    for (int b = 0; b < B; ++b) fma_tile<2>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
+    m += 2;
   }
 }
 
