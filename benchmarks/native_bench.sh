@@ -3,7 +3,10 @@
 # CPU operations and their exact attention (eagle2.native), on a quiet machine, from the
 # repository root (the session ran it from a worktree of the release commit). Session 12 (the
 # native linear): OUT=runs/s12/bench FULL_AB=1 ALTERNATE=EAGLE2_NATIVE_LINEAR=0 (the A/B forward
-# and full bench run only with FULL_AB). Session 13: OUT=runs/s13/bench. One thread per
+# and full bench run only with FULL_AB). Session 13: OUT=runs/s13/bench. Session 14 (Intel Xeon,
+# the FMA linear): OUT=runs/s14/bench FULL_AB=1 ALTERNATE=EAGLE2_FMA_LINEAR=0. Session 15 (AMD
+# EPYC with AVX2 only; the alternate, EAGLE2_NATIVE=0, is fp32 there, what the previous release
+# ran): OUT=runs/s15/bench FULL_AB=1. One thread per
 # process; the two shards of a sharded run share the machine (one per core), every other
 # command runs alone. Writes $OUT (default runs/s9/; timeline.txt has the load average per command).
 E=".venv/bin/python -m eagle2.cli"
