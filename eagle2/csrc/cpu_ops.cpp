@@ -569,6 +569,18 @@ inline void prefetch_block(const uint32_t* wk) {
   _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch + 16), _MM_HINT_T0);
 }
 
+// the first `count` of 16 floats, rounded to bf16 (nearest even), to out
+inline void store_bf16_16(bf16* out, __m512 v, int64_t count) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  if (count >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+  } else {
+    alignas(32) bf16 tail[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tail), h);
+    std::copy(tail, tail + count, out);
+  }
+}
+
 inline __m512 round_bf16(__m512 v) {  // fp32 -> the nearest bf16 (even), as fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
@@ -619,16 +631,7 @@ inline void linear_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, 
     for (int b = 0; b < B; ++b)
       for (int r = 0; r < kGroups; ++r) {
         const int64_t n = n0 + b * kBlockN + r * 16;
-        if (n >= N) continue;
-        const __m256i v = (__m256i)_mm512_cvtneps_pbh(total[m][b][r]);
-        bf16* out = y + m * y_stride + n;
-        if (n + 16 <= N) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v);
-        } else {
-          alignas(32) bf16 tail[16];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(tail), v);
-          std::copy(tail, tail + (N - n), out);
-        }
+        if (n < N) store_bf16_16(y + m * y_stride + n, total[m][b][r], N - n);
       }
 }
 
@@ -767,16 +770,7 @@ inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int
     for (int b = 0; b < B; ++b)
       for (int r = 0; r < kGroups; ++r) {
         const int64_t n = n0 + b * kBlockN + r * 16;
-        if (n >= N) continue;
-        const __m256i v = (__m256i)_mm512_cvtneps_pbh(acc[m][b][r]);
-        bf16* out = y + m * y_stride + n;
-        if (n + 16 <= N) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v);
-        } else {
-          alignas(32) bf16 tail[16];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(tail), v);
-          std::copy(tail, tail + (N - n), out);
-        }
+        if (n < N) store_bf16_16(y + m * y_stride + n, acc[m][b][r], N - n);
       }
 }
 
