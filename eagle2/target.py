@@ -78,7 +78,7 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     """Unless told: bf16 on GPUs and on CPUs with exact bf16 kernels (oneDNN's with AMX or
     AVX512-BF16, or eagle2's native FMA kernel with AVX2: half the bytes of fp32 and a flatter
     cost in the rows, docs/DESIGN.md "CPU performance"; on an AVX2-only AMD EPYC one token's
-    forward took 18.6 ms in bf16 against 68.4 in fp32, 8 tokens 56.5 against 117.5), else
+    forward took 18.2 ms in bf16 against 69.5 in fp32, 8 tokens 49.8 against 106.0), else
     fp32 (without them bf16 is converted and runs slower than fp32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -182,7 +182,7 @@ class TargetModel:
         self.fused: list[FusedLayer] | None = None
         self.head_proj: BlockedWeight | None = None
         self.plan = BlockPlan()
-        # bf16 on a CPU with packed bf16 kernels: attention that gives a token bitwise the
+        # bf16 on a CPU with exact bf16 kernels: attention that gives a token bitwise the
         # same result in a tree as in plain decoding (`attention.canonical_attention`; with
         # bf16 rounding, SDPA's differences flip greedy tokens); fp32 and GPUs keep SDPA
         self.canonical = exact_bf16_kernels(self.dtype, self.device)

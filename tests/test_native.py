@@ -23,6 +23,21 @@ def ops():
     return module
 
 
+def test_the_build_uses_the_cpus_vector_instructions(ops):
+    """AVX512-BF16 where the CPU has it, else AVX2 + FMA; the bf16 dot-product linear says
+    clearly that an AVX2 build lacks it (the plans never pick it there)."""
+    from eagle2.kernels import cpu_info, native_linear_ops
+
+    flags = cpu_info()[1]
+    want = "avx512_bf16" if {"avx512_bf16", "avx512bw"} <= flags else "avx2"
+    assert ops.isa() == want
+    if want == "avx2":
+        assert native_linear_ops() is None
+        w = torch.randn(64, 64).bfloat16()
+        with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+            ops.linear(torch.randn(1, 64).bfloat16(), ops.pack_linear(w), 64, 0)
+
+
 def reference_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """HF's LlamaRMSNorm: normalise in fp32, round to bf16, scale."""
     h = x.float()
