@@ -805,7 +805,8 @@ inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int
   }
 }
 
-#else  // EAGLE2_AVX2: the same sums on 8 fp32 lanes (bitwise the 16-lane results)
+#else  // EAGLE2_AVX2: the same sums on 8 fp32 lanes (the 16-lane results, bit for bit but for
+       // outputs below bf16's normal range, which vcvtneps2bf16 may flush to zero)
 
 // fp32 -> bf16 bits, round to nearest even (c10::BFloat16's rounding), in the low 16 bits
 inline __m256i bf16_bits8(__m256 v) {
