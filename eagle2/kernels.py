@@ -271,10 +271,11 @@ def small_rows_plan() -> BlockPlan:
     native kernel for every row count where one is available (the bf16 one was 1.3-2.5x faster
     than oneDNN's on the head's linears, 1-32 rows, on an AMD EPYC without AMX; the FMA variant
     where it is faster for 8 rows of a head-sized weight, measured once per machine and
-    cached, so every process drafts alike), else oneDNN's packed one."""
-    kernel = NATIVE if native_linear_ops() is not None else PACKED
+    cached, so every process drafts alike), else oneDNN's packed one; the FMA variant alone
+    where oneDNN does not pack bf16 (AVX2 only)."""
     if not packing_supported(torch.bfloat16, torch.device("cpu")):
         return BlockPlan({rows: FMA for rows in ROW_BUCKETS})  # (exact_bf16_kernels holds)
+    kernel = NATIVE if native_linear_ops() is not None else PACKED
     if fma_linear_ops() is not None:
         from eagle2.target import cache_root
 

@@ -228,7 +228,7 @@ class TargetModel:
                 found = cached_plan(weights, self.name, cache_root() / "kernels",
                                     refresh=refresh, candidates=candidates)
                 self.plan.block_bytes.update(found.block_bytes)
-            self.native = cpu_ops() if self.canonical else None
+            self.native = cpu_ops()
             return self
         if measure:
             found = cached_plan(weights, self.name, cache_root() / "kernels", refresh=refresh)

@@ -135,13 +135,13 @@ def _plain_decode(target, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return torch.stack(out)
 
 
-needs_packed_bf16 = pytest.mark.skipif(
+needs_exact_bf16 = pytest.mark.skipif(
     not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")),
     reason="exact bf16 verification needs oneDNN's packed bf16 kernels (AVX512/AMX) or the "
            "native FMA kernel (AVX2 and a C++ compiler)")
 
 
-@needs_packed_bf16
+@needs_exact_bf16
 @pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
 def test_bf16_tree_nodes_equal_plain_decoding_bitwise(fused):
     """Every node of a tree, verified together with other requests of other lengths (some
@@ -164,7 +164,7 @@ def test_bf16_tree_nodes_equal_plain_decoding_bitwise(fused):
             assert torch.equal(feats[b, node], plain), (b, node)
 
 
-@needs_packed_bf16
+@needs_exact_bf16
 def test_canonical_attention_matches_sdpa():
     """Same numbers as PyTorch's attention up to bf16 rounding (it is attention, reordered)."""
     target = _bf16_target(seed=12)

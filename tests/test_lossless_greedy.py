@@ -120,7 +120,7 @@ def test_embedded_smollm2_modes_equal_hf_greedy(smol):
         assert [o.token_ids for o in outs] == ref, mode
 
 
-needs_packed_bf16 = pytest.mark.skipif(
+needs_exact_bf16 = pytest.mark.skipif(
     not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")),
     reason="exact bf16 verification needs oneDNN's packed bf16 kernels (AVX512/AMX) or the "
            "native FMA kernel (AVX2 and a C++ compiler)")
@@ -132,7 +132,7 @@ def bf16_target(seed: int) -> TargetModel:
     return TargetModel(target.hf, name=f"tiny-bf16-{seed}")
 
 
-@needs_packed_bf16
+@needs_exact_bf16
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bf16_all_modes_equal_vanilla_in_a_batch(seed):
     """bf16 on a CPU: every mode, eight prompts batched (64-token contexts cross several
@@ -149,7 +149,7 @@ def test_bf16_all_modes_equal_vanilla_in_a_batch(seed):
         assert run(make_engine(target, seed), prompts, params, tree) == alone, name
 
 
-@needs_packed_bf16
+@needs_exact_bf16
 def test_bf16_native_linears_mixed_with_packed_ones_equal_vanilla():
     """The kernel plan a large bf16 model measures (the native linear for a few rows,
     oneDNN's for more, `kernels.exact_bf16_candidates`): every mode, batched, equals plain
@@ -171,7 +171,7 @@ def test_bf16_native_linears_mixed_with_packed_ones_equal_vanilla():
         assert run(make_engine(target, 1), prompts, params, tree) == alone, name
 
 
-@needs_packed_bf16
+@needs_exact_bf16
 def test_bf16_fma_linears_equal_vanilla():
     """The other exact family (`kernels.FMA`, fp32 FMAs over the packed bf16 weight, chosen
     where vdpbf16ps is slow): every row count through it, every mode batched equals plain
