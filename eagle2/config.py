@@ -34,6 +34,11 @@ class TreeConfig:
     lookup: mode "eagle2" only: the longest chain that prompt lookup (a suffix match against
     the prompt and the output so far, `eagle2.lookup`) adds to the candidates of the global
     rerank; 0 turns it off. Its nodes compete for the same total_tokens.
+    catch_up: the head runs over at most this many of the positions that reach it in one
+    draft call; when more arrive at once (a prompt, or the backlog of plain steps before a
+    probe at a batch where speculation did not pay), it restarts from the last `catch_up` of
+    them, as a sliding window would (prompt lookup still sees every token). What a probe
+    costs the head then no longer grows with the back-off before it. 0: no limit.
     """
 
     mode: str = "eagle2"
@@ -43,6 +48,7 @@ class TreeConfig:
     draft_window: int = 2048
     budget: str = "auto"
     lookup: int = 16
+    catch_up: int = 64
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -61,6 +67,8 @@ class TreeConfig:
             raise ValueError(f"draft_window must be >= 16, got {self.draft_window}")
         if not 0 <= self.lookup <= MAX_LOOKUP:
             raise ValueError(f"lookup must be in [0, {MAX_LOOKUP}] (0: off), got {self.lookup}")
+        if self.catch_up < 0 or 0 < self.catch_up < 16:
+            raise ValueError(f"catch_up must be 0 (no limit) or >= 16, got {self.catch_up}")
 
     @property
     def num_nodes(self) -> int:

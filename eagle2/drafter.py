@@ -82,8 +82,11 @@ class Drafter:
         self.tree_margin = tree_margin
         self.slot_of: dict[str, int] = {}
         self.free = list(range(max_slots))[::-1]
-        # seq id -> the token after each of its cached positions (len = its cache length)
+        # seq id -> the token after each position it was given (prompt lookup reads them)
         self.histories: dict[str, TokenHistory] = {}
+        # seq id -> positions given but not in the head's cache (skipped by a restart,
+        # `TreeConfig.catch_up`): history length - cache length
+        self.skipped: dict[str, int] = {}
 
     # ----- sequence bookkeeping -------------------------------------------------------------
     def _slots(self, seq_ids: list[str]) -> torch.Tensor:
@@ -100,10 +103,12 @@ class Drafter:
     def release(self, seq_id: str) -> None:
         slot = self.slot_of.pop(seq_id, None)
         self.histories.pop(seq_id, None)
+        self.skipped.pop(seq_id, None)
         if slot is not None:
             self.free.append(slot)
 
     def length(self, seq_id: str) -> int:
+        """Entries in the head's cache for the sequence."""
         return int(self.cache.lengths[self.slot_of[seq_id]])
 
     def rewind(self, seq_id: str, length: int) -> None:
@@ -112,7 +117,23 @@ class Drafter:
             raise ValueError(f"cannot rewind {seq_id!r} to {length}: it holds "
                              f"{self.length(seq_id)} entries")
         self.cache.lengths[self.slot_of[seq_id]] = length
-        self.histories[seq_id].truncate(length)
+        self.histories[seq_id].truncate(length + self.skipped.get(seq_id, 0))
+
+    def _restart(self, seq_ids: list[str], slots: torch.Tensor, features: torch.Tensor,
+                 tokens: torch.Tensor, counts: torch.Tensor, keep: int):
+        """Rows with more than `keep` new pairs forget their cache entries and keep only their
+        last `keep` pairs, which the head then runs over from position 0 (RoPE depends on
+        distances only, so this is a sliding window of `keep` positions at this call).
+        -> features, tokens, counts of what the head runs over."""
+        skip = (counts - keep).clamp(min=0)
+        for b in skip.nonzero().flatten().tolist():
+            sid = seq_ids[b]
+            self.skipped[sid] = len(self.histories[sid]) + int(skip[b])
+            self.cache.lengths[slots[b]] = 0
+        idx = (skip[:, None] + torch.arange(keep, device=self.device)).clamp(
+            max=tokens.shape[1] - 1)
+        return (features.gather(1, idx[:, :, None].expand(-1, -1, features.shape[-1])),
+                tokens.gather(1, idx), counts - skip)
 
     # ----- drafting -------------------------------------------------------------------------
     def _log_probs(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,6 +189,10 @@ class Drafter:
             raise ValueError(f"depth x top_k = {config.depth * config.top_k} exceeds the draft "
                              f"cache's tree margin ({self.tree_margin})")
         slots = self._slots(seq_ids)
+        if config.catch_up and int(counts.max()) > config.catch_up:
+            features, tokens, counts = self._restart(seq_ids, slots, features, tokens, counts,
+                                                     config.catch_up)
+            num_a = config.catch_up
         base = self.cache.lengths[slots]
         if int((base + counts).max()) > self.max_len:
             raise ValueError(f"sequence longer than the draft context ({self.max_len})")

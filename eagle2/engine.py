@@ -435,7 +435,8 @@ class Engine:
                 parts.append((idx, root_only(torch.tensor(roots))))
                 continue
             feats, toks, counts = _pad([self.seqs[i].take_backlog() for i in idx])
-            self._caught_up = int(counts.max())  # positions the head runs over first
+            # positions the head runs over first (at most catch_up: Drafter._restart)
+            self._caught_up = min(int(counts.max()), config.catch_up or int(counts.max()))
             ids = [self.seqs[i].req.seq_id for i in idx]
             config = self._expansions(config)
             gain = 0.0

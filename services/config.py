@@ -27,10 +27,12 @@ class TreeSettings(BaseModel):
     # Longest prompt-lookup chain in the tree (mode "eagle2"; 0: off), docs/DESIGN.md
     # "Prompt lookup".
     lookup: int = Field(TreeConfig.lookup, ge=0, le=MAX_LOOKUP)
+    # The head's catch-up per draft call (0: no limit, else >= 16), TreeConfig.catch_up.
+    catch_up: int = Field(TreeConfig.catch_up, ge=0)
 
     def to_core(self, mode: str | None = None) -> TreeConfig:
         return TreeConfig(mode or self.mode, self.total_tokens, self.depth, self.top_k,
-                          self.draft_window, self.budget, self.lookup)
+                          self.draft_window, self.budget, self.lookup, self.catch_up)
 
 
 class ServiceConfig(BaseModel):

@@ -35,13 +35,14 @@ def tensor_from_proto(msg: draft_pb2.Tensor) -> torch.Tensor:
 def tree_to_spec(cfg: TreeConfig) -> draft_pb2.TreeSpec:
     return draft_pb2.TreeSpec(mode=cfg.mode, total_tokens=cfg.total_tokens, depth=cfg.depth,
                               top_k=cfg.top_k, draft_window=cfg.draft_window, budget=cfg.budget,
-                              lookup=cfg.lookup)
+                              lookup=cfg.lookup, catch_up=cfg.catch_up)
 
 
 def tree_from_spec(spec: draft_pb2.TreeSpec) -> TreeConfig:
-    lookup = {"lookup": spec.lookup} if spec.HasField("lookup") else {}  # else the default
+    # fields a client older than them leaves unset: the defaults
+    optional = {f: getattr(spec, f) for f in ("lookup", "catch_up") if spec.HasField(f)}
     return TreeConfig(spec.mode, spec.total_tokens, spec.depth, spec.top_k, spec.draft_window,
-                      spec.budget or "auto", **lookup)
+                      spec.budget or "auto", **optional)
 
 
 def draft_tree_to_proto(tree: DraftTree) -> draft_pb2.DraftResponse:

@@ -266,6 +266,45 @@ def test_histories_follow_the_cache_through_rewind_and_release():
     assert drafter.histories["a"].tokens == [5]  # a new sequence with that id starts afresh
 
 
+def test_a_restart_drafts_as_a_fresh_head_over_the_last_positions():
+    """More new pairs than catch_up: the head forgets its entries and runs over the last
+    catch_up pairs from position 0, which is what a new sequence given only those pairs gets
+    (the same trees, then and at the next call); the history keeps every token and a rewind
+    counts head entries."""
+    target = tiny_target(seed=3)
+    drafter = make_engine(target, 0).drafter
+    hidden = target.config.hidden_size
+    feats, toks = torch.randn(1, 44, hidden), torch.randint(0, 64, (1, 44))
+    capped = TreeConfig("eagle2", 16, 4, 4, budget="fixed", lookup=0, catch_up=16)
+    whole = replace(capped, catch_up=0)
+    drafter.draft(["a"], feats[:, :4], toks[:, :4], torch.tensor([4]), capped)
+    got = drafter.draft(["a"], feats[:, 4:40], toks[:, 4:40], torch.tensor([36]), capped)
+    want = drafter.draft(["b"], feats[:, 24:40], toks[:, 24:40], torch.tensor([16]), whole)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+    assert drafter.length("a") == 16 and drafter.histories["a"].tokens == toks[0, :40].tolist()
+    nxt = [drafter.draft([sid], feats[:, 40:44], toks[:, 40:44], torch.tensor([4]), capped)
+           for sid in ("a", "b")]
+    assert torch.equal(nxt[0].tokens, nxt[1].tokens)
+    assert torch.allclose(nxt[0].values, nxt[1].values)
+    drafter.rewind("a", 10)  # 10 head entries: 24 skipped positions + 10
+    assert drafter.length("a") == 10
+    assert drafter.histories["a"].tokens == toks[0, :34].tolist()
+    drafter.release("a")
+    assert "a" not in drafter.skipped
+
+
+def test_a_restart_keeps_the_skipped_tokens_for_lookup():
+    target = tiny_target(seed=3)
+    drafter = make_engine(target, 0).drafter
+    pattern = [5, 9, 13, 17, 21, 25]
+    toks = torch.tensor([pattern + list(range(30, 60)) + pattern[:3]])  # 39 pairs
+    feats = torch.randn(1, 39, target.config.hidden_size)
+    tree = drafter.draft(["a"], feats, toks, torch.tensor([39]), replace(FIXED, catch_up=16))
+    assert drafter.length("a") == 16  # the head never saw the pattern's first occurrence
+    proposed = tree.tokens[0][tree.lookup[0]].tolist()
+    assert proposed[:3] == pattern[3:]  # lookup did: "5 9 13" is followed by "17 21 25"
+
+
 def test_lookup_off_and_other_modes_add_no_lookup_nodes():
     target = tiny_target(seed=3)
     drafter = make_engine(target, 0).drafter
@@ -342,6 +381,9 @@ def test_tree_spec_and_response_keep_old_peers_working():
     old_spec = draft_pb2.TreeSpec(mode="eagle2", total_tokens=8, depth=2, top_k=2,
                                   draft_window=64, budget="fixed")
     assert convert.tree_from_spec(old_spec).lookup == TreeConfig.lookup
+    assert convert.tree_from_spec(old_spec).catch_up == TreeConfig.catch_up
+    capped = TreeConfig(catch_up=0)
+    assert convert.tree_from_spec(convert.tree_to_spec(capped)) == capped
     head = candidates([10, 11], [-1, -1], [-0.5, -1.0], [1, 1])
     merged, _ = add_chains(head, torch.tensor([[12]]), torch.tensor([1]),
                            torch.tensor([[-0.1]]), torch.tensor([[0.9]]))

@@ -109,6 +109,23 @@ def test_generation_runs_past_the_draft_window():
     assert run(make_engine(target, 0), prompts, GREEDY, tree) == vanilla
 
 
+def test_restarts_of_the_head_stay_lossless():
+    """Prompts longer than catch_up (the head restarts from their last positions) and the
+    backlog of an auto budget's plain steps: outputs equal plain decoding."""
+    target = tiny_target(vocab=48, seed=8)
+    prompts = random_prompts(3, 48, seed=5, lo=40, hi=70)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    for budget in ("fixed", "auto"):
+        tree = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=3, budget=budget,
+                          catch_up=16)
+        engine = make_engine(target, 0)
+        restarts = []
+        restart = engine.drafter._restart
+        engine.drafter._restart = lambda *a: restarts.append(a[-1]) or restart(*a)
+        assert run(engine, prompts, GREEDY, tree) == vanilla, budget
+        assert restarts  # the prompts at least
+
+
 def test_embedded_smollm2_modes_equal_hf_greedy(smol):
     prompts = ["Write a haiku about the sea.", "What is the capital of France? Explain.",
                "Write a Python function that reverses a string."]

@@ -129,6 +129,8 @@ def test_static_shape_is_the_eagle1_tree():
     (dict(top_k=0), "top_k"),
     (dict(depth=0), "depth"),
     (dict(mode="beam"), "mode"),
+    (dict(catch_up=8), "catch_up"),
+    (dict(catch_up=-1), "catch_up"),
 ])
 def test_bad_tree_config(kwargs, message):
     with pytest.raises(ValueError, match=message):

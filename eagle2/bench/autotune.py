@@ -240,13 +240,14 @@ def measure_draft(drafter: Drafter, feats: torch.Tensor, ids: list[int], depths,
     sid = "tune-draft"
     base = len(ids) - 3
     drafter.draft([sid], feats[None, :base], torch.tensor([ids[1:base + 1]]),
-                  torch.tensor([base]), TreeConfig(depth=1, top_k=1, budget="fixed"))
+                  torch.tensor([base]), TreeConfig(depth=1, top_k=1, budget="fixed", catch_up=0))
     new_f, new_t = feats[None, base:base + 2], torch.tensor([ids[base + 1:base + 3]])
 
     def call(depth: int, k: int) -> None:
         drafter.rewind(sid, base)
         drafter.draft([sid], new_f, new_t, torch.tensor([2]),
-                      TreeConfig(total_tokens=24, depth=depth, top_k=k, budget="fixed"))
+                      TreeConfig(total_tokens=24, depth=depth, top_k=k, budget="fixed",
+                                 catch_up=0))
 
     lo, hi = min(depths), max(depths)
     call(hi, max(top_ks))  # warm-up
@@ -290,7 +291,8 @@ def replay_sequence(drafter: Drafter, seq_id: str, ids: list[int],
                 drafter.rewind(seq_id, done)
             drafter.draft([seq_id], feats[None, done:pos], torch.tensor([ids[done + 1:pos + 1]]),
                           torch.tensor([pos - done]),
-                          TreeConfig(total_tokens=2, depth=max(depths), top_k=k, budget="fixed"))
+                          TreeConfig(total_tokens=2, depth=max(depths), top_k=k, budget="fixed",
+                                     catch_up=0))
             cands = [(t[0].tolist(), s[0].tolist(), p[0].tolist(), lvl)
                      for t, s, p, lvl in drafter.last_candidates]
             for (d, n), acc in replay_accepted(cands, ids[pos + 1:pos + 1 + reach], depths,
