@@ -350,6 +350,7 @@ class BudgetChoice:
     rate: float  # predicted tokens per second of this step at N
     plain_rate: float  # predicted tokens per second of a plain step
     plain_s: float = 0.0  # predicted seconds of a plain step
+    draft_s: float = 0.0  # predicted seconds of the draft levels (within `rate`)
 
     @property
     def price(self) -> float:
@@ -370,14 +371,24 @@ class BudgetChoice:
 PROBE_BUDGET = 0.02
 
 
-def probe_backoff(choice: BudgetChoice, budget: float = PROBE_BUDGET) -> int:
+def probe_backoff(choice: BudgetChoice, budget: float = PROBE_BUDGET,
+                  draft_call_s: float | None = None) -> int:
     """Plain steps to decode after a speculative step that did not pay, so that its predicted
     price is at most `budget` of their time (at least 0). E.g. batch 8, a probe losing 19.6 ms
     against plain steps of 61.6 ms: 16 steps (where 2, 4, 8 ... had probed 6 times in 96
-    steps, the loss of each probe ~4x the gain of its accepted tokens)."""
-    if choice.price <= 0 or choice.plain_s <= 0:
+    steps, the loss of each probe ~4x the gain of its accepted tokens).
+
+    draft_call_s: the measured seconds of the probe's draft call, which replace the predicted
+    levels in its price: the call also ran the head over the positions it had not seen (the
+    plain steps' backlog, up to `TreeConfig.catch_up` of them a request), which the price of
+    a tree, chosen by what its levels cost, leaves out (at batch 8 here that pass cost more
+    than the levels and the wider verification together)."""
+    price = choice.price
+    if draft_call_s is not None:
+        price += max(draft_call_s - choice.draft_s, 0.0)
+    if price <= 0 or choice.plain_s <= 0:
         return 0
-    return math.ceil(choice.price / (budget * choice.plain_s) - 1e-9)
+    return math.ceil(price / (budget * choice.plain_s) - 1e-9)
 
 
 def choose_num_nodes(values: torch.Tensor, costs: CostModel | Callable[..., float], draft_s: float,
@@ -399,7 +410,7 @@ def choose_num_nodes(values: torch.Tensor, costs: CostModel | Callable[..., floa
     rates = [(float(expected[n - 1]) / (draft_s + costs(num_b, n, context)), n) for n in sizes]
     rate, n = max(rates)
     plain_s = costs(num_b, max(min_nodes, 1), context)
-    return BudgetChoice(n, float(expected[n - 1]), rate, num_b / plain_s, plain_s)
+    return BudgetChoice(n, float(expected[n - 1]), rate, num_b / plain_s, plain_s, draft_s)
 
 
 @dataclass
@@ -456,6 +467,7 @@ class SpeculationGate:
         self.history = [*self.history[-63:], pays]
         if pays:
             self.backoff = 0
-        else:
-            self.backoff = min(max(2 * self.backoff, 2, min_backoff), self.max_backoff)
+        else:  # the minimum may pass max_backoff, up to 4x
+            self.backoff = max(min(max(2 * self.backoff, 2), self.max_backoff),
+                               min(min_backoff, 4 * self.max_backoff))
             self.skip_left = self.backoff

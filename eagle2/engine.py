@@ -212,7 +212,8 @@ class Engine:
         tree = self._draft(draft_auto)
         drafted_s = time.perf_counter() - t0
         if any(s.auto for s in self.seqs):
-            tree = self._choose_budget(tree, any(s.drafted for s in self.seqs if s.auto))
+            tree = self._choose_budget(tree, any(s.drafted for s in self.seqs if s.auto),
+                                       drafted_s)
         t1 = time.perf_counter()
         context = self._context()
         verified, features = self._verify(tree)
@@ -343,8 +344,9 @@ class Engine:
         rate = max(self._rate, num_b / self._timed_costs(costs)(num_b, 1, self._context()))
         return rate * costs.draft_level(num_b, width) * self._draft_scale()
 
-    def _choose_budget(self, tree: DraftTree, drafted: bool) -> DraftTree:
-        """Cut the auto-budget trees to the size that pays best this step (eagle2.budget)."""
+    def _choose_budget(self, tree: DraftTree, drafted: bool, drafted_s: float) -> DraftTree:
+        """Cut the auto-budget trees to the size that pays best this step (eagle2.budget).
+        drafted_s: the measured seconds of this step's draft call."""
         self.stats.auto_steps += 1
         auto = torch.tensor([s.auto for s in self.seqs])
         if not drafted:
@@ -365,7 +367,10 @@ class Engine:
         values = torch.cat([values[:, :1], (values[:, 1:] * scale[:, None]).clamp(max=1)], 1)
         choice = choose_num_nodes(values, self._timed_costs(costs), draft_s,
                                   int(fixed.max()) if len(fixed) else 1, context=self._context())
-        self.gate.record(choice.pays, probe_backoff(choice))
+        # a failed probe backs off by its draft call: measured where timing cannot change an
+        # output (greedy batches), else predicted (levels and catch-up)
+        self.gate.record(choice.pays, probe_backoff(
+            choice, draft_call_s=drafted_s if self._greedy_timed() else self._predicted_draft))
         self._rate = choice.rate
         self.stats.nodes_chosen[choice.num_nodes] += 1
         self.stats.predicted_accepted += choice.expected_tokens - int(auto.sum())

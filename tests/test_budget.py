@@ -148,6 +148,17 @@ def test_a_failed_probe_backs_off_until_its_price_is_a_small_share():
     # pruned to the root: the price is the draft time, 5 ms against 61.6 -> 5 steps
     root = BudgetChoice(1, 8.0, 8 / (plain_s + 0.005), plain, plain_s)
     assert root.price == pytest.approx(0.005) and probe_backoff(root) == 5
+    # the measured draft call replaces the predicted levels (5 ms): 35 ms with the head's
+    # catch-up over the plain steps' backlog -> 29 steps
+    root = replace(root, draft_s=0.005)
+    assert probe_backoff(root, draft_call_s=0.035) == math.ceil(
+        0.035 / (PROBE_BUDGET * plain_s) - 1e-9) == 29
+    assert probe_backoff(root, draft_call_s=0.001) == 5  # never below the predicted price
+    capped = SpeculationGate(max_backoff=8)
+    capped.record(False, 20)
+    assert capped.backoff == 20  # the price's minimum passes max_backoff ...
+    capped.record(False, 100)
+    assert capped.backoff == 32  # ... up to 4x
     gate = SpeculationGate()
     gate.record(False, probe_backoff(lossy))
     assert gate.backoff == 16
