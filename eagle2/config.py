@@ -35,10 +35,13 @@ class TreeConfig:
     the prompt and the output so far, `eagle2.lookup`) adds to the candidates of the global
     rerank; 0 turns it off. Its nodes compete for the same total_tokens.
     catch_up: the head runs over at most this many of the positions that reach it in one
-    draft call; when more arrive at once (a prompt, or the backlog of plain steps before a
-    probe at a batch where speculation did not pay), it restarts from the last `catch_up` of
-    them, as a sliding window would (prompt lookup still sees every token). What a probe
-    costs the head then no longer grows with the back-off before it. 0: no limit.
+    draft call; when more arrive at once (a long prompt, or the backlog of plain steps
+    before a probe at a batch where speculation did not pay), it restarts from the last
+    `catch_up` of them, as a sliding window would (prompt lookup still sees every token).
+    This bounds what one draft call spends catching up (at batch 8 on a 2-core CPU a row
+    costs ~0.16 ms against ~60 ms a plain step). Smaller caps cost acceptance: a fixed
+    26-token tree lost 0.4% / 1.9% of its tau at 64 (MT-bench / HumanEval prompts, 50-170
+    tokens). 0: no limit.
     """
 
     mode: str = "eagle2"
@@ -48,7 +51,7 @@ class TreeConfig:
     draft_window: int = 2048
     budget: str = "auto"
     lookup: int = 16
-    catch_up: int = 64
+    catch_up: int = 256
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
