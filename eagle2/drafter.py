@@ -87,6 +87,23 @@ class Drafter:
         # seq id -> positions given but not in the head's cache (skipped by a restart,
         # `TreeConfig.catch_up`): history length - cache length
         self.skipped: dict[str, int] = {}
+        if self.native is not None:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """One throwaway draft, so that the kernels pack their weights and the RoPE table is
+        built now rather than in the first request's step (~55 ms on a 2-core CPU, which the
+        budget would also take for what a draft call costs)."""
+        sid = "__warm_up__"
+        fc_in = self.head.fc.in_features  # EAGLE-3: fused target features; else [embed; feature]
+        width = fc_in if isinstance(self.head, Eagle3Head) else fc_in // 2
+        feats = torch.zeros(1, 2, width, dtype=self.dtype, device=self.device)
+        tokens = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        try:
+            self.draft([sid], feats, tokens, torch.tensor([2]),
+                       TreeConfig(total_tokens=4, depth=2, top_k=2, budget="fixed", lookup=0))
+        finally:
+            self.release(sid)
 
     # ----- sequence bookkeeping -------------------------------------------------------------
     def _slots(self, seq_ids: list[str]) -> torch.Tensor:
