@@ -76,6 +76,8 @@ class Drafter:
             self._vocab_proj = BlockedWeight(self.draft_lm_head, small_rows_plan())
             self.native = cpu_ops()
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [S, Dh]
+        # (the weights' versions, (q|k|v, gate|up)) of `_fused_weights`
+        self._fused: tuple[tuple, tuple[BlockedWeight, BlockedWeight]] | None = None
         self.d2t = head.d2t.to(self.device) if head.d2t.numel() else None
         self.cache = head.allocate_cache(max_slots, max_len + tree_margin)
         self.max_len = max_len
@@ -185,7 +187,24 @@ class Drafter:
         h, residual = self.head.layer_input(embeds, features)
         return native_head_layer(self.native, self.head.decoder, h, residual, self.cache, slots,
                                  base, write_pos, tree_mask, self._rope[0][positions],
-                                 self._rope[1][positions])
+                                 self._rope[1][positions], self._fused_weights())
+
+    def _fused_weights(self) -> tuple[BlockedWeight, BlockedWeight] | None:
+        """The head layer's q|k|v and gate|up weights, each concatenated into one packed
+        weight (one kernel call instead of three and two), packed again when the head's
+        weights change (a head trained in this process). None where a projection has a bias."""
+        layer = self.head.decoder
+        attn, mlp = layer.self_attn, layer.mlp
+        groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
+        if any(getattr(m, "bias", None) is not None for g in groups for m in g):
+            return None
+        seen = tuple((m.weight._version, m.weight.data_ptr()) for g in groups for m in g)
+        if self._fused is None or self._fused[0] != seen:
+            plan = small_rows_plan()
+            qkv, gate_up = (BlockedWeight(torch.cat([m.weight.detach() for m in g]).contiguous(),
+                                          plan) for g in groups)
+            self._fused = seen, (qkv, gate_up)
+        return self._fused[1]
 
     @torch.inference_mode()
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,

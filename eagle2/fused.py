@@ -74,11 +74,15 @@ class FusedLayer:
         return cls(BlockedWeight(qkv, plan), BlockedWeight(attn.o_proj.weight.detach(), plan),
                    BlockedWeight(gate_up, plan), BlockedWeight(mlp.down_proj.weight.detach(), plan),
                    norm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                   norm.variance_epsilon, mlp.act_fn,
-                   isinstance(mlp.act_fn, nn.SiLU) or type(mlp.act_fn).__name__ == "SiLUActivation")
+                   norm.variance_epsilon, mlp.act_fn, is_silu(mlp.act_fn))
 
     def weights(self) -> list[torch.Tensor]:
         return [w.weight for w in (self.qkv, self.o, self.gate_up, self.down)]
+
+
+def is_silu(act: nn.Module) -> bool:
+    """The activation is SiLU (the native path fuses it with the multiply by up)."""
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,15 +138,18 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
 def native_head_layer(ops: ModuleType, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor,
                       cache: KVCache, slots: torch.Tensor, base: torch.Tensor,
                       write_pos: torch.Tensor, tree_mask: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor) -> torch.Tensor:
+                      sin: torch.Tensor, fused: tuple[BlockedWeight, BlockedWeight] | None = None
+                      ) -> torch.Tensor:
     """A draft head's decoder layer (HF modules; `layer_input` of the head gives h and the
     residual) through the same native calls as `_native_layer`: q|k|v -> RoPE + K/V writes at
     write_pos [B, N] -> attention over the committed [0, base) and the scratch entries of
     tree_mask [B, N, T] -> o -> residual add + norm -> MLP. It skips building the [B, N, S]
     mask and the per-call rotary and norm operations of the module path (drafts need no
-    exactness; this is for speed)."""
+    exactness; this is for speed). fused: the layer's q|k|v and gate|up weights, each one
+    kernel call (the MLP's SiLU then fused with the multiply), else one call per module."""
     attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-    qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+    qkv = fused[0](h) if fused is not None else \
+        torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
     layer_k, layer_v = cache.k[0], cache.v[0]
     num_kv = layer_k.shape[1]
     num_q = qkv.shape[-1] // layer_k.shape[-1] - 2 * num_kv
@@ -151,4 +158,6 @@ def native_head_layer(ops: ModuleType, layer: nn.Module, h: torch.Tensor, residu
     out = ops.attention(q, layer_k, layer_v, slots, base, tree_mask, q.shape[-1] ** -0.5)
     x, y = ops.add_rms_norm(residual.contiguous(), attn.o_proj(out).contiguous(), norm.weight,
                             norm.variance_epsilon)
+    if fused is not None and is_silu(mlp.act_fn):
+        return x + mlp.down_proj(ops.silu_mul(fused[1](y)))
     return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y))

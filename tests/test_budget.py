@@ -648,6 +648,22 @@ def test_auto_trees_are_drafted_no_wider_than_the_largest_tree_kept():
     assert set(reads) - {0} <= {k for k, _ in widths}
 
 
+def test_a_level_must_pay_for_its_draft_and_for_verifying_its_nodes():
+    """min_gain: the tokens a level's time and one more verified node a request (beyond the
+    largest tree kept lately, at least root + 1) cost at the current rate."""
+    engine = make_engine(tiny_target(seed=6), 0)
+    batches = (1, 2)
+    engine._costs = CostModel(batches, (1, 2, 3, 4), ((0.02, 0.02, 0.03, 0.05),
+                                                      (0.03, 0.03, 0.05, 0.08)),
+                              draft_batches=batches, draft_level_s=(0.002, 0.003),
+                              draft_narrow_s=(0.002, 0.003))
+    engine.add(Request("a", (1, 2, 3), GREEDY, AUTO))
+    engine.step()  # the prefill
+    assert engine._min_gain(1, 2) == pytest.approx(50 * (0.002 + 0.01))  # a third node
+    engine._sizes_used = [2, 3]
+    assert engine._min_gain(1, 2) == pytest.approx(50 * (0.002 + 0.02))  # a fourth
+
+
 def test_measured_scales_follow_step_times_and_clip_outliers():
     from eagle2.budget import MeasuredScales
 

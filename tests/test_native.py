@@ -273,3 +273,9 @@ def test_the_drafters_native_layer_matches_the_module_path(ops, kind):
         for cols in (slice(0, n), slice(n + 2, n + 5)):
             torch.testing.assert_close(keys_fast[b, :, cols].float(),
                                        keys_slow[b, :, cols].float(), rtol=0.05, atol=0.05)
+    # q|k|v and gate|up ran as one packed weight each, packed again once the head changes
+    fused = fast._fused_weights()
+    assert fused is not None and fast._fused_weights() is fused
+    with torch.no_grad():
+        head.decoder.mlp.up_proj.weight.mul_(2)
+    assert fast._fused_weights() is not fused
