@@ -29,6 +29,7 @@ from eagle2.budget import (
     SPECULATION_MARGIN,
     CostModel,
     MeasuredScales,
+    RealizedRates,
     SpeculationGate,
     choose_num_nodes,
     draft_key,
@@ -86,6 +87,9 @@ class EngineStats:
     # each request's acceptance scale), and how many verification accepted (the check)
     predicted_accepted: float = 0.0
     accepted: int = 0
+    # drafted steps whose predicted gain the realized rates at their batch size overruled
+    # (`budget.RealizedRates`)
+    realized_vetoes: int = 0
     # prompt-lookup nodes (proposed by lookup alone) in the verified trees, and how many of
     # them verification accepted (docs/DESIGN.md "Prompt lookup")
     lookup_offered: int = 0
@@ -153,6 +157,9 @@ class Engine:
         # at a batch size holds for the next requests that run at that size while the engine
         # stays busy (cleared when a request joins an idle engine: `_prefill`)
         self.gates: dict[int, SpeculationGate] = {}
+        # per batch size, what drafting and plain steps delivered (greedy batches only, where
+        # timing cannot change an output; so, unlike the gates, kept when the engine idles)
+        self.realized: dict[int, RealizedRates] = {}
         self._last_gate: SpeculationGate | None = None  # the gate of the last step's batch size
         self._rate = 0.0  # tokens/s predicted for the last speculative step
         self._depths_used: list[int] = []  # deepest kept node of recent auto trees
@@ -207,13 +214,14 @@ class Engine:
         if not self.seqs:
             return []
         t0 = time.perf_counter()
-        draft_auto = self.gate.should_draft() if any(s.auto for s in self.seqs) else True
+        num_b, auto, greedy = len(self.seqs), any(s.auto for s in self.seqs), self._greedy_timed()
+        draft_auto = self.gate.should_draft() if auto else True
         self._predicted_draft = 0.0
         tree = self._draft(draft_auto)
         drafted_s = time.perf_counter() - t0
-        if any(s.auto for s in self.seqs):
-            tree = self._choose_budget(tree, any(s.drafted for s in self.seqs if s.auto),
-                                       drafted_s)
+        drafted = any(s.drafted for s in self.seqs if s.auto)
+        if auto:
+            tree = self._choose_budget(tree, drafted, drafted_s)
         t1 = time.perf_counter()
         context = self._context()
         verified, features = self._verify(tree)
@@ -222,6 +230,9 @@ class Engine:
         self._observe(tree, context, drafted_s, t2 - t1)
         events = self._advance(verified, features)
         t3 = time.perf_counter()
+        if auto and greedy:
+            self.realized.setdefault(num_b, RealizedRates()).observe(
+                drafted, sum(map(len, verified.tokens)), t3 - t0)
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
         self.stats.other_s += t3 - t2
@@ -375,10 +386,17 @@ class Engine:
         values = torch.cat([values[:, :1], (values[:, 1:] * scale[:, None]).clamp(max=1)], 1)
         choice = choose_num_nodes(values, self._timed_costs(costs), draft_s,
                                   int(fixed.max()) if len(fixed) else 1, context=self._context())
-        # a failed probe backs off by its draft call: measured where timing cannot change an
-        # output (greedy batches), else predicted (levels and catch-up)
-        self.gate.record(choice.pays, probe_backoff(
-            choice, draft_call_s=drafted_s if self._greedy_timed() else self._predicted_draft))
+        # a verdict the realized rates contradict is overruled (greedy batches); a failed probe
+        # backs off by its draft call: measured where timing cannot change an output (greedy
+        # batches), else predicted (levels and catch-up)
+        greedy, pays = self._greedy_timed(), choice.pays
+        realized = self.realized.get(num_b) if greedy else None
+        advantage = realized.advantage() if realized is not None else None
+        if pays and advantage is not None and advantage < 1.0:
+            pays = False
+            self.stats.realized_vetoes += 1
+        self.gate.record(pays, probe_backoff(
+            choice, draft_call_s=drafted_s if greedy else self._predicted_draft))
         self._rate = choice.rate
         self.stats.nodes_chosen[choice.num_nodes] += 1
         self.stats.predicted_accepted += choice.expected_tokens - int(auto.sum())

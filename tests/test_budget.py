@@ -664,6 +664,45 @@ def test_a_level_must_pay_for_its_draft_and_for_verifying_its_nodes():
     assert engine._min_gain(1, 2) == pytest.approx(50 * (0.002 + 0.02))  # a fourth
 
 
+def test_realized_rates_compare_drafting_and_plain_steps():
+    from eagle2.budget import RealizedRates
+
+    rates = RealizedRates(decay=1.0, min_steps=2)
+    rates.observe(False, 2, 0.02)
+    rates.observe(True, 3, 0.04)
+    rates.observe(False, 2, 0.02)
+    assert rates.advantage() is None  # one drafting step: too little
+    rates.observe(True, 3, 0.04)
+    # drafting: 6 tokens in 0.08 s (75/s); plain: 4 in 0.04 s (100/s)
+    assert rates.advantage() == pytest.approx(75 / 100)
+    rates.decay = 0.5
+    rates.observe(False, 2, 0.02)
+    assert rates.advantage() is None  # the drafting evidence faded: the verdict is retried
+
+
+def test_realized_losses_overrule_a_predicted_gain():
+    """Greedy batches whose drafting steps delivered fewer tokens a second than their plain
+    steps stop drafting although the costs predict a gain; outputs stay plain decoding's."""
+    from eagle2.budget import RealizedRates
+
+    target = tiny_target(seed=6)
+    prompts = random_prompts(2, 64, seed=9)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    engine = make_engine(target, 0)
+    engine._costs, engine._timed = flat_costs(), True  # trees cost nothing more: all pay
+    losing = RealizedRates(decay=1.0)
+    for drafted in [True] * 8 + [False] * 8:
+        losing.observe(drafted, 2, 0.04 if drafted else 0.01)
+    engine.realized[2] = losing
+    drafted = []
+    draft = engine.drafter.draft
+    engine.drafter.draft = lambda *a, **k: drafted.append(1) or draft(*a, **k)
+    assert run(engine, prompts, GREEDY, AUTO) == vanilla
+    assert engine.stats.realized_vetoes >= 1
+    steps = engine.stats.auto_steps
+    assert len(drafted) < steps / 2  # backed off, not drafting every step
+
+
 def test_measured_scales_follow_step_times_and_clip_outliers():
     from eagle2.budget import MeasuredScales
 

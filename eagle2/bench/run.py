@@ -267,7 +267,7 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
     machine["budget"] = {"auto_steps": stats.auto_steps, "skipped_drafts": stats.skipped_drafts,
                          "nodes_chosen": dict(sorted(stats.nodes_chosen.items())),
                          "predicted_accepted": round(stats.predicted_accepted, 1),
-                         "accepted": stats.accepted}
+                         "accepted": stats.accepted, "realized_vetoes": stats.realized_vetoes}
     machine["lookup"] = {"offered": stats.lookup_offered, "accepted": stats.lookup_accepted}
     report.write_json(out_dir / "runs.json", {
         "config": config, "machine": machine, "wall_s": wall_s,
