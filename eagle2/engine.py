@@ -170,6 +170,9 @@ class Engine:
         self.scales = MeasuredScales()
         self._timed = False
         self._predicted_draft = 0.0  # this step's draft call, predicted (0: none)
+        # draft tokens accepted by kept auto trees and how many trees, decayed sums
+        # (`_typical_accepted`; like `realized`, kept when the engine idles)
+        self._accepted_sums = (0.0, 0.0)
         self._caught_up = 1  # new positions per sequence the drafter ran over this step
 
     # ----- admission --------------------------------------------------------------------------
@@ -338,15 +341,32 @@ class Engine:
         (B + drafting x (n - 1)) / (two narrow draft levels + c(B, n)) must beat B / c(B, 1)
         by SPECULATION_MARGIN for some n. Trees are padded to the largest, so a lone newcomer
         in a batch of 4 on a CPU without AMX never can (c(4, 2) = 1.42 c(4, 1) here): its
-        probe would only cost (its prompt through the head, then a wider forward)."""
+        probe would only cost (its prompt through the head, then a wider forward).
+        For greedy batches a tree's accepted tokens are bounded by what kept trees have
+        accepted lately (`_typical_accepted`) rather than by its size: at batch 8 on an AVX2
+        CPU certain drafts would pay (16 tokens for c(8, 2) = 1.34 c(8, 1)), the accepted
+        ones (~0.5 a tree) did not, and the probe of every batch of newcomers cost ~2% of
+        their decoding (the prompts through the head, then a wider forward)."""
         costs = self._draft_costs()
         forward = self._timed_costs(costs)
         num_b, context = len(self.seqs), self._context()
         plain = num_b / forward(num_b, 1, context) * (1 + SPECULATION_MARGIN)
         draft = 2 * costs.draft_level(drafting, DRAFT_NARROW_TOP_K) * self._draft_scale()
         most = max(s.req.tree.num_nodes for s in self.seqs if s.auto)
-        return any((num_b + drafting * (n - 1)) / (draft + forward(num_b, n, context)) > plain
+        typical = self._typical_accepted() if self._greedy_timed() else None
+        accepted = [n - 1 if typical is None else min(n - 1, typical) for n in range(most + 1)]
+        return any((num_b + drafting * accepted[n]) / (draft + forward(num_b, n, context)) > plain
                    for n in range(2, most + 1))
+
+    ACCEPTED_DECAY = 0.98  # per kept tree: about the last 50
+    ACCEPTED_MIN_TREES = 8.0  # (decayed) kept trees before `_typical_accepted` says anything
+
+    def _typical_accepted(self) -> float | None:
+        """Draft tokens accepted per kept auto tree (a request's tree of more than the root),
+        decayed over the engine's life (this head, the texts lately); None before
+        ACCEPTED_MIN_TREES of them."""
+        total, trees = self._accepted_sums
+        return total / trees if trees >= self.ACCEPTED_MIN_TREES else None
 
     def _min_gain(self, num_b: int, width: int) -> float:
         """Expected accepted tokens one more tree level (of `width` nodes a request) must
@@ -512,6 +532,10 @@ class Engine:
             s.pending_feats, s.pending_tokens = new_feats, new_tokens
             if s.auto and s.drafted:
                 self.stats.accepted += n - 1
+                if s.kept_value > 0:  # a tree was kept for it
+                    total, trees = self._accepted_sums
+                    self._accepted_sums = (self.ACCEPTED_DECAY * total + n - 1,
+                                           self.ACCEPTED_DECAY * trees + 1)
                 decay = self.ACCEPTANCE_DECAY
                 s.promised = decay * s.promised + s.kept_value
                 s.got = decay * s.got + (n - 1)

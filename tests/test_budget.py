@@ -703,6 +703,29 @@ def test_realized_losses_overrule_a_predicted_gain():
     assert len(drafted) < steps / 2  # backed off, not drafting every step
 
 
+def test_newcomers_are_probed_where_typical_acceptance_could_pay():
+    """Greedy batches bound a newcomer's accepted tokens by what kept trees accepted lately:
+    where 0.2 a tree cannot pay for the draft and a wider forward, no probe, though certain
+    drafts could; 0.9 could."""
+    engine = make_engine(tiny_target(seed=6), 0)
+    engine._costs = CostModel((1, 2), (1, 2, 4), ((0.02, 0.022, 0.03), (0.03, 0.034, 0.05)),
+                              draft_batches=(1, 2), draft_level_s=(0.0005, 0.0006),
+                              draft_narrow_s=(0.0005, 0.0006))
+    engine._timed = True
+    engine.add(Request("a", (1, 2, 3), GREEDY, AUTO))
+    engine.add(Request("b", (4, 5, 6), GREEDY, AUTO))
+    engine.step()  # the prefill
+    assert engine._typical_accepted() is None and engine._could_pay(1)  # certain drafts pay
+    engine._accepted_sums = (0.2 * 10, 10.0)
+    assert engine._typical_accepted() == pytest.approx(0.2) and not engine._could_pay(1)
+    engine._accepted_sums = (0.9 * 10, 10.0)
+    assert engine._could_pay(1)
+    engine.seqs[0].req = replace(engine.seqs[0].req, params=SamplingParams(
+        temperature=1.0, seed=1, max_tokens=24))
+    engine._accepted_sums = (0.2 * 10, 10.0)
+    assert engine._could_pay(1)  # sampled batches: certain drafts (reproducible trees)
+
+
 def test_measured_scales_follow_step_times_and_clip_outliers():
     from eagle2.budget import MeasuredScales
 
