@@ -572,6 +572,21 @@ def test_a_seeded_request_samples_the_same_whatever_ran_before_it():
     assert outs[0] == outs[1] == outs[2]
 
 
+def test_gates_outlive_an_idle_engine_for_greedy_newcomers_only():
+    engine = make_engine(tiny_target(seed=5), 0)
+    engine._costs = flat_costs()
+    run(engine, [[1, 2, 3]], GREEDY, AUTO)
+    engine.gates[1] = SpeculationGate(backoff=64, skip_left=50)
+    engine.add(Request("g", (4, 5, 6), GREEDY, AUTO))
+    engine.step()  # the prefill of a greedy request at an idle engine
+    assert engine.gates[1].skip_left == 50  # what the gate learnt still holds
+    engine.cancel("g")
+    engine.add(Request("s", (4, 5, 6), SamplingParams(temperature=1.0, seed=3, max_tokens=8),
+                       AUTO))
+    engine.step()
+    assert 1 not in engine.gates  # a sampled newcomer: the gates start over
+
+
 # ----- draft width --------------------------------------------------------------------------
 def test_draft_level_cost_follows_the_width_and_round_trips():
     costs = CostModel((1,), (1,), ((0.01,),), draft_batches=(1, 2), draft_level_s=(0.004, 0.006),
