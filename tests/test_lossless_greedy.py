@@ -121,7 +121,8 @@ def test_restarts_of_the_head_stay_lossless():
         engine = make_engine(target, 0)
         restarts = []
         restart = engine.drafter._restart
-        engine.drafter._restart = lambda *a: restarts.append(a[-1]) or restart(*a)
+        engine.drafter._restart = lambda *a, seen=restarts, real=restart: \
+            seen.append(a[-1]) or real(*a)
         assert run(engine, prompts, GREEDY, tree) == vanilla, budget
         assert restarts  # the prompts at least
 
