@@ -368,6 +368,21 @@ class Engine:
         total, trees = self._accepted_sums
         return total / trees if trees >= self.ACCEPTED_MIN_TREES else None
 
+    def _catch_up_cap(self, num_b: int) -> int:
+        """Positions a request's head may catch up on in an auto draft call: as many as the
+        time of one plain step buys (`CostModel.catch_up`, at least 16; 0 without draft
+        costs). A long prompt or a probe's backlog then costs at most about a plain step
+        (at batch 8 on the AVX2 EPYC each batch of newcomers' prompts had cost two), for a
+        shorter context in the head (TreeConfig.catch_up)."""
+        costs = self._draft_costs()
+        if not costs.draft_batches:
+            return 0
+        per_row = costs.catch_up(num_b, DRAFT_NARROW_TOP_K + 1) * self._draft_scale()
+        if per_row <= 0:
+            return 0
+        plain = self._timed_costs(costs)(num_b, 1, self._context())
+        return max(16, DRAFT_NARROW_TOP_K + int(plain / per_row))
+
     def _min_gain(self, num_b: int, width: int) -> float:
         """Expected accepted tokens one more tree level (of `width` nodes a request) must
         promise to be worth drafting: its draft time, and the verification of one more node a
@@ -486,6 +501,10 @@ class Engine:
                 parts.append((idx, root_only(torch.tensor(roots))))
                 continue
             feats, toks, counts = _pad([self.seqs[i].take_backlog() for i in idx])
+            if config.budget == "auto":
+                cap = self._catch_up_cap(len(self.seqs))
+                if cap and (not config.catch_up or cap < config.catch_up):
+                    config = replace(config, catch_up=cap)
             # positions the head runs over first (at most catch_up: Drafter._restart)
             self._caught_up = min(int(counts.max()), config.catch_up or int(counts.max()))
             ids = [self.seqs[i].req.seq_id for i in idx]

@@ -572,6 +572,24 @@ def test_a_seeded_request_samples_the_same_whatever_ran_before_it():
     assert outs[0] == outs[1] == outs[2]
 
 
+def test_an_auto_draft_catches_up_on_what_one_plain_step_buys():
+    """A prompt longer than one plain step's worth of head rows restarts the head from its
+    last rows (outputs stay plain decoding's)."""
+    target = tiny_target(seed=6)
+    prompts = random_prompts(2, 64, seed=3, lo=60, hi=70)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    engine = make_engine(target, 0)
+    # plain step 20 ms at batch 2; a narrow level 2 ms, a wide one 8 ms: 1 ms a row -> 22 rows
+    engine._costs = CostModel((1, 2), (1, 2, 4), ((0.02, 0.02, 0.03), (0.02, 0.022, 0.03)),
+                              draft_batches=(1, 2), draft_level_s=(0.008, 0.008),
+                              draft_narrow_s=(0.002, 0.002))
+    keeps = []
+    restart = engine.drafter._restart
+    engine.drafter._restart = lambda *a: keeps.append(a[-1]) or restart(*a)
+    assert run(engine, prompts, GREEDY, AUTO) == vanilla
+    assert keeps and keeps[0] == 22
+
+
 def test_gates_outlive_an_idle_engine_for_greedy_newcomers_only():
     engine = make_engine(tiny_target(seed=5), 0)
     engine._costs = flat_costs()
