@@ -369,13 +369,15 @@ class Engine:
         return total / trees if trees >= self.ACCEPTED_MIN_TREES else None
 
     def _catch_up_cap(self, num_b: int) -> int:
-        """Positions a request's head may catch up on in an auto draft call: as many as the
-        time of one plain step buys (`CostModel.catch_up`, at least 16; 0 without draft
-        costs). A long prompt or a probe's backlog then costs at most about a plain step
+        """Positions a request's head may catch up on in an auto draft call of a batch: as
+        many as the time of one plain step buys (`CostModel.catch_up`, at least 16; 0 without
+        draft costs). A long prompt or a probe's backlog then costs at most about a plain step
         (at batch 8 on the AVX2 EPYC each batch of newcomers' prompts had cost two), for a
-        shorter context in the head (TreeConfig.catch_up)."""
+        shorter context in the head (TreeConfig.catch_up). Not at batch 1, where drafting
+        usually pays and the head's context is worth its pass: capped there (~80 positions
+        on that CPU) HumanEval's tau fell from 1.56 to 1.41."""
         costs = self._draft_costs()
-        if not costs.draft_batches:
+        if num_b <= 1 or not costs.draft_batches:
             return 0
         per_row = costs.catch_up(num_b, DRAFT_NARROW_TOP_K + 1) * self._draft_scale()
         if per_row <= 0:
