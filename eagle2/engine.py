@@ -155,7 +155,8 @@ class Engine:
         self._cost_path = costs if isinstance(costs, Path) else None
         # one gate per batch size: whether speculation pays depends on it, and what was learnt
         # at a batch size holds for the next requests that run at that size while the engine
-        # stays busy (cleared when a request joins an idle engine: `_prefill`)
+        # stays busy, and across idle periods for greedy requests (cleared when a sampled
+        # request joins an idle engine: `_prefill`)
         self.gates: dict[int, SpeculationGate] = {}
         # per batch size, what drafting and plain steps delivered (greedy batches only, where
         # timing cannot change an output; so, unlike the gates, kept when the engine idles)
