@@ -22,7 +22,13 @@ from eagle2.config import TreeConfig
 from eagle2.eagle3 import Eagle3Head
 from eagle2.fused import native_head_layer
 from eagle2.head import DraftHead
-from eagle2.kernels import BlockedWeight, exact_bf16_kernels, pack_linears, small_rows_plan
+from eagle2.kernels import (
+    BlockedWeight,
+    exact_bf16_kernels,
+    pack_linears,
+    small_rows_plan,
+    weights_stamp,
+)
 from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains
 from eagle2.native import cpu_ops
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
@@ -198,7 +204,7 @@ class Drafter:
         groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
         if any(getattr(m, "bias", None) is not None for g in groups for m in g):
             return None
-        seen = tuple((m.weight._version, m.weight.data_ptr()) for g in groups for m in g)
+        seen = weights_stamp(*(m.weight for g in groups for m in g))
         if self._fused is None or self._fused[0] != seen:
             plan = small_rows_plan()
             qkv, gate_up = (BlockedWeight(torch.cat([m.weight.detach() for m in g]).contiguous(),

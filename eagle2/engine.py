@@ -397,7 +397,7 @@ class Engine:
         costs = self._draft_costs()
         forward, context = self._timed_costs(costs), self._context()
         rate = max(self._rate, num_b / forward(num_b, 1, context))
-        size = max(2, *self._sizes_used[-8:]) if self._sizes_used else 2
+        size = max([2, *self._sizes_used])  # (the last 8 steps' sizes)
         verify = max(forward(num_b, size + 1, context) - forward(num_b, size, context), 0.0)
         return rate * (costs.draft_level(num_b, width) * self._draft_scale() + verify)
 

@@ -309,6 +309,12 @@ def one_family(timings: dict[int, dict[int, float]]) -> BlockPlan:
     return BlockPlan(bf16)
 
 
+def weights_stamp(*weights: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """What tells whether weights packed earlier are still these: each one's version counter
+    (changed in place) and storage (replaced)."""
+    return tuple((w._version, w.data_ptr()) for w in weights)
+
+
 class PackedLinear(nn.Module):
     """A bias-free `nn.Linear` whose inference forward multiplies through a packed bf16
     kernel (`small_rows_plan`: the native one, else oneDNN's). The draft head's small weights
@@ -323,13 +329,13 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # [O, K]
         self._packed: BlockedWeight | None = None
-        self._seen: tuple[int, int] | None = None
+        self._seen: tuple[tuple[int, int], ...] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)) \
                 or not exact_bf16_kernels(self.weight.dtype, self.weight.device):
             return F.linear(x, self.weight)
-        seen = (self.weight._version, self.weight.data_ptr())  # changed in place, or replaced
+        seen = weights_stamp(self.weight)
         if self._packed is None or self._seen != seen:
             self._packed = BlockedWeight(self.weight.detach(), small_rows_plan())
             self._seen = seen
