@@ -111,6 +111,7 @@ def shutdown(handle, drain_s: float) -> None:
     from ray import serve
 
     print("eagle2: draining (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+    started = descendants()  # before Ray's stop orphans its agents
     deadline = time.monotonic() + drain_s
     try:
         while handle.drain.remote().result(timeout_s=2) and time.monotonic() < deadline:
@@ -123,3 +124,35 @@ def shutdown(handle, drain_s: float) -> None:
     stopper.start()
     stopper.join(timeout=5)
     ray.shutdown()
+    reap(started, grace_s=5.0)
+
+
+def descendants() -> list:
+    """Every process this one started, directly or not (Ray's GCS, raylet, its agents and
+    workers)."""
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def reap(procs: list, grace_s: float) -> None:
+    """Wait up to grace_s for procs to exit, then kill the rest. Ray's agents poll for their
+    raylet and exit on their own after `ray.shutdown()`, but on a busy machine that took more
+    than 20 s; an operator's Ctrl-C must not leave them behind."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    names = []
+    for proc in alive:
+        try:
+            names.append(f"{proc.pid} {proc.name()}")
+            proc.kill()
+        except psutil.Error:  # it exited meanwhile
+            pass
+    if names:
+        print(f"eagle2: killed {len(names)} process(es) still running {grace_s:.0f} s after "
+              f"Ray's stop: {', '.join(names)}", file=sys.stderr, flush=True)
+        psutil.wait_procs(alive, timeout=grace_s)

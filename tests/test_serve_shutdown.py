@@ -1,7 +1,7 @@
 """`eagle2 serve` stops cleanly on Ctrl-C: SIGINT to its whole process group (what a terminal
 sends) while a stream runs; every process it started is gone within 30 s (13-15 s measured
-with --drain-s 5: a 5 s drain, 5 s for Serve, then Ray's stop; the rest is slack for a slow
-phase of a shared VM, where one run in several took over 20 s)."""
+with --drain-s 5: a 5 s drain, 5 s for Serve, then Ray's stop; on a busy shared VM Ray's agents
+once outlived that by over 15 s, so the CLI now kills what is left 5 s after Ray's stop)."""
 
 from __future__ import annotations
 
