@@ -833,21 +833,30 @@ inline void store_bf16_8(bf16* out, __m256 v, int64_t count) {
 
 constexpr int kGroups8 = kBlockN / 8;  // 8-lane groups of outputs per block
 
+// While the last pass over a block runs from L2, the next block is asked into L2, 128 bytes
+// (its own k-th input pair) per input pair: the passes over it then compute from L2 instead of
+// waiting on memory (paired runs over the target's linears here: 2-8 rows 9-14% faster).
+inline void prefetch_pair(const uint32_t* next, int64_t k) {
+  if (next == nullptr) return;
+  _mm_prefetch(reinterpret_cast<const char*>(next + k * kBlockN), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(next + k * kBlockN + 16), _MM_HINT_T1);
+}
+
 // M rows against one block (M x 4 accumulators). Each input pair in two phases: every row's
 // w[2j] x[2j] into all four groups, then every row's w[2j+1] x[2j+1] (each accumulator still
 // adds the even product, then the odd one), so a phase keeps only M broadcast x values live
-// and the loads stay few. Used for M = 2 (8 accumulators, no spills): 3 rows x 4 groups spilled
-// to the stack every input pair, and pairs of rows were faster for 6-16 rows here (the block
-// is read again from L2 for every two rows).
+// and the loads stay few. Used for M = 1 and 2 (8 accumulators, no spills). next: the block
+// to prefetch (nullptr: none).
 template <int M>
 inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t y_stride,
-                     int64_t n0, int64_t N) {
+                     int64_t n0, int64_t N, const uint32_t* next) {
   __m256 acc[M][kGroups8];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < kGroups8; ++r) acc[m][r] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < K2; ++k) {
     const __m256i* wk = reinterpret_cast<const __m256i*>(w + k * kBlockN);
+    prefetch_pair(next, k);
     __m256 xb[M];
     for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(x + m * 2 * K2 + 2 * k);
     for (int r = 0; r < kGroups8; ++r) {
@@ -867,7 +876,40 @@ inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int
     }
 }
 
-// One row against B consecutive blocks (B x 4 accumulators, B streams)
+// Three rows against one block: 12 accumulators, so each group's weights are widened and used
+// at once and every x value is broadcast where it is multiplied (the phase order above would
+// spill). The same sums in the same order as fma_tile; 16-20% faster than a pair of rows and
+// one more row (paired runs over the target's linears here).
+inline void fma_tile3(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t y_stride,
+                      int64_t n0, int64_t N, const uint32_t* next) {
+  constexpr int M = 3;
+  __m256 acc[M][kGroups8];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kGroups8; ++r) acc[m][r] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m256i* wk = reinterpret_cast<const __m256i*>(w + k * kBlockN);
+    prefetch_pair(next, k);
+    for (int r = 0; r < kGroups8; ++r) {
+      const __m256i raw = _mm256_loadu_si256(wk + r);
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      for (int m = 0; m < M; ++m)
+        acc[m][r] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + m * 2 * K2 + 2 * k), acc[m][r]);
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+      for (int m = 0; m < M; ++m)
+        acc[m][r] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + m * 2 * K2 + 2 * k + 1),
+                                    acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kGroups8; ++r) {
+      const int64_t n = n0 + r * 8;
+      if (n < N) store_bf16_8(y + m * y_stride + n, acc[m][r], N - n);
+    }
+}
+
+// One row against B consecutive blocks (B x 4 accumulators, B streams: 4 streams read the
+// weights ~7% faster than 2 here)
 template <int B>
 inline void fma_row(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t n0,
                     int64_t N) {
@@ -895,26 +937,33 @@ inline void fma_row(const float* x, int64_t K2, const uint32_t* w, bf16* y, int6
     }
 }
 
-// rows [0, M) of x (fp32) against B consecutive blocks at w
+// rows [0, M) of x (fp32) against B consecutive blocks at w; after: the block that follows
+// them (nullptr: none). One row streams all B blocks at once; more rows take each block in
+// turn, in passes of two rows (three when three are left) read from L2 after the first, the
+// last pass prefetching the next block.
 template <int B>
 inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int64_t N,
-                     int64_t n0, int64_t M) {
+                     int64_t n0, int64_t M, const uint32_t* after) {
   const int64_t bs = K2 * kBlockN;
-  for (int64_t m = 0; m < M;) {
-    const float* xm = x + m * 2 * K2;
-    bf16* ym = y + m * N;
-    const int64_t left = M - m;
-    if (left == 1) {
-      if constexpr (B % 2 == 0) {
-        for (int b = 0; b < B; b += 2) fma_row<2>(xm, K2, w + b * bs, ym, n0 + b * kBlockN, N);
-      } else {
-        for (int b = 0; b < B; ++b) fma_row<1>(xm, K2, w + b * bs, ym, n0 + b * kBlockN, N);
-      }
-      m += 1;
-      continue;
+  if (M == 1) {
+    fma_row<B>(x, K2, w, y, n0, N);
+    return;
+  }
+  for (int b = 0; b < B; ++b) {
+    const uint32_t* wb = w + b * bs;
+    const uint32_t* next = b + 1 < B ? wb + bs : after;
+    const int64_t nb = n0 + b * kBlockN;
+    for (int64_t m = 0; m < M;) {
+      const int64_t left = M - m;
+      const int64_t take = left == 3 ? 3 : left >= 2 ? 2 : 1;
+      const uint32_t* pf = m + take >= M ? next : nullptr;
+      const float* xm = x + m * 2 * K2;
+      bf16* ym = y + m * N;
+      if (take == 3) fma_tile3(xm, K2, wb, ym, N, nb, N, pf);
+      else if (take == 2) fma_tile<2>(xm, K2, wb, ym, N, nb, N, pf);
+      else fma_tile<1>(xm, K2, wb, ym, N, nb, N, pf);
+      m += take;
     }
-    for (int b = 0; b < B; ++b) fma_tile<2>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
-    m += 2;
   }
 }
 
@@ -942,11 +991,12 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
   at::parallel_for(0, units, M >= kParallelRows ? 1 : units, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t blk = 4 * u;
+      const auto at = [&](int64_t b) { return b < blocks ? wp + b * K2 * kBlockN : nullptr; };
       if (blk + 4 <= blocks) {
-        fma_rows<4>(xp, wp + blk * K2 * kBlockN, K2, yp, N, blk * kBlockN, M);
+        fma_rows<4>(xp, at(blk), K2, yp, N, blk * kBlockN, M, at(blk + 4));
       } else {
         for (int64_t b = blk; b < blocks; ++b)
-          fma_rows<1>(xp, wp + b * K2 * kBlockN, K2, yp, N, b * kBlockN, M);
+          fma_rows<1>(xp, at(b), K2, yp, N, b * kBlockN, M, at(b + 1));
       }
     }
   });
