@@ -37,8 +37,9 @@ from eagle2.budget import (
     probe_backoff,
 )
 from eagle2.config import SamplingParams, TreeConfig
+from eagle2.lookup import LookupTable, TokenHistory
 from eagle2.runner import TargetRunner
-from eagle2.tree import DraftTree, prune_tree, root_only
+from eagle2.tree import DraftTree, finish_tree, prune_tree, root_only
 from eagle2.verify import Verified
 
 
@@ -94,6 +95,10 @@ class EngineStats:
     # them verification accepted (docs/DESIGN.md "Prompt lookup")
     lookup_offered: int = 0
     lookup_accepted: int = 0
+    # steps that verified prompt-lookup chains without a draft call (auto budget, where the
+    # head's drafts did not pay: `Engine._lookup_trees`), and the tokens they accepted
+    lookup_steps: int = 0
+    lookup_step_accepted: int = 0
 
 
 @dataclass
@@ -116,6 +121,9 @@ class _Seq:
     promised: float = 0.0
     got: float = 0.0
     kept_value: float = 0.0  # this step's promise (sum of the kept nodes' values)
+    # prompt lookup for steps without a draft call (`Engine._lookup_trees`): the request's
+    # tokens so far (prompt and output) and their n-gram index, built on first need
+    history: TokenHistory | None = None
 
     @property
     def auto(self) -> bool:
@@ -138,11 +146,13 @@ class Engine:
 
     def __init__(self, runner: TargetRunner, drafter: DrafterLike | None, max_batch: int = 8,
                  max_context: int = 2048, tree_margin: int | None = None,
-                 costs: CostModel | Path | None = None):
+                 costs: CostModel | Path | None = None, lookup_steps: bool = True):
         """runner: a target with max_batch cache slots of max_context + tree_margin entries.
         costs: this machine's forward and draft costs (auto budgets): a CostModel, a cache
         file (read, or measured once and written there), or None (measured, kept in memory).
-        Measured at the first auto-budget step unless `costs` is touched before."""
+        Measured at the first auto-budget step unless `costs` is touched before.
+        lookup_steps: on steps where an auto-budget request is not drafted, verify the chain
+        prompt lookup proposes for it where the budget says it pays (`_lookup_trees`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.runner, self.drafter = runner, drafter
@@ -175,6 +185,11 @@ class Engine:
         # (`_typical_accepted`; like `realized`, kept when the engine idles)
         self._accepted_sums = (0.0, 0.0)
         self._caught_up = 1  # new positions per sequence the drafter ran over this step
+        self.lookup_steps = lookup_steps
+        self._lookup_only = False  # this step verifies lookup chains without a draft call
+        # what a lookup chain's nodes are worth: the head's fitted table (an in-process
+        # drafter), else the conservative default
+        self.lookup_table: LookupTable = getattr(drafter, "lookup_table", None) or LookupTable()
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -221,6 +236,7 @@ class Engine:
         num_b, auto, greedy = len(self.seqs), any(s.auto for s in self.seqs), self._greedy_timed()
         draft_auto = self.gate.should_draft() if auto else True
         self._predicted_draft = 0.0
+        self._lookup_only = False  # set where the step verifies lookup chains alone
         tree = self._draft(draft_auto)
         drafted_s = time.perf_counter() - t0
         drafted = any(s.drafted for s in self.seqs if s.auto)
@@ -406,8 +422,9 @@ class Engine:
         drafted_s: the measured seconds of this step's draft call."""
         self.stats.auto_steps += 1
         auto = torch.tensor([s.auto for s in self.seqs])
-        if not drafted:
+        if not drafted:  # lookup chains, if any, are already cut (`_lookup_trees`)
             self.stats.skipped_drafts += 1
+            self.stats.lookup_steps += self._lookup_only
             return tree
         costs = self._draft_costs()
         num_b = len(self.seqs)
@@ -464,9 +481,83 @@ class Engine:
         if not bool(tree.lookup.any()):
             return
         flags = tree.lookup.tolist()
+        accepted = sum(flags[b][n] for b, nodes in enumerate(verified.nodes) for n in nodes)
         self.stats.lookup_offered += sum(map(sum, flags))
-        self.stats.lookup_accepted += sum(flags[b][n] for b, nodes in enumerate(verified.nodes)
-                                          for n in nodes)
+        self.stats.lookup_accepted += accepted
+        if self._lookup_only:
+            self.stats.lookup_step_accepted += accepted
+
+    def _lookup_trees(self, idx: list[int]) -> DraftTree:
+        """Trees of the requests in idx, which no draft call serves this step: the root, and
+        for a greedy auto-budget request with prompt lookup the chain lookup proposes after
+        it (the longest earlier match of its last tokens and what followed, `TokenHistory`;
+        no model runs), valued by the lookup table. When no request of the batch drafts, the
+        chains are cut here to the length that pays best (`_lookup_length`); otherwise the
+        budget weighs them with the drafted trees (`_choose_budget`). Where the head's drafts
+        do not pay (the gate is shut), text that repeats itself (code, quoted input) still
+        gets multi-token steps for the verification of a few more tokens (on a CPU c(1, 2)
+        is about c(1, 1)). Greedy requests only: the table's rates are greedy decoding's."""
+        seqs = [self.seqs[i] for i in idx]
+        roots = [int(s.pending_tokens[-1]) for s in seqs]
+        chains = [self._propose(s) for s in seqs] if self.lookup_steps else []
+        if not any(toks for toks, _ in chains):
+            return root_only(torch.tensor(roots))
+        values = []
+        for toks, match in chains:  # a node is worth at most its parent (prune_tree)
+            rates = [1.0]
+            for d in range(1, len(toks) + 1):
+                rates.append(min(rates[-1], self.lookup_table.value(match, d)))
+            values.append(rates[1:])
+        if len(idx) == len(self.seqs):
+            length = self._lookup_length(values)
+            if length == 0:
+                return root_only(torch.tensor(roots))
+            chains = [(toks[:length], match) for toks, match in chains]
+            values = [v[:length] for v in values]
+            self._lookup_only = True
+        width = 1 + max(len(toks) for toks, _ in chains)
+        num_b = len(seqs)
+        tokens = torch.zeros(num_b, width, dtype=torch.long)
+        parents = torch.full((num_b, width), -1, dtype=torch.long)
+        depths = torch.zeros(num_b, width, dtype=torch.long)
+        value = torch.zeros(num_b, width)
+        for b, (root, (toks, _), rates) in enumerate(zip(roots, chains, values, strict=True)):
+            n = len(toks)
+            tokens[b, : n + 1] = torch.tensor([root, *toks])
+            parents[b, 1: n + 1] = torch.arange(n)
+            depths[b, : n + 1] = torch.arange(n + 1)
+            value[b, : n + 1] = torch.tensor([1.0, *rates])
+        num_nodes = torch.tensor([1 + len(toks) for toks, _ in chains])
+        return finish_tree(tokens, parents, depths, num_nodes, value, depths > 0)
+
+    def _propose(self, s: _Seq) -> tuple[list[int], int]:
+        """Prompt lookup's chain after s's last token (at most its tree's lookup length and
+        draft nodes) and the match length; ([], 0) for requests that take none. The
+        history catches up on s's new tokens first."""
+        tree = s.req.tree
+        if not (s.auto and tree.mode == "eagle2" and tree.lookup > 0 and s.req.params.greedy):
+            return [], 0
+        if s.history is None:
+            s.history = TokenHistory()
+            s.history.extend(list(s.req.prompt_ids))
+        known = len(s.history) - len(s.req.prompt_ids)
+        if known < len(s.output):
+            s.history.extend(s.output[known:])
+        return s.history.propose(min(tree.lookup, tree.num_nodes - 1))
+
+    def _lookup_length(self, values: list[list[float]]) -> int:
+        """The chain length (0: none) that maximises predicted tokens per second over the
+        whole batch, every request's chain cut to it: (B + sum of the kept values) / c(B, 1 +
+        length), against plain decoding's B / c(B, 1) (`budget.choose_num_nodes` without a
+        draft call). The gate is not told: no draft call was made."""
+        num_b, context = len(self.seqs), self._context()
+        forward = self._timed_costs(self.costs)
+        best, length = num_b / forward(num_b, 1, context), 0
+        for n in range(1, max(map(len, values)) + 1):
+            rate = (num_b + sum(sum(v[:n]) for v in values)) / forward(num_b, n + 1, context)
+            if rate > best:
+                best, length = rate, n
+        return length
 
     def _expansions(self, config: TreeConfig) -> TreeConfig:
         """An auto tree expands one level past the deepest node kept in the last 8 steps: the
@@ -500,8 +591,7 @@ class Engine:
         parts: list[tuple[list[int], DraftTree]] = []
         for config, idx in groups.items():
             if config is None:
-                roots = [int(self.seqs[i].pending_tokens[-1]) for i in idx]
-                parts.append((idx, root_only(torch.tensor(roots))))
+                parts.append((idx, self._lookup_trees(idx)))
                 continue
             feats, toks, counts = _pad([self.seqs[i].take_backlog() for i in idx])
             if config.budget == "auto":

@@ -13,6 +13,7 @@ from conftest import make_engine, random_prompts, run, tiny_target
 from test_budget import flat_costs
 from test_lossless_sampling import NUM_SAMPLES, chi_square_pvalue, exact_joint
 
+from eagle2.budget import CostModel
 from eagle2.calibration import Calibration
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.lookup import DEFAULT_RATES, Candidates, LookupTable, TokenHistory, add_chains
@@ -346,6 +347,60 @@ def test_greedy_with_lookup_equals_vanilla_in_every_mode(seed):
     with_lookup = make_engine(target, seed)
     run(with_lookup, prompts, GREEDY, FIXED)
     assert with_lookup.stats.steps < plain.stats.steps  # the copies are accepted
+
+
+def shut_gate_costs(per_token: float) -> CostModel:
+    """Forward c(B, N) = 0.01 + per_token x B x N s, and a draft level of 1 s: drafting never
+    pays, so after their first probe the requests run without draft calls."""
+    costs = flat_costs(per_token)
+    return replace(costs, draft_level_s=tuple(1.0 for _ in costs.draft_batches))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lookup_chains_without_draft_calls_equal_vanilla(seed):
+    """The gate shut (drafts cost 1 s a level): greedy auto requests still verify the chains
+    prompt lookup proposes where they pay (`Engine._lookup_trees`), with no draft call, and
+    their outputs are vanilla's token for token; where a longer forward costs too much for
+    what the chains are worth, no chain is verified."""
+    target = tiny_target(vocab=48, seed=30 + seed)
+    prompts = copy_prompts(target, 6, seed) + random_prompts(2, 48, seed=seed + 5)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    steps = {}
+    for name, per_token, lookup_steps in [("cheap", 0.0001, True), ("off", 0.0001, False),
+                                          ("dear", 0.05, True)]:
+        engine = make_engine(target, seed)
+        engine._costs = shut_gate_costs(per_token)
+        engine.lookup_steps = lookup_steps
+        calls = []
+        draft = engine.drafter.draft
+        engine.drafter.draft = lambda *a, calls=calls, draft=draft, **k: (
+            calls.append(1) or draft(*a, **k))
+        assert run(engine, prompts, GREEDY, TREES["eagle2-auto"]) == vanilla, name
+        stats = engine.stats
+        steps[name] = stats.steps
+        assert stats.skipped_drafts > len(calls), name  # the gate was shut on most steps
+        if name == "cheap":
+            assert stats.lookup_steps > 0 and stats.lookup_step_accepted > 0
+            assert stats.lookup_accepted >= stats.lookup_step_accepted
+        else:
+            assert stats.lookup_steps == 0 and stats.lookup_step_accepted == 0, name
+    assert steps["cheap"] < steps["off"]  # the copies were accepted without the head
+
+
+def test_lookup_chains_without_draft_calls_only_for_greedy_auto_requests():
+    """Sampled requests (the table's rates are greedy decoding's) and fixed budgets get no
+    chain on a step without a draft call."""
+    target = tiny_target(vocab=48, seed=31)
+    prompts = copy_prompts(target, 2, 0)
+    sampled = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=3)
+    engine = make_engine(target, 0)
+    engine._costs = shut_gate_costs(0.0001)
+    run(engine, prompts, sampled, TREES["eagle2-auto"])
+    assert engine.stats.lookup_steps == 0 and engine.stats.skipped_drafts > 0
+    engine = make_engine(target, 0)
+    engine._costs = shut_gate_costs(0.0001)
+    run(engine, prompts, GREEDY, replace(TREES["eagle2-auto"], lookup=0))
+    assert engine.stats.lookup_steps == 0 and engine.stats.lookup_offered == 0
 
 
 def test_lookup_over_the_draft_worker_equals_vanilla():

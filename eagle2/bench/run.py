@@ -268,7 +268,9 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
                          "nodes_chosen": dict(sorted(stats.nodes_chosen.items())),
                          "predicted_accepted": round(stats.predicted_accepted, 1),
                          "accepted": stats.accepted, "realized_vetoes": stats.realized_vetoes}
-    machine["lookup"] = {"offered": stats.lookup_offered, "accepted": stats.lookup_accepted}
+    machine["lookup"] = {"offered": stats.lookup_offered, "accepted": stats.lookup_accepted,
+                         "steps_without_draft": stats.lookup_steps,
+                         "accepted_without_draft": stats.lookup_step_accepted}
     report.write_json(out_dir / "runs.json", {
         "config": config, "machine": machine, "wall_s": wall_s,
         "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
@@ -306,7 +308,10 @@ def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner
     for machine in machines:
         if machine.get("lookup", {}).get("offered"):
             lk = machine["lookup"]
-            print(f"prompt lookup: {lk['accepted']} of {lk['offered']} lookup nodes accepted")
+            print(f"prompt lookup: {lk['accepted']} of {lk['offered']} lookup nodes accepted"
+                  + (f"; {lk['steps_without_draft']} steps verified chains without a draft "
+                     f"call, accepting {lk['accepted_without_draft']}"
+                     if lk.get("steps_without_draft") else ""))
     print(f"lossless: {report.fmt_bool(results['lossless'])}; wrote "
           f"{out_dir / 'results.json'} and {out_dir / 'bench.png'}")
     return 1 if results["lossless"] is False else 0
