@@ -53,6 +53,20 @@ def feature_layers(cfg: ServiceConfig) -> tuple[int, ...] | None:
         path, lambda: target_num_layers(cfg.target))
 
 
+def lookup_table(cfg: ServiceConfig):
+    """The prompt-lookup acceptance table fitted for the service's head (its
+    calibration.json), for an engine whose drafter is a worker in another process; None
+    where the head has none (the engine then keeps the conservative default)."""
+    from pathlib import Path
+
+    from eagle2.calibration import FILE_NAME, Calibration
+
+    path = head_dir(cfg)
+    if path is None or not (Path(path) / FILE_NAME).exists():
+        return None
+    return Calibration.load(Path(path) / FILE_NAME).lookup
+
+
 def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
     """The head for cfg.target plus the target's embedding and (EAGLE-1/2 heads, which draft
     through it) its lm_head; nothing else of the target."""

@@ -196,3 +196,25 @@ def test_engine_replica_reserves_the_targets_resources_only_when_it_holds_it():
     assert res(use_gpu=True, tp_size=4) == {"num_cpus": 1, "num_gpus": 0}  # ranks have them
     assert res(use_gpu=True, draft_placement="inprocess",
                draft_gpu_fraction=0.1)["num_gpus"] == 1.0  # head and target share one GPU
+
+
+def test_an_engine_beside_a_draft_worker_reads_the_heads_lookup_table(tmp_path):
+    """With the head in another process, the engine's lookup chains (steps without a draft
+    call) take the head's fitted table from its calibration.json; an untrained head or a
+    directory without the file leaves the conservative default."""
+    import shutil
+
+    from eagle2.api import shipped_head_dir
+    from eagle2.calibration import Calibration
+    from eagle2.target import EMBEDDED_NAME
+    from services.config import ServiceConfig
+    from services.draft_worker import lookup_table
+
+    shipped = shipped_head_dir(EMBEDDED_NAME)
+    want = Calibration.load(shipped / "calibration.json").lookup
+    assert want is not None and lookup_table(ServiceConfig()) == want
+    assert lookup_table(ServiceConfig(draft="untrained")) is None
+    bare = tmp_path / "head"
+    shutil.copytree(shipped, bare)
+    (bare / "calibration.json").unlink()
+    assert lookup_table(ServiceConfig(draft=str(bare))) is None
