@@ -549,14 +549,19 @@ class Engine:
         """The chain length (0: none) that maximises predicted tokens per second over the
         whole batch, every request's chain cut to it: (B + sum of the kept values) / c(B, 1 +
         length), against plain decoding's B / c(B, 1) (`budget.choose_num_nodes` without a
-        draft call). The gate is not told: no draft call was made."""
+        draft call), trying longer chains until two in a row gain nothing. The gate is not
+        told: no draft call was made."""
         num_b, context = len(self.seqs), self._context()
         forward = self._timed_costs(self.costs)
         best, length = num_b / forward(num_b, 1, context), 0
+        expected = float(num_b)
         for n in range(1, max(map(len, values)) + 1):
-            rate = (num_b + sum(sum(v[:n]) for v in values)) / forward(num_b, n + 1, context)
+            expected += sum(v[n - 1] for v in values if len(v) >= n)
+            rate = expected / forward(num_b, n + 1, context)
             if rate > best:
                 best, length = rate, n
+            elif n >= length + 2:  # values fall and costs rise: two lengths without a gain end it
+                break
         return length
 
     def _expansions(self, config: TreeConfig) -> TreeConfig:

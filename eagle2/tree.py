@@ -226,9 +226,13 @@ def prune_tree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
 
 
 def root_only(root: torch.Tensor) -> DraftTree:
-    """The one-node tree of plain decoding: [B] -> N = 1."""
-    parents = torch.full_like(root[:, None], -1)
-    return finish_tree(root[:, None], parents, torch.zeros_like(parents))
+    """The one-node tree of plain decoding: [B] -> N = 1 (what `finish_tree` derives for it,
+    built directly: every plain step of every request takes this path)."""
+    tokens = root[:, None]
+    ones = torch.ones_like(tokens, dtype=torch.bool)
+    return DraftTree(tokens, torch.full_like(tokens, -1), torch.zeros_like(tokens),
+                     ones[:, :, None], torch.zeros_like(tokens)[:, :, None],
+                     torch.ones_like(root), ones.float(), ~ones)
 
 
 def chain_tree(tokens: torch.Tensor) -> DraftTree:

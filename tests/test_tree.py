@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.tree import DraftTree, build_tree, chain_tree, finish_tree, static_shape
+from eagle2.tree import DraftTree, build_tree, chain_tree, finish_tree, root_only, static_shape
 
 
 def test_chain_mask_depths_paths():
@@ -147,3 +147,13 @@ def test_bad_tree_config(kwargs, message):
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_root_only_is_what_finish_tree_derives_for_one_node():
+    root = torch.tensor([5, 7, 0])
+    want = finish_tree(root[:, None], torch.full((3, 1), -1), torch.zeros(3, 1, dtype=torch.long))
+    got = root_only(root)
+    for name, a, b in zip(("tokens", "parents", "depths", "tree_mask", "retrieve_indices",
+                           "num_nodes", "values", "lookup"), got._fields(), want._fields(),
+                          strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
