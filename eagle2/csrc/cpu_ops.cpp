@@ -845,9 +845,12 @@ inline void prefetch_pair(const uint32_t* next, int64_t k) {
 // M rows against one block (M x 4 accumulators). Each input pair in two phases: every row's
 // w[2j] x[2j] into all four groups, then every row's w[2j+1] x[2j+1] (each accumulator still
 // adds the even product, then the odd one), so a phase keeps only M broadcast x values live
-// and the loads stay few. Used for M = 1 and 2 (8 accumulators, no spills). next: the block
-// to prefetch (nullptr: none).
-template <int M>
+// and the loads stay few: for M = 1 and 2 (8 accumulators, no spills). Lean (for M = 3, 12
+// accumulators, where the phases would spill): each group's weights widened and used at once,
+// every x value broadcast where it is multiplied; the same sums in the same order, 16-20%
+// faster for three rows than a pair and one more row (paired runs over the target's linears
+// here). next: the block to prefetch (nullptr: none).
+template <int M, bool Lean = false>
 inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t y_stride,
                      int64_t n0, int64_t N, const uint32_t* next) {
   __m256 acc[M][kGroups8];
@@ -856,49 +859,32 @@ inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < K2; ++k) {
     const __m256i* wk = reinterpret_cast<const __m256i*>(w + k * kBlockN);
+    const float* xk = x + 2 * k;
     prefetch_pair(next, k);
-    __m256 xb[M];
-    for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(x + m * 2 * K2 + 2 * k);
-    for (int r = 0; r < kGroups8; ++r) {
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wk + r), 16));
-      for (int m = 0; m < M; ++m) acc[m][r] = _mm256_fmadd_ps(even, xb[m], acc[m][r]);
-    }
-    for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(x + m * 2 * K2 + 2 * k + 1);
-    for (int r = 0; r < kGroups8; ++r) {
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wk + r), high));
-      for (int m = 0; m < M; ++m) acc[m][r] = _mm256_fmadd_ps(odd, xb[m], acc[m][r]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < kGroups8; ++r) {
-      const int64_t n = n0 + r * 8;
-      if (n < N) store_bf16_8(y + m * y_stride + n, acc[m][r], N - n);
-    }
-}
-
-// Three rows against one block: 12 accumulators, so each group's weights are widened and used
-// at once and every x value is broadcast where it is multiplied (the phase order above would
-// spill). The same sums in the same order as fma_tile; 16-20% faster than a pair of rows and
-// one more row (paired runs over the target's linears here).
-inline void fma_tile3(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t y_stride,
-                      int64_t n0, int64_t N, const uint32_t* next) {
-  constexpr int M = 3;
-  __m256 acc[M][kGroups8];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < kGroups8; ++r) acc[m][r] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < K2; ++k) {
-    const __m256i* wk = reinterpret_cast<const __m256i*>(w + k * kBlockN);
-    prefetch_pair(next, k);
-    for (int r = 0; r < kGroups8; ++r) {
-      const __m256i raw = _mm256_loadu_si256(wk + r);
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-      for (int m = 0; m < M; ++m)
-        acc[m][r] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + m * 2 * K2 + 2 * k), acc[m][r]);
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
-      for (int m = 0; m < M; ++m)
-        acc[m][r] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + m * 2 * K2 + 2 * k + 1),
-                                    acc[m][r]);
+    if constexpr (Lean) {
+      for (int r = 0; r < kGroups8; ++r) {
+        const __m256i raw = _mm256_loadu_si256(wk + r);
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        for (int m = 0; m < M; ++m)
+          acc[m][r] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(xk + m * 2 * K2), acc[m][r]);
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+        for (int m = 0; m < M; ++m)
+          acc[m][r] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xk + m * 2 * K2 + 1), acc[m][r]);
+      }
+    } else {
+      __m256 xb[M];
+      for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(xk + m * 2 * K2);
+      for (int r = 0; r < kGroups8; ++r) {
+        const __m256 even =
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wk + r), 16));
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm256_fmadd_ps(even, xb[m], acc[m][r]);
+      }
+      for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(xk + m * 2 * K2 + 1);
+      for (int r = 0; r < kGroups8; ++r) {
+        const __m256 odd =
+            _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wk + r), high));
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm256_fmadd_ps(odd, xb[m], acc[m][r]);
+      }
     }
   }
   for (int m = 0; m < M; ++m)
@@ -959,7 +945,7 @@ inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int
       const uint32_t* pf = m + take >= M ? next : nullptr;
       const float* xm = x + m * 2 * K2;
       bf16* ym = y + m * N;
-      if (take == 3) fma_tile3(xm, K2, wb, ym, N, nb, N, pf);
+      if (take == 3) fma_tile<3, true>(xm, K2, wb, ym, N, nb, N, pf);
       else if (take == 2) fma_tile<2>(xm, K2, wb, ym, N, nb, N, pf);
       else fma_tile<1>(xm, K2, wb, ym, N, nb, N, pf);
       m += take;
