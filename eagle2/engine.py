@@ -37,7 +37,7 @@ from eagle2.budget import (
     probe_backoff,
 )
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.lookup import LearnedRates, LookupTable, TokenHistory
+from eagle2.lookup import LookupTable, TokenHistory
 from eagle2.runner import TargetRunner
 from eagle2.tree import DraftTree, finish_tree, prune_tree, root_only
 from eagle2.verify import Verified
@@ -187,10 +187,9 @@ class Engine:
         self._caught_up = 1  # new positions per sequence the drafter ran over this step
         self.lookup_steps = lookup_steps
         self._lookup_only = False  # this step verifies lookup chains without a draft call
-        # what a lookup chain's nodes are worth on their own: learnt from the engine's steps,
-        # starting from the head's fitted table (an in-process drafter), else the default
-        self.lookup_rates = LearnedRates(getattr(drafter, "lookup_table", None) or LookupTable())
-        self._chains: list[tuple[int, int, int]] = []  # this step's (row, match, length)
+        # what a lookup chain's nodes are worth: the head's fitted table (an in-process
+        # drafter), else the conservative default
+        self.lookup_table: LookupTable = getattr(drafter, "lookup_table", None) or LookupTable()
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -238,7 +237,6 @@ class Engine:
         draft_auto = self.gate.should_draft() if auto else True
         self._predicted_draft = 0.0
         self._lookup_only = False  # set where the step verifies lookup chains alone
-        self._chains = []
         tree = self._draft(draft_auto)
         drafted_s = time.perf_counter() - t0
         drafted = any(s.drafted for s in self.seqs if s.auto)
@@ -488,20 +486,17 @@ class Engine:
         self.stats.lookup_accepted += accepted
         if self._lookup_only:
             self.stats.lookup_step_accepted += accepted
-            for b, match, length in self._chains:  # a chain's kept nodes are its first ones
-                self.lookup_rates.observe(match, length, len(verified.nodes[b]) - 1)
 
     def _lookup_trees(self, idx: list[int]) -> DraftTree:
         """Trees of the requests in idx, which no draft call serves this step: the root, and
         for a greedy auto-budget request with prompt lookup the chain lookup proposes after
         it (the longest earlier match of its last tokens and what followed, `TokenHistory`;
-        no model runs), valued by the rates such chains met in this engine
-        (`lookup.LearnedRates`, from the head's lookup table). When no request of the batch
-        drafts, the chains are cut here to the length that pays best (`_lookup_length`);
-        otherwise the budget weighs them with the drafted trees (`_choose_budget`). Where the
-        head's drafts do not pay (the gate is shut), text that repeats itself (code, quoted
-        input) still gets multi-token steps for the verification of a few more tokens (on a
-        CPU c(1, 2) is about c(1, 1)). Greedy requests only: the rates are greedy decoding's."""
+        no model runs), valued by the lookup table. When no request of the batch drafts, the
+        chains are cut here to the length that pays best (`_lookup_length`); otherwise the
+        budget weighs them with the drafted trees (`_choose_budget`). Where the head's drafts
+        do not pay (the gate is shut), text that repeats itself (code, quoted input) still
+        gets multi-token steps for the verification of a few more tokens (on a CPU c(1, 2)
+        is about c(1, 1)). Greedy requests only: the table's rates are greedy decoding's."""
         seqs = [self.seqs[i] for i in idx]
         roots = [int(s.pending_tokens[-1]) for s in seqs]
         chains = [self._propose(s) for s in seqs] if self.lookup_steps else []
@@ -511,7 +506,7 @@ class Engine:
         for toks, match in chains:  # a node is worth at most its parent (prune_tree)
             rates = [1.0]
             for d in range(1, len(toks) + 1):
-                rates.append(min(rates[-1], self.lookup_rates.value(match, d)))
+                rates.append(min(rates[-1], self.lookup_table.value(match, d)))
             values.append(rates[1:])
         if len(idx) == len(self.seqs):
             length = self._lookup_length(values)
@@ -520,8 +515,6 @@ class Engine:
             chains = [(toks[:length], match) for toks, match in chains]
             values = [v[:length] for v in values]
             self._lookup_only = True
-            self._chains = [(b, match, len(toks)) for b, (toks, match) in enumerate(chains)
-                            if toks]
         width = 1 + max(len(toks) for toks, _ in chains)
         num_b = len(seqs)
         tokens = torch.zeros(num_b, width, dtype=torch.long)

@@ -208,33 +208,3 @@ def _depth_order(c: Candidates) -> Candidates:
     return Candidates(torch.gather(c.tokens, 1, order), parents,
                       torch.gather(c.scores, 1, order), torch.gather(c.depths, 1, order),
                       torch.gather(c.values, 1, order), torch.gather(c.lookup, 1, order))
-
-
-class LearnedRates:
-    """Acceptance of lookup chains verified on their own (steps without a draft call,
-    `Engine._lookup_trees`), by match length and depth, learnt from the engine's own steps
-    and pulled toward a table's rate by a prior worth `prior` chains. The table is fitted on
-    the tokens the head had not proposed itself (what a chain adds to a drafted tree); a
-    chain verified alone also carries the tokens the head would have drafted, and the texts
-    served may repeat themselves more or less than the calibration prompts did (on the
-    batch benchmark's HumanEval prompts ~0.5 of the nodes verified alone were accepted,
-    where the table said 0.1-0.4). Counts decay by `decay` per chain seen in their cell, so
-    the rates follow what the engine serves lately. A node counts as accepted when
-    verification kept it: the rates are those of a path value (unconditional on depth)."""
-
-    def __init__(self, table: LookupTable, prior: float = 8.0, decay: float = 0.99):
-        self.table, self.prior, self.decay = table, prior, decay
-        self.seen: dict[tuple[int, int], tuple[float, float]] = {}  # (m, d) -> (accepted, n)
-
-    def value(self, match_len: int, depth: int) -> float:
-        m = min(max(match_len, 1), MAX_NGRAM)
-        accepted, num = self.seen.get((m, depth), (0.0, 0.0))
-        return (accepted + self.prior * self.table.value(m, depth)) / (num + self.prior)
-
-    def observe(self, match_len: int, length: int, accepted: int) -> None:
-        """A chain of `length` nodes after a match of match_len tokens; verification kept its
-        first `accepted`."""
-        m = min(max(match_len, 1), MAX_NGRAM)
-        for d in range(1, length + 1):
-            acc, num = self.seen.get((m, d), (0.0, 0.0))
-            self.seen[(m, d)] = (self.decay * acc + (d <= accepted), self.decay * num + 1.0)

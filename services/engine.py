@@ -69,12 +69,11 @@ class TargetEngine:
         """A draft worker in another process holds the head: the engine's lookup chains on
         steps without a draft call take their values from the head's file here."""
         if self.draft_desc == "worker":
-            from eagle2.lookup import LearnedRates
             from services.draft_worker import lookup_table
 
             table = lookup_table(self.cfg)
             if table is not None:
-                self.engine.lookup_rates = LearnedRates(table)
+                self.engine.lookup_table = table
 
     def _new_runner(self) -> LocalRunner | ShardedRunner:
         """The whole target in this process (what a rank actor holds at tp_size 1), or the
