@@ -146,12 +146,12 @@ class Engine:
 
     def __init__(self, runner: TargetRunner, drafter: DrafterLike | None, max_batch: int = 8,
                  max_context: int = 2048, tree_margin: int | None = None,
-                 costs: CostModel | Path | None = None, lookup_steps: bool = True):
+                 costs: CostModel | Path | None = None, lookup_alone: bool = True):
         """runner: a target with max_batch cache slots of max_context + tree_margin entries.
         costs: this machine's forward and draft costs (auto budgets): a CostModel, a cache
         file (read, or measured once and written there), or None (measured, kept in memory).
         Measured at the first auto-budget step unless `costs` is touched before.
-        lookup_steps: on steps where an auto-budget request is not drafted, verify the chain
+        lookup_alone: on steps where an auto-budget request is not drafted, verify the chain
         prompt lookup proposes for it where the budget says it pays (`_lookup_trees`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -185,7 +185,7 @@ class Engine:
         # (`_typical_accepted`; like `realized`, kept when the engine idles)
         self._accepted_sums = (0.0, 0.0)
         self._caught_up = 1  # new positions per sequence the drafter ran over this step
-        self.lookup_steps = lookup_steps
+        self.lookup_alone = lookup_alone
         self._lookup_only = False  # this step verifies lookup chains without a draft call
         # what a lookup chain's nodes are worth: the head's fitted table (an in-process
         # drafter), else the conservative default
@@ -499,7 +499,7 @@ class Engine:
         is about c(1, 1)). Greedy requests only: the table's rates are greedy decoding's."""
         seqs = [self.seqs[i] for i in idx]
         roots = [int(s.pending_tokens[-1]) for s in seqs]
-        chains = [self._propose(s) for s in seqs] if self.lookup_steps else []
+        chains = [self._propose(s) for s in seqs] if self.lookup_alone else []
         if not any(toks for toks, _ in chains):
             return root_only(torch.tensor(roots))
         values = []

@@ -366,11 +366,11 @@ def test_lookup_chains_without_draft_calls_equal_vanilla(seed):
     prompts = copy_prompts(target, 6, seed) + random_prompts(2, 48, seed=seed + 5)
     vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
     steps = {}
-    for name, per_token, lookup_steps in [("cheap", 0.0001, True), ("off", 0.0001, False),
-                                          ("dear", 0.05, True)]:
+    for name, per_token, alone in [("cheap", 0.0001, True), ("off", 0.0001, False),
+                                   ("dear", 0.05, True)]:
         engine = make_engine(target, seed)
         engine._costs = shut_gate_costs(per_token)
-        engine.lookup_steps = lookup_steps
+        engine.lookup_alone = alone
         calls = []
         draft = engine.drafter.draft
         engine.drafter.draft = lambda *a, calls=calls, draft=draft, **k: (
