@@ -146,13 +146,16 @@ class Engine:
 
     def __init__(self, runner: TargetRunner, drafter: DrafterLike | None, max_batch: int = 8,
                  max_context: int = 2048, tree_margin: int | None = None,
-                 costs: CostModel | Path | None = None, lookup_alone: bool = True):
+                 costs: CostModel | Path | None = None, lookup_alone: bool = True,
+                 lookup_table: LookupTable | None = None):
         """runner: a target with max_batch cache slots of max_context + tree_margin entries.
         costs: this machine's forward and draft costs (auto budgets): a CostModel, a cache
         file (read, or measured once and written there), or None (measured, kept in memory).
         Measured at the first auto-budget step unless `costs` is touched before.
         lookup_alone: on steps where an auto-budget request is not drafted, verify the chain
-        prompt lookup proposes for it where the budget says it pays (`_lookup_trees`)."""
+        prompt lookup proposes for it where the budget says it pays (`_lookup_trees`).
+        lookup_table: what such a chain's nodes are worth (default: the in-process drafter's
+        fitted table, else the conservative default)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.runner, self.drafter = runner, drafter
@@ -187,9 +190,8 @@ class Engine:
         self._caught_up = 1  # new positions per sequence the drafter ran over this step
         self.lookup_alone = lookup_alone
         self._lookup_only = False  # this step verifies lookup chains without a draft call
-        # what a lookup chain's nodes are worth: the head's fitted table (an in-process
-        # drafter), else the conservative default
-        self.lookup_table: LookupTable = getattr(drafter, "lookup_table", None) or LookupTable()
+        self.lookup_table: LookupTable = (lookup_table or getattr(drafter, "lookup_table", None)
+                                          or LookupTable())
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -424,7 +426,6 @@ class Engine:
         auto = torch.tensor([s.auto for s in self.seqs])
         if not drafted:  # lookup chains, if any, are already cut (`_lookup_trees`)
             self.stats.skipped_drafts += 1
-            self.stats.lookup_steps += self._lookup_only
             return tree
         costs = self._draft_costs()
         num_b = len(self.seqs)
@@ -502,12 +503,9 @@ class Engine:
         chains = [self._propose(s) for s in seqs] if self.lookup_alone else []
         if not any(toks for toks, _ in chains):
             return root_only(torch.tensor(roots))
-        values = []
-        for toks, match in chains:  # a node is worth at most its parent (prune_tree)
-            rates = [1.0]
-            for d in range(1, len(toks) + 1):
-                rates.append(min(rates[-1], self.lookup_table.value(match, d)))
-            values.append(rates[1:])
+        # non-increasing in depth (`LookupTable`), so a node is worth at most its parent
+        values = [[self.lookup_table.value(match, d) for d in range(1, len(toks) + 1)]
+                  for toks, match in chains]
         if len(idx) == len(self.seqs):
             length = self._lookup_length(values)
             if length == 0:
@@ -515,6 +513,7 @@ class Engine:
             chains = [(toks[:length], match) for toks, match in chains]
             values = [v[:length] for v in values]
             self._lookup_only = True
+            self.stats.lookup_steps += 1
         width = 1 + max(len(toks) for toks, _ in chains)
         num_b = len(seqs)
         tokens = torch.zeros(num_b, width, dtype=torch.long)

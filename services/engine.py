@@ -49,9 +49,13 @@ class TargetEngine:
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         runner = self._new_runner()
         self.cost_path = _cost_path(cfg, self.placement, runner.info)
+        from services.draft_worker import lookup_table
+
+        # a draft worker in another process holds the head: the engine's lookup chains on
+        # steps without a draft call take their values from the head's file here
+        self.lookup_table = lookup_table(cfg) if self.draft_desc == "worker" else None
         self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
-                             costs=self.cost_path)
-        self._set_lookup_table()
+                             costs=self.cost_path, lookup_table=self.lookup_table)
         self.tree = cfg.tree.to_core()
         if self.drafter is not None and self.tree.budget == "auto":
             _ = self.engine.costs  # measured (or read) before serving, not at the first request
@@ -64,16 +68,6 @@ class TargetEngine:
         self.metrics = EngineMetrics()
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
-
-    def _set_lookup_table(self) -> None:
-        """A draft worker in another process holds the head: the engine's lookup chains on
-        steps without a draft call take their values from the head's file here."""
-        if self.draft_desc == "worker":
-            from services.draft_worker import lookup_table
-
-            table = lookup_table(self.cfg)
-            if table is not None:
-                self.engine.lookup_table = table
 
     def _new_runner(self) -> LocalRunner | ShardedRunner:
         """The whole target in this process (what a rank actor holds at tp_size 1), or the
@@ -264,8 +258,8 @@ class TargetEngine:
             self.last_rank_recovery_s = time.monotonic() - t0
             log.warning("tensor-parallel ranks rebuilt in %.1f s", self.last_rank_recovery_s)
         self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context,
-                             costs=_cost_path(self.cfg, self.placement, runner.info))  # cached
-        self._set_lookup_table()
+                             costs=_cost_path(self.cfg, self.placement, runner.info),  # cached
+                             lookup_table=self.lookup_table)
 
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":
