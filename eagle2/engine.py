@@ -14,6 +14,7 @@ last one's), so the target reads its cache through views. Each step:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -281,7 +282,7 @@ class Engine:
             # two contexts: a cost is read at the batch's mean context (`_context`)
             short, long = min(64, self.max_context // 4), min(512, self.max_context // 2)
             if self._cost_path is not None:
-                head = None if self.drafter is None else draft_key(self.drafter)
+                head = None if self.drafter is None else self._draft_key
                 self._costs = CostModel.cached(self.runner, self.max_batch, self._cost_path,
                                                short, long, draft_head=head)
             else:
@@ -301,6 +302,12 @@ class Engine:
         before the first auto-budget step. Never measures."""
         return self._costs if isinstance(self._costs, CostModel) else None
 
+    @functools.cached_property
+    def _draft_key(self) -> str:
+        """`draft_key` of the drafter (its shapes and build do not change; computing it took
+        ~0.1 ms, and the budget asks for it several times a step)."""
+        return draft_key(self.drafter)
+
     def _draft_costs(self) -> CostModel:
         """The costs with the drafter's per-level time (measured once, on first need)."""
         costs = self.costs
@@ -311,7 +318,7 @@ class Engine:
         free = (len(self.drafter.free) if hasattr(self.drafter, "free") else
                 self.max_batch - len(self.seqs))
         wanted = [b for b in costs.batches if b <= min(free, self.max_batch)]
-        key = draft_key(self.drafter)
+        key = self._draft_key
         measured = max(costs.draft_batches, default=0)
         if self._cost_path is not None and (costs.draft_head != key or not costs.draft_narrow_s):
             # the cache holds no draft costs for this head (given ones are kept), or only

@@ -151,60 +151,64 @@ def add_chains(cands: Candidates, chain_tokens: torch.Tensor, chain_len: torch.T
     chain_tokens, chain_scores, chain_values: [B, D] (row b uses its first chain_len[b]);
     scores and values must not increase along a chain. Walking down the chain, a token that
     the head proposed under the same parent reuses that candidate (score and value: the
-    larger of the two); from the first one it did not, the chain adds new candidates. The
-    result is back in depth order (stable: lookup nodes after the head's at each depth), with
-    [B, D] bool: which chain tokens became new candidates.
+    larger of the two); from the first one it did not, the chain adds new candidates. Each
+    row gets D more columns (a reused or unused chain position is a non-candidate: score
+    -inf), and the result is back in depth order (stable: lookup nodes after the head's at
+    each depth), with [B, D] bool: which chain tokens became new candidates. Row by row on
+    Python lists (as `eagle2.tree.build_tree`: the lists are small).
     E.g. head [a, b | a1] (a1 under a), chain [a, x]: a stays (value max), x joins under a.
     """
     num_b, num_c = cands.tokens.shape
     num_d = chain_tokens.shape[1]
+    cols = [x.tolist() for x in (cands.tokens, cands.parents, cands.scores, cands.depths,
+                                 cands.values, cands.lookup)]
+    chains = [x.tolist() for x in (chain_tokens, chain_len, chain_scores, chain_values)]
+    # below the head's deepest level (of the whole batch) nothing can be reused
+    walked = min(num_d, max((max(r) for r in cols[3]), default=0) if num_c else 0)
+    rows, fresh = [], []
+    for b in range(num_b):
+        tok, par, score, dep, val, look = (list(c[b]) for c in cols)
+        ctok, length, cscore, cval = (c[b] for c in chains)
+        first: dict[tuple[int, int], int] = {}  # (parent, token) -> its first candidate
+        for i in range(num_c):
+            first.setdefault((par[i], tok[i]), i)
+        cur, parents, real = -1, [], []  # cur: the chain's node so far (-1: the root)
+        for d in range(walked):
+            hit = first.get((cur, ctok[d])) if d < length else None
+            parents.append(cur)
+            real.append(hit is None and d < length)
+            if hit is not None:
+                score[hit] = max(score[hit], cscore[d])
+                val[hit] = max(val[hit], cval[d])
+                cur = hit
+            elif d < length:
+                cur = num_c + d
+        for d in range(walked, num_d):  # the rest: each new, under the one before it
+            after = num_c + length - 1 if length > walked else cur  # past the chain's end
+            parents.append(cur if d == walked else num_c + d - 1 if d - 1 < length else after)
+            real.append(d < length)
+        fresh.append(real)
+        merged = (tok + ctok, par + parents,
+                  score + [s if r else float("-inf") for s, r in zip(cscore, real, strict=True)],
+                  dep + list(range(1, num_d + 1)),
+                  val + [v if r else 0.0 for v, r in zip(cval, real, strict=True)], look + real)
+        rows.append(_depth_order(*merged))
+    dtypes = (cands.tokens.dtype, cands.parents.dtype, cands.scores.dtype, cands.depths.dtype,
+              cands.values.dtype, torch.bool)
     dev = cands.tokens.device
-    scores, values = cands.scores.clone(), cands.values.clone()
-    cur = torch.full((num_b,), -1, dtype=torch.long, device=dev)  # the chain's node so far
-    head_depth = int(cands.depths.max()) if num_c else 0  # no reuse below the head's nodes
-    new_parents, new_real = [], []
-    walked = min(num_d, head_depth)  # below the head's deepest level nothing can be reused
-    for d in range(walked):
-        active = d < chain_len
-        hit = (cands.parents == cur[:, None]) & (cands.tokens == chain_tokens[:, d:d + 1])
-        found = hit.any(1) & active
-        idx = hit.long().argmax(1)
-        for x, chain_x in ((scores, chain_scores), (values, chain_values)):
-            old = x.gather(1, idx[:, None])[:, 0]
-            x.scatter_(1, idx[:, None], torch.where(
-                found, torch.maximum(old, chain_x[:, d].to(x.dtype)), old)[:, None])
-        fresh = active & ~found
-        new_parents.append(cur)
-        new_real.append(fresh)
-        cur = torch.where(found, idx, torch.where(fresh, num_c + d, cur))
-    if walked < num_d:  # the rest at once: each active token new, under the one before it
-        depth = torch.arange(walked, num_d, device=dev)
-        length = chain_len.to(dev).long()[:, None]
-        after = torch.where(length > walked, num_c + length - 1, cur[:, None])  # past the end
-        chained = torch.where(depth - 1 < length, num_c + depth - 1, after)
-        new_parents.append(torch.where(depth == walked, cur[:, None], chained))
-        new_real.append(depth < length)
-    real = torch.cat([r.view(num_b, -1) for r in new_real], 1)  # [B, D]
-    lookup = Candidates(
-        chain_tokens, torch.cat([q.view(num_b, -1) for q in new_parents], 1),
-        torch.where(real, chain_scores.to(scores.dtype), float("-inf")),
-        torch.arange(1, num_d + 1, device=dev).expand(num_b, num_d),
-        torch.where(real, chain_values.to(values.dtype), 0.0), real)
-    merged = Candidates(*(torch.cat([a, b], 1) for a, b in zip(
-        (cands.tokens, cands.parents, scores, cands.depths, values, cands.lookup),
-        (lookup.tokens, lookup.parents, lookup.scores, lookup.depths, lookup.values,
-         lookup.lookup), strict=True)))
-    return _depth_order(merged), real
+    out = Candidates(*(torch.tensor(list(col), dtype=dt, device=dev)
+                       for col, dt in zip(zip(*rows, strict=True), dtypes, strict=True)))
+    return out, torch.tensor(fresh, dtype=torch.bool, device=dev).view(num_b, num_d)
 
 
-def _depth_order(c: Candidates) -> Candidates:
-    """Stable sort by depth, parents renumbered. E.g. depths [1, 2, 1] -> order [0, 2, 1]."""
-    order = torch.sort(c.depths, dim=1, stable=True).indices  # [B, C]
-    new_of = torch.empty_like(order).scatter_(
-        1, order, torch.arange(order.shape[1], device=order.device).expand_as(order).contiguous())
-    old_parents = torch.gather(c.parents, 1, order)
-    parents = torch.where(old_parents >= 0,
-                          torch.gather(new_of, 1, old_parents.clamp(min=0)), -1)
-    return Candidates(torch.gather(c.tokens, 1, order), parents,
-                      torch.gather(c.scores, 1, order), torch.gather(c.depths, 1, order),
-                      torch.gather(c.values, 1, order), torch.gather(c.lookup, 1, order))
+def _depth_order(tokens: list, parents: list, scores: list, depths: list, values: list,
+                 lookup: list) -> tuple[list, ...]:
+    """One row stably sorted by depth, parents renumbered. E.g. depths [1, 2, 1] -> order
+    [0, 2, 1]."""
+    order = sorted(range(len(depths)), key=depths.__getitem__)
+    new_of = [0] * len(order)
+    for j, i in enumerate(order):
+        new_of[i] = j
+    return ([tokens[i] for i in order],
+            [new_of[parents[i]] if parents[i] >= 0 else -1 for i in order],
+            *([col[i] for i in order] for col in (scores, depths, values, lookup)))

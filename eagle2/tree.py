@@ -79,44 +79,64 @@ def _pad_tree(t: DraftTree, n: int, p: int, d: int) -> DraftTree:
     )
 
 
-def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[B, N] parents -> [B, N, N] bool: each node sees itself and its ancestors.
+# Trees are small (tens of nodes, a few rows on a CPU), and each torch operation on such tensors
+# costs 3-10 us: the functions below work on Python lists, row by row, and make each output
+# tensor once (build + prune + mask + paths took ~0.9 ms a step as ~60 tensor operations, a
+# few percent of a batch-1 step on a 2-core CPU).
 
-    anc(i) = {i} | anc(parent(i)); each round adds one level, so max_depth rounds suffice.
-    """
-    num_b, num_n = parents.shape
-    eye = torch.eye(num_n, dtype=torch.bool, device=parents.device).expand(num_b, num_n, num_n)
-    has_parent = (parents >= 0)[:, :, None]  # [B, N, 1]
-    up = parents.clamp(min=0)[:, :, None].expand(num_b, num_n, num_n)
-    mask = eye.clone()
-    for _ in range(max_depth):
-        mask = eye | (torch.gather(mask, 1, up) & has_parent)
-    return mask
+def _mask_and_paths(parents: list[list[int]], counts: list[int]
+                    ) -> tuple[list[list[list[bool]]], list[list[list[int]]]]:
+    """Rows of parents (depth order, -1 for the root and padding) and valid node counts ->
+    the ancestor masks [B][N][N] (each node sees itself and its ancestors) and the
+    root-to-leaf paths [B][P][D + 1] (-1 padded): one per leaf (a valid node that is no valid
+    node's parent), in node order, D + 1 the most nodes on any node's path."""
+    num_n = len(parents[0]) if parents else 0
+    masks, paths, longest = [], [], 1
+    for par, count in zip(parents, counts, strict=True):
+        ancestors: list[list[int]] = []
+        mask = []
+        for i, p in enumerate(par):
+            line = [*ancestors[p], i] if p >= 0 else [i]  # parents come first: ascending
+            ancestors.append(line)
+            row = [False] * num_n
+            for j in line:
+                row[j] = True
+            mask.append(row)
+            longest = max(longest, len(line))
+        has_child = [False] * num_n
+        for p in par[:count]:
+            if p >= 0:
+                has_child[p] = True
+        masks.append(mask)
+        paths.append([ancestors[i] for i in range(count) if not has_child[i]])
+    width = max(map(len, paths), default=0)
+    padded = [[[*p, *[-1] * (longest - len(p))] for p in row] +
+              [[-1] * longest] * (width - len(row)) for row in paths]
+    return masks, padded
 
 
-def retrieve_paths(tree_mask: torch.Tensor, parents: torch.Tensor,
-                   num_nodes: torch.Tensor) -> torch.Tensor:
-    """Root-to-leaf node indices [B, P, D + 1] (-1 padded) from the ancestor mask.
+def _from_rows(rows: list[tuple[list, list, list, list, list]], device) -> DraftTree:
+    """Per row (tokens, parents, depths, values, lookup flags) of its valid nodes, root first,
+    depth order -> the padded DraftTree on `device`."""
+    num_n = max(len(r[0]) for r in rows)
+    counts = [len(r[0]) for r in rows]
+    pads = (0, -1, 0, 0.0, False)
+    cols = [[[*col, *[pad] * (num_n - len(col))] for col in c]
+            for c, pad in zip(zip(*rows, strict=True), pads, strict=True)]
+    mask, paths = _mask_and_paths(cols[1], counts)
 
-    A leaf is a valid node that is nobody's parent. Because nodes are in depth order, a
-    leaf's ancestors sorted by index are its path from the root.
-    """
-    num_n = parents.shape[1]
-    idx = torch.arange(num_n, device=parents.device)
-    valid = idx[None, :] < num_nodes[:, None]  # [B, N]
-    is_parent = torch.zeros_like(valid)
-    is_parent.scatter_(1, parents.clamp(min=0), parents >= 0)
-    leaf = valid & ~is_parent  # [B, N]
-    num_paths = int(leaf.sum(1).max())
-    depth = int(tree_mask.sum(-1).max())  # nodes on the longest path
-    # leaves first (stable, in node order), then non-leaves
-    order = torch.sort((~leaf).to(torch.uint8), dim=1, stable=True).indices[:, :num_paths]
-    rows = torch.gather(tree_mask, 1, order[:, :, None].expand(-1, -1, num_n))  # [B, P, N]
-    keyed = torch.where(rows, idx, num_n)  # ancestors keep their index, others sort last
-    path = torch.sort(keyed, dim=-1).values[:, :, :depth]
-    path = torch.where(path < num_n, path, -1)
-    real = torch.gather(leaf, 1, order)  # [B, P] a padded row is not a leaf
-    return torch.where(real[:, :, None], path, -1)
+    def tensor(x, dtype):
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return DraftTree(tensor(cols[0], torch.long), tensor(cols[1], torch.long),
+                     tensor(cols[2], torch.long), tensor(mask, torch.bool),
+                     tensor(paths, torch.long), tensor(counts, torch.long),
+                     tensor(cols[3], torch.float32), tensor(cols[4], torch.bool))
+
+
+def _keep_best(ranked: list[float], keep: int) -> list[int]:
+    """Indices of the `keep` highest of `ranked` (ties: the earlier), back in index order."""
+    return sorted(sorted(range(len(ranked)), key=ranked.__getitem__, reverse=True)[:keep])
 
 
 def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
@@ -132,41 +152,27 @@ def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torc
     E.g. scores [-.1, -.5, -.2, -.9] (first two depth 1), keep 2 -> candidates 0 and 2.
     """
     num_b, num_c = cand_tokens.shape
-    dev = root.device
     keep = min(num_c, num_nodes - 1)
-    order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :keep]
-    real = torch.gather(cand_scores, 1, order) > float("-inf")  # [B, keep] sorted: real first
-    chosen = torch.sort(torch.where(real, order, num_c), dim=1).values  # depth order, pads last
-    kept = real.sum(1)  # [B]
-    keep = int(kept.max()) if num_b else 0
-    chosen = chosen[:, :keep]
-    valid = chosen < num_c
-    chosen = torch.where(valid, chosen, 0)
-    # map candidate index -> node index (root is node 0, chosen[b, j] is node j + 1); padding
-    # writes to a spare last column
-    node_of = torch.full((num_b, num_c + 1), -1, dtype=torch.long, device=dev)
-    node_of.scatter_(1, torch.where(valid, chosen, num_c),
-                     torch.arange(1, keep + 1, device=dev).expand(num_b, -1).clone())
-    cand_parent = torch.gather(cand_parents, 1, chosen)  # [B, keep]
-    parent_node = torch.where(
-        cand_parent >= 0, torch.gather(node_of, 1, cand_parent.clamp(min=0)), 0)
-    assert bool(((cand_parent < 0) | (parent_node > 0) | ~valid).all()), \
-        "reranked tree is disconnected"
     if cand_values is None:
         cand_values = cand_scores.float().exp()
     if cand_lookup is None:
         cand_lookup = torch.zeros_like(cand_tokens, dtype=torch.bool)
-    zero = torch.zeros(num_b, 1, dtype=torch.long, device=dev)
-
-    def pick(x: torch.Tensor, pad) -> torch.Tensor:
-        return torch.where(valid, torch.gather(x, 1, chosen), pad)
-
-    tokens = torch.cat([root[:, None], pick(cand_tokens, 0)], 1)
-    parents = torch.cat([zero - 1, torch.where(valid, parent_node, -1)], 1)
-    depths = torch.cat([zero, pick(cand_depths, 0)], 1)
-    values = torch.cat([zero + 1.0, pick(cand_values.float(), 0.0)], 1)
-    lookup = torch.cat([zero > 0, pick(cand_lookup, False)], 1)
-    return finish_tree(tokens, parents, depths, kept + 1, values, lookup)
+    roots = root.tolist()
+    cols = [x.tolist() for x in (cand_tokens, cand_parents, cand_scores, cand_depths,
+                                 cand_values.float(), cand_lookup)]
+    rows = []
+    for b in range(num_b):
+        tok, par, score, dep, val, look = (c[b] for c in cols)
+        chosen = [i for i in _keep_best(score, keep) if score[i] > float("-inf")]
+        node_of = {c: j + 1 for j, c in enumerate(chosen)}
+        parents = [-1]
+        for c in chosen:
+            assert par[c] < 0 or par[c] in node_of, "reranked tree is disconnected"
+            parents.append(node_of[par[c]] if par[c] >= 0 else 0)
+        rows.append(([roots[b], *(tok[c] for c in chosen)], parents,
+                     [0, *(dep[c] for c in chosen)], [1.0, *(val[c] for c in chosen)],
+                     [False, *(look[c] for c in chosen)]))
+    return _from_rows(rows, root.device)
 
 
 def finish_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
@@ -177,17 +183,17 @@ def finish_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tenso
     values [B, N] default to 1 for every valid node (unknown: nothing to choose by); lookup
     [B, N] to False (head nodes)."""
     num_b, num_n = tokens.shape
+    dev = tokens.device
     if num_nodes is None:
-        num_nodes = torch.full((num_b,), num_n, dtype=torch.long, device=tokens.device)
+        num_nodes = torch.full((num_b,), num_n, dtype=torch.long, device=dev)
     if values is None:
-        idx = torch.arange(num_n, device=tokens.device)
-        values = (idx[None, :] < num_nodes[:, None]).float()
+        values = (torch.arange(num_n, device=dev)[None, :] < num_nodes[:, None]).float()
     if lookup is None:
         lookup = torch.zeros_like(tokens, dtype=torch.bool)
-    max_depth = int(depths.max()) if num_n else 0
-    mask = ancestor_mask(parents, max(max_depth, 1))
-    return DraftTree(tokens, parents, depths, mask, retrieve_paths(mask, parents, num_nodes),
-                     num_nodes, values, lookup)
+    mask, paths = _mask_and_paths(parents.tolist(), num_nodes.tolist())
+    return DraftTree(tokens, parents, depths, torch.tensor(mask, dtype=torch.bool, device=dev),
+                     torch.tensor(paths, dtype=torch.long, device=dev), num_nodes, values,
+                     lookup)
 
 
 def prune_tree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
@@ -197,32 +203,22 @@ def prune_tree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
     stable descending sort ranks every parent before its children: the kept set is connected.
     E.g. values [1, .9, .2, .6] (node 3 a child of node 1), keep 3 -> nodes 0, 1, 3.
     """
-    num_b, num_n = tree.tokens.shape
-    dev = tree.tokens.device
-    keep = torch.minimum(keep.to(dev), tree.num_nodes)
-    width = int(keep.max())
-    idx = torch.arange(num_n, device=dev)
-    ranked = torch.where(idx[None, :] < tree.num_nodes[:, None], tree.values,
-                         torch.tensor(-1.0, device=dev))
-    ranked[:, 0] = 2.0  # the root always stays first
-    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :width]
-    chosen = torch.sort(order, dim=1).values  # [B, N'] back in depth order
-    valid = torch.arange(width, device=dev)[None, :] < keep[:, None]  # [B, N']
-    chosen = torch.where(valid, chosen, 0)
-    # old node index -> new one (-1: dropped); invalid rows write to a spare last column
-    node_of = torch.full((num_b, num_n + 1), -1, dtype=torch.long, device=dev)
-    node_of.scatter_(1, torch.where(valid, chosen, num_n),
-                     torch.arange(width, device=dev).expand(num_b, -1).clone())
-    old_parent = torch.gather(tree.parents, 1, chosen)
-    parents = torch.where(old_parent >= 0, torch.gather(node_of, 1, old_parent.clamp(min=0)), -1)
-    parents = torch.where(valid, parents, -1)
-    parents[:, 0] = -1
-    assert bool(((old_parent < 0) | (parents >= 0) | ~valid).all()), "pruned tree is disconnected"
-    tokens = torch.where(valid, torch.gather(tree.tokens, 1, chosen), 0)
-    depths = torch.where(valid, torch.gather(tree.depths, 1, chosen), 0)
-    values = torch.where(valid, torch.gather(tree.values, 1, chosen), 0.0)
-    lookup = valid & torch.gather(tree.lookup, 1, chosen)
-    return finish_tree(tokens, parents, depths, keep, values, lookup)
+    counts = tree.num_nodes.tolist()
+    keep = [min(k, n) for k, n in zip(keep.tolist(), counts, strict=True)]
+    cols = [x.tolist() for x in (tree.tokens, tree.parents, tree.depths, tree.values,
+                                 tree.lookup)]
+    rows = []
+    for b, n in enumerate(counts):
+        tok, par, dep, val, look = (c[b] for c in cols)
+        chosen = _keep_best([2.0, *val[1:n]], keep[b])  # the root always stays first
+        node_of = {c: j for j, c in enumerate(chosen)}
+        parents = [-1]
+        for c in chosen[1:]:
+            assert par[c] in node_of, "pruned tree is disconnected"
+            parents.append(node_of[par[c]])
+        rows.append(([tok[c] for c in chosen], parents, [dep[c] for c in chosen],
+                     [val[c] for c in chosen], [look[c] for c in chosen]))
+    return _from_rows(rows, tree.tokens.device)
 
 
 def root_only(root: torch.Tensor) -> DraftTree:

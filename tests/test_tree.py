@@ -117,6 +117,15 @@ def test_concat_pads_and_keeps_rows():
     assert t.retrieve_indices[0].tolist() == [[0, 1, 2], [-1, -1, -1], [-1, -1, -1]]
 
 
+def test_padding_is_on_no_path_and_the_root_is_no_leaf():
+    # root -> 1 -> 2, then one padding node (its parent -1): one path, the padding sees itself
+    t = finish_tree(torch.tensor([[1, 2, 3, 0]]), torch.tensor([[-1, 0, 1, -1]]),
+                    torch.tensor([[0, 1, 2, 0]]), num_nodes=torch.tensor([3]))
+    assert t.retrieve_indices.tolist() == [[[0, 1, 2]]]
+    assert t.tree_mask[0, 3].tolist() == [False, False, False, True]
+    assert root_only(torch.tensor([4])).retrieve_indices.tolist() == [[[0]]]
+
+
 def test_static_shape_is_the_eagle1_tree():
     shape = static_shape(26)
     assert [len(level) for level in shape] == [4, 8, 8, 3, 2]
