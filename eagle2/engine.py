@@ -497,14 +497,19 @@ class Engine:
 
     def _lookup_trees(self, idx: list[int]) -> DraftTree:
         """Trees of the requests in idx, which no draft call serves this step: the root, and
-        for a greedy auto-budget request with prompt lookup the chain lookup proposes after
+        for an auto-budget request with prompt lookup the chain lookup proposes after
         it (the longest earlier match of its last tokens and what followed, `TokenHistory`;
         no model runs), valued by the lookup table. When no request of the batch drafts, the
         chains are cut here to the length that pays best (`_lookup_length`); otherwise the
         budget weighs them with the drafted trees (`_choose_budget`). Where the head's drafts
         do not pay (the gate is shut), text that repeats itself (code, quoted input) still
         gets multi-token steps for the verification of a few more tokens (on a CPU c(1, 2)
-        is about c(1, 1)). Greedy requests only: the table's rates are greedy decoding's."""
+        is about c(1, 1)). Sampled requests too: verification takes a lookup token as a
+        one-hot proposal, accepted with the target's probability of it (lossless as any
+        draft); the table's rates, fitted on greedy decoding, stand in for that probability
+        (they overstate it where the target is unsure, which the cut then pays for), and a
+        chain depends only on the request's own tokens, the cut on the untimed costs when a
+        request samples, so a seeded request reproduces."""
         seqs = [self.seqs[i] for i in idx]
         roots = [int(s.pending_tokens[-1]) for s in seqs]
         chains = [self._propose(s) for s in seqs] if self.lookup_alone else []
@@ -541,7 +546,7 @@ class Engine:
         draft nodes) and the match length; ([], 0) for requests that take none. The
         history catches up on s's new tokens first."""
         tree = s.req.tree
-        if not (s.auto and tree.mode == "eagle2" and tree.lookup > 0 and s.req.params.greedy):
+        if not (s.auto and tree.mode == "eagle2" and tree.lookup > 0):
             return [], 0
         if s.history is None:
             s.history = TokenHistory()

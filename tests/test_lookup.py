@@ -13,7 +13,7 @@ from conftest import make_engine, random_prompts, run, tiny_target
 from test_budget import flat_costs
 from test_lossless_sampling import NUM_SAMPLES, chi_square_pvalue, exact_joint
 
-from eagle2.budget import CostModel
+from eagle2.budget import CostModel, SpeculationGate
 from eagle2.calibration import Calibration
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.lookup import DEFAULT_RATES, Candidates, LookupTable, TokenHistory, add_chains
@@ -387,16 +387,19 @@ def test_lookup_chains_without_draft_calls_equal_vanilla(seed):
     assert steps["cheap"] < steps["off"]  # the copies were accepted without the head
 
 
-def test_lookup_chains_without_draft_calls_only_for_greedy_auto_requests():
-    """Sampled requests (the table's rates are greedy decoding's) and fixed budgets get no
-    chain on a step without a draft call."""
+def test_lookup_chains_without_draft_calls_for_sampled_requests_too():
+    """Sampled auto requests verify chains on steps without a draft call (reproducibly per
+    seed); fixed budgets and lookup=0 get none."""
     target = tiny_target(vocab=48, seed=31)
     prompts = copy_prompts(target, 2, 0)
-    sampled = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=3)
-    engine = make_engine(target, 0)
-    engine._costs = shut_gate_costs(0.0001)
-    run(engine, prompts, sampled, TREES["eagle2-auto"])
-    assert engine.stats.lookup_steps == 0 and engine.stats.skipped_drafts > 0
+    sampled = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        engine = make_engine(target, 0)
+        engine._costs = shut_gate_costs(0.0001)
+        outs.append(run(engine, prompts, sampled, TREES["eagle2-auto"], seeds=[3, 4]))
+        assert engine.stats.lookup_steps > 0 and engine.stats.skipped_drafts > 0
+    assert outs[0] == outs[1]
     engine = make_engine(target, 0)
     engine._costs = shut_gate_costs(0.0001)
     run(engine, prompts, GREEDY, replace(TREES["eagle2-auto"], lookup=0))
@@ -473,6 +476,33 @@ def test_sampling_with_lookup_matches_target_distribution(sampling_target, monke
         for o in run(engine, [REPEATING] * 500, params, tree, seeds=seeds):
             counts[tuple(o[:3])] = counts.get(tuple(o[:3]), 0) + 1
     assert engine.stats.lookup_accepted > 100  # lookup nodes took part in the acceptance
+    assert chi_square_pvalue(counts, probs, NUM_SAMPLES) > 1e-3
+
+
+def test_sampled_lookup_chains_without_draft_calls_match_target_distribution(sampling_target,
+                                                                            monkeypatch):
+    """The gate shut on every step (no draft call, not even a newcomer's probe): every step
+    verifies lookup's chain alone, and the sampled sequences still follow the target's
+    distribution."""
+    import test_lossless_sampling as harness
+
+    monkeypatch.setattr(harness, "PROMPT", REPEATING)
+    monkeypatch.setattr(SpeculationGate, "should_draft", lambda self: False)
+    tree = TreeConfig("eagle2", total_tokens=8, depth=2, top_k=3, lookup=4)  # auto budget
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=3, ignore_eos=True)
+    probs = exact_joint(sampling_target, 0.8, 0.95)
+    engine = make_engine(sampling_target, head_seed=0, max_batch=500, max_context=64)
+    engine._costs = shut_gate_costs(0.0)
+    draft = engine.drafter.draft
+    engine.drafter.draft = lambda *a, **k: pytest.fail("a draft call")
+    counts: dict = {}
+    for start in range(0, NUM_SAMPLES, 500):
+        seeds = list(range(40000 + start, 40000 + start + 500))
+        for o in run(engine, [REPEATING] * 500, params, tree, seeds=seeds):
+            counts[tuple(o[:3])] = counts.get(tuple(o[:3]), 0) + 1
+    assert engine.stats.lookup_step_accepted > 100  # chains verified alone were accepted
+    assert engine.stats.lookup_steps == engine.stats.steps  # every step after the prefills
+    engine.drafter.draft = draft
     assert chi_square_pvalue(counts, probs, NUM_SAMPLES) > 1e-3
 
 
