@@ -11,7 +11,7 @@ from conftest import tiny_target
 from eagle2.attention import causal_mask
 from eagle2.kernels import exact_bf16_kernels
 from eagle2.target import TargetModel
-from eagle2.tree import finish_tree
+from eagle2.tree import chain_tree, finish_tree
 
 
 def causal_features(target, tokens: list[int]) -> torch.Tensor:
@@ -70,6 +70,31 @@ def test_cache_after_commit_equals_recomputation():
     n = len(seq)
     torch.testing.assert_close(cache.k[:, 0, :, :n], ref.k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.v[:, 0, :, :n], ref.v[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_a_chain_accepted_from_its_start_commits_in_place():
+    """Two requests: one accepts its chain's first two tokens (the K/V already sit where
+    they go: nothing moves), the other its first only; both caches equal recomputation."""
+    target = tiny_target(seed=4)
+    prompts = [[2, 7, 1, 8, 2, 8], [3, 1, 4, 1, 5]]
+    cache = target.allocate_cache(2, 64)
+    for slot, prompt in enumerate(prompts):
+        n = len(prompt)
+        target.forward(torch.tensor([prompt]), torch.arange(n)[None],
+                       causal_mask(torch.tensor([n]), n), cache, torch.tensor([slot]))
+        cache.lengths[slot] = n
+    tree = chain_tree(torch.tensor([[9, 10, 11], [12, 13, 14]]))
+    target.forward(tree.tokens, cache.lengths[:2, None] + tree.depths, tree.tree_mask, cache,
+                   torch.tensor([0, 1]))
+    cache.commit(torch.tensor([0, 1]), torch.tensor([[0, 1], [0, 0]]), torch.tensor([2, 1]))
+    for slot, seq in enumerate([prompts[0] + [9, 10], prompts[1] + [12]]):
+        n = len(seq)
+        assert int(cache.lengths[slot]) == n
+        ref = prefill(target, seq)
+        torch.testing.assert_close(cache.k[:, slot, :, :n], ref.k[:, 0, :, :n], rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(cache.v[:, slot, :, :n], ref.v[:, 0, :, :n], rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_a_copied_slot_decodes_as_the_original():
