@@ -14,7 +14,6 @@ last one's), so the target reads its cache through views. Each step:
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -189,6 +188,7 @@ class Engine:
         # (`_typical_accepted`; like `realized`, kept when the engine idles)
         self._accepted_sums = (0.0, 0.0)
         self._caught_up = 1  # new positions per sequence the drafter ran over this step
+        self._draft_key_of: tuple[object, str] | None = None  # (drafter, its `draft_key`)
         self.lookup_alone = lookup_alone
         self._lookup_only = False  # this step verifies lookup chains without a draft call
         self.lookup_table: LookupTable = (lookup_table or getattr(drafter, "lookup_table", None)
@@ -302,11 +302,13 @@ class Engine:
         before the first auto-budget step. Never measures."""
         return self._costs if isinstance(self._costs, CostModel) else None
 
-    @functools.cached_property
+    @property
     def _draft_key(self) -> str:
-        """`draft_key` of the drafter (its shapes and build do not change; computing it took
-        ~0.1 ms, and the budget asks for it several times a step)."""
-        return draft_key(self.drafter)
+        """`draft_key` of the drafter, computed once per drafter (computing it took ~0.1 ms,
+        and the budget asks for it several times a step; a tool may swap the drafter)."""
+        if self._draft_key_of is None or self._draft_key_of[0] is not self.drafter:
+            self._draft_key_of = (self.drafter, draft_key(self.drafter))
+        return self._draft_key_of[1]
 
     def _draft_costs(self) -> CostModel:
         """The costs with the drafter's per-level time (measured once, on first need)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_engine, random_prompts, run, tiny_target
 
-from eagle2.budget import CostModel, SpeculationGate, choose_num_nodes
+from eagle2.budget import CostModel, SpeculationGate, choose_num_nodes, draft_key
 from eagle2.calibration import Calibration, _pool_adjacent_violators, accepted_nodes
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.engine import Request
@@ -88,6 +88,14 @@ def test_speculation_pays_only_past_the_margin():
 
     assert not BudgetChoice(4, 2.0, 10.0 * (1 + SPECULATION_MARGIN / 2), 10.0).pays
     assert BudgetChoice(4, 2.0, 10.0 * (1 + 2 * SPECULATION_MARGIN), 10.0).pays
+
+
+def test_the_draft_cost_key_follows_a_swapped_drafter():
+    """The engine computes the drafter's cost key once per drafter, not once for good."""
+    engine = make_engine(tiny_target(seed=2), 0)
+    assert engine._draft_key == draft_key(engine.drafter) != "remote"
+    engine.drafter = object()  # e.g. a drafter another tool put in (no head: "remote")
+    assert engine._draft_key == "remote"
 
 
 def test_cost_model_measures_a_runner_without_touching_committed_entries():

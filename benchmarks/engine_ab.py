@@ -1,0 +1,104 @@
+# ruff: noqa: I001  (eagle2 before torch: passive OpenMP waiting)
+"""Engine variants side by side in one process, batch 1: every variant decodes every prompt,
+the order rotating by one each prompt, so a slow phase of the machine falls on all of them.
+Prints tokens/s and tau per suite, each variant's ratio to the first, the engine's step split,
+and writes JSON.
+
+    .venv/bin/python benchmarks/engine_ab.py --variants vanilla,shipped,no-lookup-alone \
+        --num-prompts 8 --max-tokens 128 [--temperature 1.0] [--out FILE]
+
+Variants: vanilla (plain decoding), shipped (the default engine), no-lookup-alone (no prompt
+lookup chains on steps without a draft call: `Engine(lookup_alone=False)`), always-draft (the
+speculation gate never shut). Greedy runs check that every variant's output equals the
+first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
+their tokens (each tree consumes the generator differently).
+"""
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+import eagle2  # noqa: F401  (first: passive OpenMP waiting)
+
+from eagle2 import Eagle2, SamplingParams
+from eagle2.bench.prompts import load_suite
+from eagle2.budget import SpeculationGate
+from eagle2.config import TreeConfig
+
+VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft")
+
+
+class _OpenGates(dict):
+    """Engine.gates whose gate for every batch size always drafts."""
+
+    def __contains__(self, size) -> bool:
+        return True
+
+    def __getitem__(self, size) -> SpeculationGate:
+        gate = SpeculationGate()
+        gate.should_draft = lambda: True
+        return gate
+
+
+def build(variant: str) -> Eagle2:
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    mode = "vanilla" if variant == "vanilla" else "eagle2"
+    llm = Eagle2.load(threads=1, tree=TreeConfig(mode=mode))
+    if variant == "no-lookup-alone":
+        llm.engine.lookup_alone = False
+    if variant == "always-draft":
+        llm.engine.gates = _OpenGates()
+    return llm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="vanilla,shipped")
+    ap.add_argument("--num-prompts", type=int, default=8, help="per suite")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    llms = {v: build(v) for v in variants}
+    prompts = [p for s in ("mt_bench", "humaneval") for p in load_suite(s, args.num_prompts)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    sums = {v: {p.suite: [0, 0.0, 0] for p in prompts} for v in variants}  # tokens, s, steps
+    same = True
+    for i, prompt in enumerate(prompts):
+        sp = params if params.greedy else replace(params, seed=1000 + i)
+        outputs = []
+        for v in variants[i % len(variants):] + variants[: i % len(variants)]:
+            t0 = time.perf_counter()
+            out = llms[v].generate([prompt.user_message], sp)[0]
+            acc = sums[v][prompt.suite]
+            acc[0] += len(out.token_ids)
+            acc[1] += time.perf_counter() - t0
+            acc[2] += out.num_steps
+            outputs.append(out.token_ids)
+        same &= all(o == outputs[0] for o in outputs)
+    result = {"config": vars(args), "lossless": same if params.greedy else None, "variants": {}}
+    for v in variants:
+        st = llms[v].engine.stats
+        steps = max(st.steps, 1)
+        result["variants"][v] = {
+            "suites": {s: {"tokens_per_s": round(a[0] / a[1], 3), "tau": round(a[0] / a[2], 4),
+                           "vs_first": round((a[0] / a[1]) / (sums[variants[0]][s][0]
+                                                              / sums[variants[0]][s][1]), 4)}
+                       for s, a in sums[v].items()},
+            "ms_per_step": {k: round(1000 * getattr(st, f"{k}_s") / steps, 3)
+                            for k in ("draft", "verify", "other")},
+            "steps": st.steps, "skipped_drafts": st.skipped_drafts,
+            "lookup_steps": st.lookup_steps, "lookup_step_accepted": st.lookup_step_accepted,
+        }
+        print(v, json.dumps(result["variants"][v]))
+    print("every output equal to the first variant's:", result["lossless"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
