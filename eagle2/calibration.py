@@ -97,6 +97,12 @@ class Calibration:
         path.write_text(json.dumps(data, indent=1) + "\n")
 
     @classmethod
+    def of_head(cls, head_dir: str | Path) -> Calibration | None:
+        """The calibration shipped in a head's directory (`FILE_NAME`), None without one."""
+        path = Path(head_dir) / FILE_NAME
+        return cls.load(path) if path.exists() else None
+
+    @classmethod
     def load(cls, path: Path) -> Calibration:
         data = json.loads(path.read_text())
         lookup = LookupTable.from_json(data["lookup"]) if "lookup" in data else None

@@ -39,7 +39,7 @@ from eagle2.budget import (
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.lookup import LookupTable, TokenHistory
 from eagle2.runner import TargetRunner
-from eagle2.tree import DraftTree, finish_tree, prune_tree, root_only
+from eagle2.tree import DraftTree, prune_tree, root_only, tree_from_rows
 from eagle2.verify import Verified
 
 
@@ -528,20 +528,11 @@ class Engine:
             values = [v[:length] for v in values]
             self._lookup_only = True
             self.stats.lookup_steps += 1
-        width = 1 + max(len(toks) for toks, _ in chains)
-        num_b = len(seqs)
-        tokens = torch.zeros(num_b, width, dtype=torch.long)
-        parents = torch.full((num_b, width), -1, dtype=torch.long)
-        depths = torch.zeros(num_b, width, dtype=torch.long)
-        value = torch.zeros(num_b, width)
-        for b, (root, (toks, _), rates) in enumerate(zip(roots, chains, values, strict=True)):
-            n = len(toks)
-            tokens[b, : n + 1] = torch.tensor([root, *toks])
-            parents[b, 1: n + 1] = torch.arange(n)
-            depths[b, : n + 1] = torch.arange(n + 1)
-            value[b, : n + 1] = torch.tensor([1.0, *rates])
-        num_nodes = torch.tensor([1 + len(toks) for toks, _ in chains])
-        return finish_tree(tokens, parents, depths, num_nodes, value, depths > 0)
+        return tree_from_rows([([root, *toks], list(range(-1, len(toks))),
+                                list(range(len(toks) + 1)), [1.0, *rates],
+                                [False] + [True] * len(toks))
+                               for root, (toks, _), rates in zip(roots, chains, values,
+                                                                 strict=True)])
 
     def _propose(self, s: _Seq) -> tuple[list[int], int]:
         """Prompt lookup's chain after s's last token (at most its tree's lookup length and

@@ -24,7 +24,6 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from eagle2.attention import KVCache, StepInputs, decoder_layer, sequence_inputs
-from eagle2.calibration import FILE_NAME as CALIBRATION_FILE
 from eagle2.calibration import Calibration
 from eagle2.eagle3 import (
     AUX_IDS_KEY,
@@ -171,8 +170,7 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.float32,
         head = eagle3_from_state(raw, state)
     else:
         head = _eagle2_from_state(raw, state)
-    if (path / CALIBRATION_FILE).exists():
-        head.calibration = Calibration.load(path / CALIBRATION_FILE)
+    head.calibration = Calibration.of_head(path)
     return head.to(device=device, dtype=dtype).eval()
 
 

@@ -115,7 +115,8 @@ def _mask_and_paths(parents: list[list[int]], counts: list[int]
     return masks, padded
 
 
-def _from_rows(rows: list[tuple[list, list, list, list, list]], device) -> DraftTree:
+def tree_from_rows(rows: list[tuple[list, list, list, list, list]],
+                   device: torch.device | str = "cpu") -> DraftTree:
     """Per row (tokens, parents, depths, values, lookup flags) of its valid nodes, root first,
     depth order -> the padded DraftTree on `device`."""
     num_n = max(len(r[0]) for r in rows)
@@ -172,7 +173,7 @@ def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torc
         rows.append(([roots[b], *(tok[c] for c in chosen)], parents,
                      [0, *(dep[c] for c in chosen)], [1.0, *(val[c] for c in chosen)],
                      [False, *(look[c] for c in chosen)]))
-    return _from_rows(rows, root.device)
+    return tree_from_rows(rows, root.device)
 
 
 def finish_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
@@ -218,7 +219,7 @@ def prune_tree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
             parents.append(node_of[par[c]])
         rows.append(([tok[c] for c in chosen], parents, [dep[c] for c in chosen],
                      [val[c] for c in chosen], [look[c] for c in chosen]))
-    return _from_rows(rows, tree.tokens.device)
+    return tree_from_rows(rows, tree.tokens.device)
 
 
 def root_only(root: torch.Tensor) -> DraftTree:

@@ -57,14 +57,11 @@ def lookup_table(cfg: ServiceConfig):
     """The prompt-lookup acceptance table fitted for the service's head (its
     calibration.json), for an engine whose drafter is a worker in another process; None
     where the head has none (the engine then keeps the conservative default)."""
-    from pathlib import Path
-
-    from eagle2.calibration import FILE_NAME, Calibration
+    from eagle2.calibration import Calibration
 
     path = head_dir(cfg)
-    if path is None or not (Path(path) / FILE_NAME).exists():
-        return None
-    return Calibration.load(Path(path) / FILE_NAME).lookup
+    calibration = Calibration.of_head(path) if path is not None else None
+    return calibration.lookup if calibration is not None else None
 
 
 def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
