@@ -9,7 +9,7 @@ and writes JSON.
 
 Variants: vanilla (plain decoding), shipped (the default engine), no-lookup-alone (no prompt
 lookup chains on steps without a draft call: `Engine(lookup_alone=False)`), always-draft (the
-speculation gate never shut). Greedy runs check that every variant's output equals the
+speculation gate never shut), no-ngram (prompt lookup without the n-gram store's chains). Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
 """
@@ -26,7 +26,7 @@ from eagle2.bench.prompts import load_suite
 from eagle2.budget import SpeculationGate
 from eagle2.config import TreeConfig
 
-VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft")
+VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram")
 
 
 class _OpenGates(dict):
@@ -50,6 +50,8 @@ def build(variant: str) -> Eagle2:
         llm.engine.lookup_alone = False
     if variant == "always-draft":
         llm.engine.gates = _OpenGates()
+    if variant == "no-ngram":
+        llm.engine.ngram = llm.engine.drafter.ngram = None
     return llm
 
 

@@ -20,6 +20,7 @@ COMMANDS = {
     "bench": ("eagle2.bench.run", "benchmark speculative modes against plain decoding"),
     "bench-forward": ("eagle2.bench.forward", "the target forward's cost curve vs the roofline"),
     "train-head": ("eagle2.train.run", "train an EAGLE draft head for a target"),
+    "build-ngram": ("eagle2.train.build_ngram", "build the n-gram store of the target's answers"),
     "calibrate": ("eagle2.bench.calibrate", "fit a head's value calibration on held-out prompts"),
     "plan": ("eagle2.plan", "plan GPU placement and memory for a model"),
     "serve": ("services.cli_serve", "start Ray Serve with the gRPC service (port 9000)"),

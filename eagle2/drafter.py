@@ -29,8 +29,9 @@ from eagle2.kernels import (
     small_rows_plan,
     weights_stamp,
 )
-from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains
+from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains, propose_chain
 from eagle2.native import cpu_ops
+from eagle2.ngram import NgramStore
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
 
 
@@ -59,6 +60,9 @@ class Drafter:
         self.calibration = head.calibration if calibrated else None
         table = head.calibration.lookup if head.calibration is not None else None
         self.lookup_table = table or LookupTable()  # a conservative default without one
+        # the target's answers' n-gram continuations, where the head ships them: they compete
+        # with prompt lookup's chain (`lookup.propose_chain`); None: prompt lookup alone
+        self.ngram: NgramStore | None = getattr(head, "ngram", None)
         self.keep_candidates = keep_candidates
         # the head's candidates of the last expansion, before lookup joins them
         self.last_candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
@@ -253,8 +257,8 @@ class Drafter:
             return self._expand_static(slots, root, last, config)
         if config.mode == "chain":  # one child per level: a chain of depth + 1 drafts
             return self._expand_dynamic(slots, root, last, replace(config, top_k=1), min_gain)
-        chains = [self.histories[s].propose(config.lookup) for s in seq_ids] \
-            if config.lookup else None
+        chains = [propose_chain(self.histories[s], config.lookup, self.lookup_table, self.ngram)
+                  for s in seq_ids] if config.lookup else None
         tree = self._expand_dynamic(slots, root, last, config, min_gain, chains)
         if self.lookup_log is not None and chains:
             self._log_chains(seq_ids, chains)
@@ -338,9 +342,10 @@ class Drafter:
         return self._build(root, cands, num_cands + 1)
 
     def _build(self, root, cands, num_nodes: int,
-               chains: list[tuple[list[int], int]] | None = None) -> DraftTree:
+               chains: list[tuple[list[int], list[float], int]] | None = None) -> DraftTree:
         """cands: per level (tokens [B, C], scores [B, C], parent candidate [B, C], level);
-        chains: per row (lookup tokens, match length) to merge in before the rerank."""
+        chains: per row (lookup tokens, their values, match length: `propose_chain`) to merge
+        in before the rerank."""
         if self.keep_candidates:
             self.last_candidates = cands
         tokens = torch.cat([c[0] for c in cands], 1)
@@ -351,31 +356,30 @@ class Drafter:
             torch.cat([torch.full_like(c[0], c[3]) for c in cands], 1),
             torch.where(raw > 0, self.values(raw), 0.0), torch.zeros_like(tokens, dtype=torch.bool))
         self.last_fresh = None
-        if chains is not None and any(toks for toks, _ in chains):
+        if chains is not None and any(toks for toks, _, _ in chains):
             merged, self.last_fresh = add_chains(merged, *self._chain_tensors(chains))
         return build_tree(root, merged.tokens, merged.parents, merged.scores, merged.depths,
                           num_nodes, merged.values, merged.lookup)
 
-    def _chain_tensors(self, chains: list[tuple[list[int], int]]):
+    def _chain_tensors(self, chains: list[tuple[list[int], list[float], int]]):
         """Lookup chains -> tokens [B, D], lengths [B], rerank scores [B, D] (log of the raw
         value their rate calibrates from) and values [B, D] (their rates)."""
-        width = max(len(toks) for toks, _ in chains)
+        width = max(len(toks) for toks, _, _ in chains)
         tokens = torch.zeros(len(chains), width, dtype=torch.long)
         rates = torch.zeros(len(chains), width)
-        for b, (toks, match) in enumerate(chains):
+        for b, (toks, values, _) in enumerate(chains):
             tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-            rates[b, : len(toks)] = torch.tensor(
-                [self.lookup_table.value(match, d) for d in range(1, len(toks) + 1)])
+            rates[b, : len(toks)] = torch.tensor(values)
         raw = rates if self.calibration is None else self.calibration.raw_for(rates)
-        lengths = torch.tensor([len(toks) for toks, _ in chains])
+        lengths = torch.tensor([len(toks) for toks, _, _ in chains])
         return (tokens.to(self.device), lengths.to(self.device),
                 raw.log().to(self.device), rates.to(self.device))
 
     def _log_chains(self, seq_ids: list[str], chains) -> None:
-        """Record each proposal and which of its tokens the head had not proposed (whether or
-        not the rerank kept them)."""
+        """Record each prompt-lookup proposal and which of its tokens the head had not proposed
+        (whether or not the rerank kept them); the n-gram store's are not (match 0)."""
         fresh = self.last_fresh.tolist() if self.last_fresh is not None else []
-        for b, (sid, (toks, match)) in enumerate(zip(seq_ids, chains, strict=True)):
-            if toks:
+        for b, (sid, (toks, _, match)) in enumerate(zip(seq_ids, chains, strict=True)):
+            if toks and match:
                 self.lookup_log.append((sid, len(self.histories[sid]), match, toks,
                                         fresh[b][: len(toks)]))

@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import (
 
 from eagle2.attention import KVCache, StepInputs, cached_attention, sequence_inputs
 from eagle2.calibration import Calibration
+from eagle2.ngram import NgramStore
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what SGLang and vLLM dispatch on
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"  # in config["eagle_config"]: output ids
@@ -88,6 +89,7 @@ class Eagle3Head(nn.Module):
         # absolute target ids of the draft vocabulary (the file stores offsets)
         self.register_buffer("d2t", torch.arange(draft_vocab_size), persistent=False)
         self.calibration: Calibration | None = None
+        self.ngram: NgramStore | None = None  # `ngram.npz` beside the weights
 
     @property
     def bias(self) -> bool:

@@ -37,7 +37,8 @@ from eagle2.budget import (
     probe_backoff,
 )
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.lookup import LookupTable, TokenHistory
+from eagle2.lookup import LookupTable, TokenHistory, propose_chain
+from eagle2.ngram import NgramStore
 from eagle2.runner import TargetRunner
 from eagle2.tree import DraftTree, prune_tree, root_only, tree_from_rows
 from eagle2.verify import Verified
@@ -147,7 +148,7 @@ class Engine:
     def __init__(self, runner: TargetRunner, drafter: DrafterLike | None, max_batch: int = 8,
                  max_context: int = 2048, tree_margin: int | None = None,
                  costs: CostModel | Path | None = None, lookup_alone: bool = True,
-                 lookup_table: LookupTable | None = None):
+                 lookup_table: LookupTable | None = None, ngram: NgramStore | None = None):
         """runner: a target with max_batch cache slots of max_context + tree_margin entries.
         costs: this machine's forward and draft costs (auto budgets): a CostModel, a cache
         file (read, or measured once and written there), or None (measured, kept in memory).
@@ -155,7 +156,9 @@ class Engine:
         lookup_alone: on steps where an auto-budget request is not drafted, verify the chain
         prompt lookup proposes for it where the budget says it pays (`_lookup_trees`).
         lookup_table: what such a chain's nodes are worth (default: the in-process drafter's
-        fitted table, else the conservative default)."""
+        fitted table, else the conservative default).
+        ngram: the n-gram store whose chains compete with prompt lookup's on those steps
+        (default: the in-process drafter's, where its head ships one; `eagle2.ngram`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.runner, self.drafter = runner, drafter
@@ -193,6 +196,7 @@ class Engine:
         self._lookup_only = False  # this step verifies lookup chains without a draft call
         self.lookup_table: LookupTable = (lookup_table or getattr(drafter, "lookup_table", None)
                                           or LookupTable())
+        self.ngram: NgramStore | None = ngram or getattr(drafter, "ngram", None)
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -500,8 +504,9 @@ class Engine:
     def _lookup_trees(self, idx: list[int]) -> DraftTree:
         """Trees of the requests in idx, which no draft call serves this step: the root, and
         for an auto-budget request with prompt lookup the chain lookup proposes after
-        it (the longest earlier match of its last tokens and what followed, `TokenHistory`;
-        no model runs), valued by the lookup table. When no request of the batch drafts, the
+        it (the longest earlier match of its last tokens and what followed, `TokenHistory`,
+        valued by the lookup table; or the n-gram store's continuation where that is worth
+        more: `lookup.propose_chain`; no model runs). When no request of the batch drafts, the
         chains are cut here to the length that pays best (`_lookup_length`); otherwise the
         budget weighs them with the drafted trees (`_choose_budget`). Where the head's drafts
         do not pay (the gate is shut), text that repeats itself (code, quoted input) still
@@ -517,37 +522,36 @@ class Engine:
         chains = [self._propose(s) for s in seqs] if self.lookup_alone else []
         if not any(toks for toks, _ in chains):
             return root_only(torch.tensor(roots))
-        # non-increasing in depth (`LookupTable`), so a node is worth at most its parent
-        values = [[self.lookup_table.value(match, d) for d in range(1, len(toks) + 1)]
-                  for toks, match in chains]
         if len(idx) == len(self.seqs):
-            length = self._lookup_length(values)
+            # values are non-increasing in depth, so a node is worth at most its parent
+            length = self._lookup_length([v for _, v in chains])
             if length == 0:
                 return root_only(torch.tensor(roots))
-            chains = [(toks[:length], match) for toks, match in chains]
-            values = [v[:length] for v in values]
+            chains = [(toks[:length], v[:length]) for toks, v in chains]
             self._lookup_only = True
             self.stats.lookup_steps += 1
         return tree_from_rows([([root, *toks], list(range(-1, len(toks))),
                                 list(range(len(toks) + 1)), [1.0, *rates],
                                 [False] + [True] * len(toks))
-                               for root, (toks, _), rates in zip(roots, chains, values,
-                                                                 strict=True)])
+                               for root, (toks, rates) in zip(roots, chains, strict=True)])
 
-    def _propose(self, s: _Seq) -> tuple[list[int], int]:
-        """Prompt lookup's chain after s's last token (at most its tree's lookup length and
-        draft nodes) and the match length; ([], 0) for requests that take none. The
-        history catches up on s's new tokens first."""
+    def _propose(self, s: _Seq) -> tuple[list[int], list[float]]:
+        """The lookup chain after s's last token (at most its tree's lookup length and draft
+        nodes: prompt lookup's or the n-gram store's, `lookup.propose_chain`) and its values;
+        ([], []) for requests that take none. The history catches up on s's new tokens
+        first."""
         tree = s.req.tree
         if not (s.auto and tree.mode == "eagle2" and tree.lookup > 0):
-            return [], 0
+            return [], []
         if s.history is None:
             s.history = TokenHistory()
             s.history.extend(list(s.req.prompt_ids))
         known = len(s.history) - len(s.req.prompt_ids)
         if known < len(s.output):
             s.history.extend(s.output[known:])
-        return s.history.propose(min(tree.lookup, tree.num_nodes - 1))
+        toks, values, _ = propose_chain(s.history, min(tree.lookup, tree.num_nodes - 1),
+                                        self.lookup_table, self.ngram)
+        return toks, values
 
     def _lookup_length(self, values: list[list[float]]) -> int:
         """The chain length (0: none) that maximises predicted tokens per second over the

@@ -35,6 +35,7 @@ from eagle2.eagle3 import (
     published_state,
 )
 from eagle2.eagle3 import from_state as eagle3_from_state
+from eagle2.ngram import NgramStore
 
 IGNORED_KEYS = ("embed_tokens.weight",)
 
@@ -58,6 +59,7 @@ class DraftHead(nn.Module):
         self.rotary = LlamaRotaryEmbedding(config=config)
         self.register_buffer("d2t", torch.empty(0, dtype=torch.long), persistent=False)
         self.calibration: Calibration | None = None  # `calibration.json` beside the weights
+        self.ngram: NgramStore | None = None  # `ngram.npz` beside the weights
 
     @property
     def bias(self) -> bool:
@@ -171,6 +173,7 @@ def load_head(path: str | Path, dtype: torch.dtype = torch.float32,
     else:
         head = _eagle2_from_state(raw, state)
     head.calibration = Calibration.of_head(path)
+    head.ngram = NgramStore.of_head(path)  # the target's answers' n-grams (`eagle2.ngram`)
     return head.to(device=device, dtype=dtype).eval()
 
 

@@ -12,15 +12,21 @@ E.g. history [5, 6, 7, 9, 5, 6], max_ngram 4: suffix [5, 6] occurred at 0..1, fo
 
 `LookupTable` gives a proposed node its value: the measured probability that verification
 accepts it, by match length and depth (fitted by `eagle2 calibrate`, stored in the head's
-calibration.json; a conservative default otherwise).
+calibration.json; a conservative default otherwise). `propose_chain` weighs that chain against
+the one the target's own answers to other prompts suggest (`eagle2.ngram.NgramStore`, where
+the head ships one) and keeps the one expected to be accepted further.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from eagle2.ngram import NgramStore
 
 MAX_NGRAM = 4
 
@@ -129,6 +135,23 @@ class LookupTable:
                 row.append(min(rate, row[-1]) if row else rate)
             rows.append(tuple(row) if row else tuple(default.rates[min(m, len(default.rates)) - 1]))
         return cls(tuple(rows), default.decay, sum(map(sum, counts)))
+
+
+def propose_chain(history: TokenHistory, depth: int, table: LookupTable,
+                  store: NgramStore | None = None) -> tuple[list[int], list[float], int]:
+    """The chain to verify after a sequence's last token: prompt lookup's (valued by `table`)
+    or, where the head ships an n-gram store, the store's when its values sum higher (the
+    tokens it expects accepted: values fall along a chain, so that is the expected accepted
+    length). -> (tokens, values, match length; 0 for the store's chain or none).
+    E.g. a match of one token (rate ~0.2) loses to a 4-token context the target's answers
+    continued with one token 9 times in 10 (~0.8)."""
+    toks, match = history.propose(depth)
+    values = [table.value(match, d) for d in range(1, len(toks) + 1)]
+    if store is not None and depth > 0:
+        other, other_values = store.propose(history.tokens, depth)
+        if sum(other_values) > sum(values):
+            return other, other_values, 0
+    return toks, values, match
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,9 @@ def run(args) -> int:
     llm.engine.drafter = Drafter(llm.head, llm.target.embed, llm.target.lm_head,
                                  max_slots=args.batch, max_len=llm.max_context, calibrated=False)
     llm.engine.drafter.lookup_log = []
+    # every prompt-lookup chain goes into the tree and the log (the n-gram store would replace
+    # the ones it expects to beat: the table is fitted on all of prompt lookup's proposals)
+    llm.engine.drafter.ngram = None
     rec = Recorder()
     _observe_verification(llm.engine.runner, rec)
     tree = TreeConfig("eagle2", args.total_tokens, args.depth, args.tree_top_k, budget="fixed",
