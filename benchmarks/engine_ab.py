@@ -9,7 +9,8 @@ and writes JSON.
 
 Variants: vanilla (plain decoding), shipped (the default engine), no-lookup-alone (no prompt
 lookup chains on steps without a draft call: `Engine(lookup_alone=False)`), always-draft (the
-speculation gate never shut), no-ngram (prompt lookup without the n-gram store's chains). Greedy runs check that every variant's output equals the
+speculation gate never shut), no-ngram (prompt lookup without the n-gram store's chains).
+Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
 """

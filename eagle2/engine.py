@@ -464,6 +464,9 @@ class Engine:
         if pays and advantage is not None and advantage < 1.0:
             pays = False
             self.stats.realized_vetoes += 1
+        undrafted = self._undrafted_rate() if pays else None
+        if undrafted is not None and choice.rate <= undrafted * (1 + SPECULATION_MARGIN):
+            pays = False  # the chains alone would have done as well without the draft call
         self.gate.record(pays, probe_backoff(
             choice, draft_call_s=drafted_s if greedy else self._predicted_draft))
         self._rate = choice.rate
@@ -524,7 +527,7 @@ class Engine:
             return root_only(torch.tensor(roots))
         if len(idx) == len(self.seqs):
             # values are non-increasing in depth, so a node is worth at most its parent
-            length = self._lookup_length([v for _, v in chains])
+            length = self._lookup_length([v for _, v in chains])[0]
             if length == 0:
                 return root_only(torch.tensor(roots))
             chains = [(toks[:length], v[:length]) for toks, v in chains]
@@ -553,24 +556,34 @@ class Engine:
                                         self.lookup_table, self.ngram)
         return toks, values
 
-    def _lookup_length(self, values: list[list[float]]) -> int:
+    def _lookup_length(self, values: list[list[float]]) -> tuple[int, float]:
         """The chain length (0: none) that maximises predicted tokens per second over the
         whole batch, every request's chain cut to it: (B + sum of the kept values) / c(B, 1 +
         length), against plain decoding's B / c(B, 1) (`budget.choose_num_nodes` without a
-        draft call), trying longer chains until two in a row gain nothing. The gate is not
-        told: no draft call was made."""
+        draft call), trying longer chains until two in a row gain nothing; and that rate.
+        The gate is not told: no draft call was made."""
         num_b, context = len(self.seqs), self._context()
         forward = self._timed_costs(self.costs)
         best, length = num_b / forward(num_b, 1, context), 0
         expected = float(num_b)
-        for n in range(1, max(map(len, values)) + 1):
+        for n in range(1, max(map(len, values), default=0) + 1):
             expected += sum(v[n - 1] for v in values if len(v) >= n)
             rate = expected / forward(num_b, n + 1, context)
             if rate > best:
                 best, length = rate, n
             elif n >= length + 2:  # values fall and costs rise: two lengths without a gain end it
                 break
-        return length
+        return length, best
+
+    def _undrafted_rate(self) -> float | None:
+        """Predicted tokens per second of this step had no request drafted: the lookup chains
+        alone, cut to the best length (`_lookup_trees`); None where the batch would not take
+        them (chains off, or a request with a fixed tree). A draft call pays only if it beats
+        this: where the chains are good (an n-gram store, text that repeats) the step gets
+        them without one."""
+        if not self.lookup_alone or not all(s.auto for s in self.seqs):
+            return None
+        return self._lookup_length([self._propose(s)[1] for s in self.seqs])[1]
 
     def _expansions(self, config: TreeConfig) -> TreeConfig:
         """An auto tree expands one level past the deepest node kept in the last 8 steps: the

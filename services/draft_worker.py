@@ -64,6 +64,15 @@ def lookup_table(cfg: ServiceConfig):
     return calibration.lookup if calibration is not None else None
 
 
+def ngram_store(cfg: ServiceConfig):
+    """The n-gram store shipped beside the service's head (`ngram.npz`, `eagle2.ngram`), for
+    an engine whose drafter is a worker in another process: its chains on steps without a
+    draft call compete with prompt lookup's there too. None where the head has none."""
+    from eagle2.ngram import NgramStore
+
+    return NgramStore.of_head(head_dir(cfg))
+
+
 def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
     """The head for cfg.target plus the target's embedding and (EAGLE-1/2 heads, which draft
     through it) its lm_head; nothing else of the target."""

@@ -49,13 +49,17 @@ class TargetEngine:
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         runner = self._new_runner()
         self.cost_path = _cost_path(cfg, self.placement, runner.info)
-        from services.draft_worker import lookup_table
+        from services.draft_worker import lookup_table, ngram_store
 
         # a draft worker in another process holds the head: the engine's lookup chains on
-        # steps without a draft call take their values from the head's file here
-        self.lookup_table = lookup_table(cfg) if self.draft_desc == "worker" else None
+        # steps without a draft call take their values (and the n-gram store) from the
+        # head's files here
+        remote = self.draft_desc == "worker"
+        self.lookup_table = lookup_table(cfg) if remote else None
+        self.ngram = ngram_store(cfg) if remote else None
         self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
-                             costs=self.cost_path, lookup_table=self.lookup_table)
+                             costs=self.cost_path, lookup_table=self.lookup_table,
+                             ngram=self.ngram)
         self.tree = cfg.tree.to_core()
         if self.drafter is not None and self.tree.budget == "auto":
             _ = self.engine.costs  # measured (or read) before serving, not at the first request
@@ -259,7 +263,7 @@ class TargetEngine:
             log.warning("tensor-parallel ranks rebuilt in %.1f s", self.last_rank_recovery_s)
         self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context,
                              costs=_cost_path(self.cfg, self.placement, runner.info),  # cached
-                             lookup_table=self.lookup_table)
+                             lookup_table=self.lookup_table, ngram=self.ngram)
 
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":

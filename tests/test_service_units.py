@@ -218,3 +218,26 @@ def test_an_engine_beside_a_draft_worker_reads_the_heads_lookup_table(tmp_path):
     shutil.copytree(shipped, bare)
     (bare / "calibration.json").unlink()
     assert lookup_table(ServiceConfig(draft=str(bare))) is None
+
+
+def test_an_engine_beside_a_draft_worker_reads_the_heads_ngram_store(tmp_path):
+    """The n-gram store shipped beside the head reaches an engine whose drafter is remote (its
+    lookup-only steps propose from it); a head directory without the file gives none."""
+    import shutil
+
+    from eagle2.api import shipped_head_dir
+    from eagle2.ngram import FILE_NAME, NgramStore
+    from eagle2.target import EMBEDDED_NAME
+    from services.config import ServiceConfig
+    from services.draft_worker import ngram_store
+
+    shipped = shipped_head_dir(EMBEDDED_NAME)
+    store = ngram_store(ServiceConfig())
+    want = NgramStore.load(shipped / FILE_NAME)
+    assert store is not None and len(store) == len(want) > 100_000
+    assert (store.rates == want.rates).all()
+    assert ngram_store(ServiceConfig(draft="untrained")) is None
+    bare = tmp_path / "head"
+    shutil.copytree(shipped, bare)
+    (bare / FILE_NAME).unlink()
+    assert ngram_store(ServiceConfig(draft=str(bare))) is None

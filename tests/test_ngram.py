@@ -1,0 +1,258 @@
+"""The n-gram store of the target's answers (docs/DESIGN.md "Prompt lookup", item 7): its
+counts against a brute-force reference, its rates, its file, the choice between its chain and
+prompt lookup's, and losslessness (greedy and sampled) with its chains verified."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_engine, random_prompts, run, tiny_target
+from test_lookup import GREEDY, REPEATING, TREES, shut_gate_costs
+from test_lossless_sampling import NUM_SAMPLES, chi_square_pvalue, exact_joint
+
+from eagle2.budget import SpeculationGate
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.lookup import LookupTable, TokenHistory, propose_chain
+from eagle2.ngram import (
+    FILE_NAME,
+    MAX_ORDER,
+    MIN_VALUE,
+    NUM_CELLS,
+    SHARE_BINS,
+    TOTAL_EDGES,
+    NgramStore,
+    fit_rates,
+)
+
+
+# ----- the store against a brute-force reference -----------------------------------------------
+def slow_next(answers, ctx: list[int], max_order: int, min_total: int):
+    """(token, order, share, total) of the longest context ending ctx seen >= min_total times
+    after a prompt tail or inside an answer; the most frequent next token, ties to the smallest
+    id. Plain Counters over token tuples: no hashing."""
+    for order in range(min(max_order, len(ctx)), 0, -1):
+        want = tuple(ctx[-order:])
+        nexts: Counter = Counter()
+        for tail, answer in answers:
+            seq = [*tail, *answer]
+            for i in range(max(len(tail), order), len(seq)):
+                if tuple(seq[i - order:i]) == want:
+                    nexts[seq[i]] += 1
+        total = sum(nexts.values())
+        if total >= min_total:
+            tok, count = min(nexts.items(), key=lambda kv: (-kv[1], kv[0]))
+            return tok, order, count / total, total
+    return None
+
+
+def cell_of(order: int, share: float, total: int) -> int:
+    sbin = min(int(share * SHARE_BINS), SHARE_BINS - 1)
+    tbin = max(i for i, edge in enumerate(TOTAL_EDGES) if total >= edge)
+    return ((order - 1) * SHARE_BINS + sbin) * len(TOTAL_EDGES) + tbin
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_store_equals_brute_force_counts(seed):
+    rng = random.Random(seed)
+    vocab = 6  # few tokens: contexts repeat, ties happen
+    answers = [([rng.randrange(vocab) for _ in range(rng.randrange(0, 3))],
+                 [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]) for _ in range(40)]
+    rates = np.linspace(0.0, 1.0, NUM_CELLS)
+    for max_order, min_total in [(MAX_ORDER, 2), (2, 3)]:
+        store = NgramStore.build(answers, max_order, min_total, rates)
+        for _ in range(200):
+            ctx = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+            want = slow_next(answers, ctx, max_order, min_total)
+            got = store.next(ctx)
+            if want is None:
+                assert got is None, ctx
+            else:
+                tok, order, share, total = want
+                assert got == (tok, rates[cell_of(order, share, total)]), (ctx, want)
+
+
+def test_chain_examples():
+    """Every 'p 1 2 3 4' answer continues '1 2' with 3, so the chain after '9 1' is 2 3 4 with
+    values the running product of the cells' rates; a value below MIN_VALUE ends it."""
+    answers = [([7], [1, 2, 3, 4])] * 3 + [([7], [1, 2, 5])]
+    store = NgramStore.build(answers, rates=np.full(NUM_CELLS, 0.5))
+    assert store.next([9, 1]) == (2, 0.5)  # "1" then "2" 4 times of 4
+    toks, values = store.propose([9, 1], 5)
+    assert toks == [2, 3, 4] and values == [0.5, 0.25, 0.125]  # after "4" nothing is known
+    assert store.propose([9, 1], 2) == ([2, 3], [0.5, 0.25])
+    assert store.propose([8], 3) == ([], [])  # never seen
+    low = store.with_rates(np.full(NUM_CELLS, 0.1))
+    assert low.propose([9, 1], 5)[0] == [2] and 0.1 * 0.1 < MIN_VALUE
+    with pytest.raises(ValueError):
+        NgramStore.build([([1], [])])
+
+
+def test_fit_rates_cells_fallbacks_and_monotone_shares():
+    cells, hits = [], []
+    share_cells = [cell_of(2, s / 10 + 0.05, 10) for s in range(SHARE_BINS)]
+    for i, cell in enumerate(share_cells):  # rate i/20 with 200 samples each, but bin 5 low
+        rate = 0.05 if i == 5 else i / 20
+        cells += [cell] * 200
+        hits += [True] * round(rate * 200) + [False] * (200 - round(rate * 200))
+    cells += [cell_of(3, 0.95, 2)] * 5  # too few: order 3's fallback
+    hits += [True] * 5
+    rates = fit_rates(np.array(cells), np.array(hits)).reshape(MAX_ORDER, SHARE_BINS, -1)
+    measured = rates[1, :, 2]
+    assert measured[9] == pytest.approx(0.45)
+    assert all(b >= a for a, b in zip(measured, measured[1:], strict=False))  # running max
+    assert measured[5] == measured[4]  # the low bin lifted to the one below it
+    assert rates[2, 9, 0] == pytest.approx(1.0)  # order 3's overall rate (5 of 5)
+    assert rates[0].max() == 0.0  # no sample of order 1
+
+
+def test_file_round_trip_and_bad_files(tmp_path):
+    answers = [([1], [2, 3, 4, 2, 3, 5])] * 2
+    store = NgramStore.build(answers).with_rates(np.full(NUM_CELLS, 0.3), {"note": "x"})
+    store.save(tmp_path / FILE_NAME)
+    back = NgramStore.of_head(tmp_path)
+    assert back is not None and back.info["note"] == "x"
+    for name in ("keys", "tokens", "cells", "rates"):
+        assert np.array_equal(getattr(back, name), getattr(store, name))
+    assert back.propose([1], 4) == store.propose([1], 4)
+    assert NgramStore.of_head(tmp_path / "nowhere") is None and NgramStore.of_head(None) is None
+    np.savez(tmp_path / "bad.npz", keys=store.keys, tokens=store.tokens, cells=store.cells,
+             rates=store.rates[:3], max_order=np.int64(4))
+    with pytest.raises(ValueError, match="rates"):
+        NgramStore.load(tmp_path / "bad.npz")
+
+
+def test_propose_chain_keeps_the_chain_expected_to_go_further():
+    history = TokenHistory()
+    history.extend([5, 6, 7, 8, 6])  # prompt lookup: "6" once before, followed by 7 8 6
+    table = LookupTable(((0.2, 0.1, 0.05),))
+    store = NgramStore.build([([6], [9, 9, 9])] * 3, rates=np.full(NUM_CELLS, 0.9))
+    assert propose_chain(history, 3, table) == ([7, 8, 6], [0.2, 0.1, 0.05], 1)
+    toks, values, match = propose_chain(history, 3, table, store)
+    assert toks == [9, 9, 9] and match == 0 and values[0] == pytest.approx(0.9)
+    weak = store.with_rates(np.full(NUM_CELLS, 0.03))  # 0.03 + 0.0009 < 0.35
+    assert propose_chain(history, 3, table, weak) == ([7, 8, 6], [0.2, 0.1, 0.05], 1)
+    assert propose_chain(history, 0, table, store)[:2] == ([], [])
+
+
+# ----- in the engine ----------------------------------------------------------------------------
+def answers_of(target, prompts) -> list[list[int]]:
+    return run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_with_ngram_chains_equals_vanilla(seed):
+    """A store built from the target's own greedy answers to these prompts (what the shipped
+    one is, for other prompts): with the gate shut its chains are verified on steps without a
+    draft call and accepted, and with drafted trees they join the rerank; outputs equal
+    vanilla decoding token for token, in fewer steps than prompt lookup alone."""
+    target = tiny_target(vocab=48, seed=40 + seed)
+    prompts = random_prompts(6, 48, seed=seed + 11)
+    vanilla = answers_of(target, prompts)
+    store = NgramStore.build([(p[-MAX_ORDER:], a) for p, a in zip(prompts, vanilla,
+                                                                   strict=True)],
+                             min_total=1, rates=np.full(NUM_CELLS, 0.9))
+    steps = {}
+    for name, tree, costs, ngram in [("alone", TREES["eagle2-auto"], "shut", store),
+                                     ("alone-off", TREES["eagle2-auto"], "shut", None),
+                                     ("drafted", TREES["eagle2"], None, store)]:
+        engine = make_engine(target, seed)
+        engine.ngram = engine.drafter.ngram = ngram
+        if costs:
+            engine._costs = shut_gate_costs(0.0001)
+        assert run(engine, prompts, GREEDY, tree) == vanilla, name
+        steps[name] = engine.stats.steps
+        if ngram is not None:
+            assert engine.stats.lookup_accepted > 0, name
+    assert steps["alone"] < steps["alone-off"]
+
+
+def test_sampled_ngram_chains_without_draft_calls_match_target_distribution(monkeypatch):
+    """Every step verifies the store's chain alone (gate shut, store rated above prompt
+    lookup), and the sampled sequences still follow the target's distribution."""
+    import test_lossless_sampling as harness
+
+    target = tiny_target(vocab=8, hidden=32, heads=4, kv_heads=2, seed=21, logit_scale=8.0)
+    monkeypatch.setattr(harness, "PROMPT", REPEATING)
+    monkeypatch.setattr(SpeculationGate, "should_draft", lambda self: False)
+    tree = TreeConfig("eagle2", total_tokens=8, depth=2, top_k=3, lookup=4)
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=3, ignore_eos=True)
+    probs = exact_joint(target, 0.8, 0.95)
+    greedy = answers_of(target, [REPEATING])[0]
+    store = NgramStore.build([(REPEATING[-MAX_ORDER:], greedy)], min_total=1,
+                             rates=np.full(NUM_CELLS, 0.95))
+    proposed = []
+    real = NgramStore.propose
+    monkeypatch.setattr(NgramStore, "propose", lambda self, toks, depth: (
+        proposed.append(1) or real(self, toks, depth)))
+    engine = make_engine(target, head_seed=0, max_batch=500, max_context=64)
+    engine.ngram = store
+    engine._costs = shut_gate_costs(0.0)
+    engine.drafter.draft = lambda *a, **k: pytest.fail("a draft call")
+    counts: dict = {}
+    for start in range(0, NUM_SAMPLES, 500):
+        seeds = list(range(50000 + start, 50000 + start + 500))
+        for o in run(engine, [REPEATING] * 500, params, tree, seeds=seeds):
+            counts[tuple(o[:3])] = counts.get(tuple(o[:3]), 0) + 1
+    assert proposed and engine.stats.lookup_step_accepted > 100
+    assert engine.stats.lookup_steps == engine.stats.steps
+    assert chi_square_pvalue(counts, probs, NUM_SAMPLES) > 1e-3
+
+
+def test_the_shipped_head_loads_its_store():
+    from eagle2.api import shipped_head_dir
+    from eagle2.head import load_head
+    from eagle2.target import EMBEDDED_NAME
+
+    path = shipped_head_dir(EMBEDDED_NAME)
+    head = load_head(path)
+    assert isinstance(head.ngram, NgramStore) and len(head.ngram) > 100_000
+    checked = head.ngram.info["held_out"]
+    assert checked["covered"] > 100_000
+    assert abs(checked["hit_rate"] - checked["predicted"]) < 0.03  # rates fit held-out answers
+
+
+def test_build_ngram_command(tmp_path, capsys):
+    """`eagle2 build-ngram` over a data directory: a held-out fit, the store in the head
+    directory, the report in its info."""
+    from eagle2.cli import main
+
+    rng = random.Random(0)
+    phrases = [[rng.randrange(100) for _ in range(6)] for _ in range(5)]
+    convs = [{"prompt": "p", "prompt_ids": [1, 2, 3], "temperature": 0.0,
+              "answer_ids": [t for _ in range(4) for t in rng.choice(phrases)]}
+             for _ in range(60)]
+    (tmp_path / "data" / "conversations").mkdir(parents=True)
+    (tmp_path / "data" / "conversations" / "chunk_00000.json").write_text(json.dumps(convs))
+    head = tmp_path / "head"
+    head.mkdir()
+    assert main(["build-ngram", "--data", str(tmp_path / "data"), "--out", str(head),
+                 "--holdout", "5"]) == 0
+    store = NgramStore.of_head(head)
+    assert store is not None and store.info["conversations"] == 60
+    assert store.info["held_out"]["covered"] > 0
+    assert "wrote" in capsys.readouterr().out
+    toks, values = store.propose(phrases[0][:4], 2)
+    assert toks == phrases[0][4:6] and values[0] > 0.5  # inside a phrase the next is certain
+    with pytest.raises(SystemExit):
+        main(["build-ngram", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "no")])
+
+
+def test_the_tensor_values_reach_the_tree():
+    """Chains from the store join a drafted tree with their own values."""
+    target = tiny_target(vocab=48, seed=44)
+    engine = make_engine(target, 0)
+    store = NgramStore.build([([1], [2, 3, 4])] * 2, rates=np.full(NUM_CELLS, 0.99))
+    engine.drafter.ngram = store
+    feats = torch.randn(1, 2, target.config.hidden_size)
+    tree = engine.drafter.draft(["x"], feats, torch.tensor([[9, 1]]), torch.tensor([2]),
+                                replace(TREES["eagle2"], total_tokens=8))
+    looked = tree.tokens[0][tree.lookup[0]].tolist()
+    assert looked[:1] == [2] or 2 in tree.tokens[0].tolist()
+    values = dict(zip(tree.tokens[0].tolist(), tree.values[0].tolist(), strict=True))
+    assert values[2] == pytest.approx(0.99, abs=1e-3)
