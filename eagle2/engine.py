@@ -100,6 +100,10 @@ class EngineStats:
     # head's drafts did not pay: `Engine._lookup_trees`), and the tokens they accepted
     lookup_steps: int = 0
     lookup_step_accepted: int = 0
+    # of those steps' chains, the ones the n-gram store proposed (`eagle2.ngram`) and the
+    # tokens of theirs verification accepted
+    ngram_chains: int = 0
+    ngram_accepted: int = 0
 
 
 @dataclass
@@ -194,6 +198,7 @@ class Engine:
         self._draft_key_of: tuple[object, str] | None = None  # (drafter, its `draft_key`)
         self.lookup_alone = lookup_alone
         self._lookup_only = False  # this step verifies lookup chains without a draft call
+        self._ngram_rows: list[int] = []  # ... and these rows' chains are the n-gram store's
         self.lookup_table: LookupTable = (lookup_table or getattr(drafter, "lookup_table", None)
                                           or LookupTable())
         self.ngram: NgramStore | None = ngram or getattr(drafter, "ngram", None)
@@ -244,6 +249,7 @@ class Engine:
         draft_auto = self.gate.should_draft() if auto else True
         self._predicted_draft = 0.0
         self._lookup_only = False  # set where the step verifies lookup chains alone
+        self._ngram_rows = []
         tree = self._draft(draft_auto)
         drafted_s = time.perf_counter() - t0
         drafted = any(s.drafted for s in self.seqs if s.auto)
@@ -498,11 +504,13 @@ class Engine:
         if not bool(tree.lookup.any()):
             return
         flags = tree.lookup.tolist()
-        accepted = sum(flags[b][n] for b, nodes in enumerate(verified.nodes) for n in nodes)
+        accepted = [sum(flags[b][n] for n in nodes) for b, nodes in enumerate(verified.nodes)]
         self.stats.lookup_offered += sum(map(sum, flags))
-        self.stats.lookup_accepted += accepted
+        self.stats.lookup_accepted += sum(accepted)
         if self._lookup_only:
-            self.stats.lookup_step_accepted += accepted
+            self.stats.lookup_step_accepted += sum(accepted)
+            self.stats.ngram_chains += len(self._ngram_rows)
+            self.stats.ngram_accepted += sum(accepted[b] for b in self._ngram_rows)
 
     def _lookup_trees(self, idx: list[int]) -> DraftTree:
         """Trees of the requests in idx, which no draft call serves this step: the root, and
@@ -522,9 +530,10 @@ class Engine:
         request samples, so a seeded request reproduces."""
         seqs = [self.seqs[i] for i in idx]
         roots = [int(s.pending_tokens[-1]) for s in seqs]
-        chains = [self._propose(s) for s in seqs] if self.lookup_alone else []
-        if not any(toks for toks, _ in chains):
+        proposed = [self._propose(s) for s in seqs] if self.lookup_alone else []
+        if not any(toks for toks, _, _ in proposed):
             return root_only(torch.tensor(roots))
+        chains = [(toks, values) for toks, values, _ in proposed]
         if len(idx) == len(self.seqs):
             # values are non-increasing in depth, so a node is worth at most its parent
             length = self._lookup_length([v for _, v in chains])[0]
@@ -532,29 +541,30 @@ class Engine:
                 return root_only(torch.tensor(roots))
             chains = [(toks[:length], v[:length]) for toks, v in chains]
             self._lookup_only = True
+            self._ngram_rows = [b for b, (_, _, store) in enumerate(proposed) if store]
             self.stats.lookup_steps += 1
         return tree_from_rows([([root, *toks], list(range(-1, len(toks))),
                                 list(range(len(toks) + 1)), [1.0, *rates],
                                 [False] + [True] * len(toks))
                                for root, (toks, rates) in zip(roots, chains, strict=True)])
 
-    def _propose(self, s: _Seq) -> tuple[list[int], list[float]]:
+    def _propose(self, s: _Seq) -> tuple[list[int], list[float], bool]:
         """The lookup chain after s's last token (at most its tree's lookup length and draft
-        nodes: prompt lookup's or the n-gram store's, `lookup.propose_chain`) and its values;
-        ([], []) for requests that take none. The history catches up on s's new tokens
-        first."""
+        nodes: prompt lookup's or the n-gram store's, `lookup.propose_chain`), its values and
+        whether the store proposed it; ([], [], False) for requests that take none. The
+        history catches up on s's new tokens first."""
         tree = s.req.tree
         if not (s.auto and tree.mode == "eagle2" and tree.lookup > 0):
-            return [], []
+            return [], [], False
         if s.history is None:
             s.history = TokenHistory()
             s.history.extend(list(s.req.prompt_ids))
         known = len(s.history) - len(s.req.prompt_ids)
         if known < len(s.output):
             s.history.extend(s.output[known:])
-        toks, values, _ = propose_chain(s.history, min(tree.lookup, tree.num_nodes - 1),
-                                        self.lookup_table, self.ngram)
-        return toks, values
+        toks, values, match = propose_chain(s.history, min(tree.lookup, tree.num_nodes - 1),
+                                            self.lookup_table, self.ngram)
+        return toks, values, bool(toks) and match == 0
 
     def _lookup_length(self, values: list[list[float]]) -> tuple[int, float]:
         """The chain length (0: none) that maximises predicted tokens per second over the

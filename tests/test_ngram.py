@@ -166,9 +166,15 @@ def test_greedy_with_ngram_chains_equals_vanilla(seed):
         if costs:
             engine._costs = shut_gate_costs(0.0001)
         assert run(engine, prompts, GREEDY, tree) == vanilla, name
-        steps[name] = engine.stats.steps
+        stats = engine.stats
+        steps[name] = stats.steps
         if ngram is not None:
-            assert engine.stats.lookup_accepted > 0, name
+            assert stats.lookup_accepted > 0, name
+        if name == "alone":
+            assert 0 < stats.ngram_accepted <= stats.lookup_step_accepted
+            assert 0 < stats.ngram_chains <= stats.lookup_steps * len(prompts)
+        else:
+            assert stats.ngram_chains == 0, name  # off, or drafted (counted as lookup nodes)
     assert steps["alone"] < steps["alone-off"]
 
 
@@ -199,7 +205,7 @@ def test_sampled_ngram_chains_without_draft_calls_match_target_distribution(monk
         seeds = list(range(50000 + start, 50000 + start + 500))
         for o in run(engine, [REPEATING] * 500, params, tree, seeds=seeds):
             counts[tuple(o[:3])] = counts.get(tuple(o[:3]), 0) + 1
-    assert proposed and engine.stats.lookup_step_accepted > 100
+    assert proposed and engine.stats.ngram_accepted > 100
     assert engine.stats.lookup_steps == engine.stats.steps
     assert chi_square_pvalue(counts, probs, NUM_SAMPLES) > 1e-3
 

@@ -270,7 +270,9 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
                          "accepted": stats.accepted, "realized_vetoes": stats.realized_vetoes}
     machine["lookup"] = {"offered": stats.lookup_offered, "accepted": stats.lookup_accepted,
                          "steps_without_draft": stats.lookup_steps,
-                         "accepted_without_draft": stats.lookup_step_accepted}
+                         "accepted_without_draft": stats.lookup_step_accepted,
+                         "ngram_chains_without_draft": stats.ngram_chains,
+                         "ngram_accepted_without_draft": stats.ngram_accepted}
     report.write_json(out_dir / "runs.json", {
         "config": config, "machine": machine, "wall_s": wall_s,
         "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
