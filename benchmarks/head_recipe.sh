@@ -9,6 +9,8 @@
 #            new head: an existing one resumes)
 #   calib    the value calibration of the trained head (held-out prompts: the last 32
 #            synthetic prompts, which `data` never answers, and code stubs)
+#   ngram    the n-gram store of the target's answers (the archives in data/) beside HEAD
+#            (default: the shipped head), its rates fitted on every 10th conversation
 set -e
 STAGE=$1; D=${2:-runs/head-data}; FT=${FT:-ft}
 CHAT=11200; CALIB=32  # synthetic chat prompts; the last CALIB are calibration's, never answered
@@ -33,5 +35,8 @@ case $STAGE in
   calib)
     $E calibrate --draft $D/$FT/head --num-chat $CALIB --num-code 16 --first-chat $((CHAT - CALIB)) \
       --max-tokens 128 --bins 24 --threads ${THREADS:-1} --lookup 16 ;;
+  ngram)
+    $E build-ngram --data $A/synthetic.tar.xz $A/self.tar.xz \
+      --out ${HEAD:-eagle2/heads/smollm2-135m-instruct} ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
