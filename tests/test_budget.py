@@ -359,12 +359,33 @@ def test_auto_budget_greedy_equals_vanilla(costs, expect_skips):
     vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
     engine = make_engine(target, 0)
     engine._costs = costs
+    # (without chains on undrafted steps a draft call competes with plain decoding alone:
+    # `test_a_draft_call_must_beat_the_chains_alone`)
+    engine.lookup_alone = False
     assert run(engine, prompts, GREEDY, AUTO) == vanilla
     stats = engine.stats
     assert stats.auto_steps > 0
     assert (stats.skipped_drafts > 0) == expect_skips
     if not expect_skips:  # free verification: always the biggest tree
         assert set(stats.nodes_chosen) == {AUTO.total_tokens}
+
+
+def test_a_draft_call_must_beat_the_chains_alone():
+    """Free verification (100 s a forward of any size) and an untrained head, whose trees add
+    little to the lookup chain merged into them: where that chain would be verified without a
+    draft call (`Engine._undrafted_rate`), such trees do not pay and the gate skips draft calls
+    (which plain decoding alone could never make it do here); outputs stay vanilla's."""
+    target = tiny_target(seed=1)
+    prompts = random_prompts(4, 64, seed=5)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    skipped = {}
+    for alone in (True, False):
+        engine = make_engine(target, 0)
+        engine._costs = flat_costs(0.0, base=100.0)
+        engine.lookup_alone = alone
+        assert run(engine, prompts, GREEDY, AUTO) == vanilla
+        skipped[alone] = engine.stats.skipped_drafts
+    assert skipped[True] > 0 and skipped[False] == 0
 
 
 def test_auto_budget_alone_and_in_a_batch_with_fixed_trees():

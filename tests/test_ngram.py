@@ -8,6 +8,7 @@ import json
 import random
 from collections import Counter
 from dataclasses import replace
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -105,7 +106,7 @@ def test_fit_rates_cells_fallbacks_and_monotone_shares():
     rates = fit_rates(np.array(cells), np.array(hits)).reshape(MAX_ORDER, SHARE_BINS, -1)
     measured = rates[1, :, 2]
     assert measured[9] == pytest.approx(0.45)
-    assert all(b >= a for a, b in zip(measured, measured[1:], strict=False))  # running max
+    assert all(b >= a for a, b in pairwise(measured))  # running max
     assert measured[5] == measured[4]  # the low bin lifted to the one below it
     assert rates[2, 9, 0] == pytest.approx(1.0)  # order 3's overall rate (5 of 5)
     assert rates[0].max() == 0.0  # no sample of order 1
