@@ -1,6 +1,7 @@
 # ruff: noqa: I001  (eagle2 before torch: passive OpenMP waiting)
-"""Engine variants side by side in one process, batch 1: every variant decodes every prompt,
-the order rotating by one each prompt, so a slow phase of the machine falls on all of them.
+"""Engine variants side by side in one process: every variant decodes every prompt (or group
+of `--batch` prompts decoded together), the order rotating by one each prompt, so a slow
+phase of the machine falls on all of them.
 Prints tokens/s and tau per suite, each variant's ratio to the first, the engine's step split,
 and writes JSON.
 
@@ -42,11 +43,11 @@ class _OpenGates(dict):
         return gate
 
 
-def build(variant: str) -> Eagle2:
+def build(variant: str, max_batch: int = 8) -> Eagle2:
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     mode = "vanilla" if variant == "vanilla" else "eagle2"
-    llm = Eagle2.load(threads=1, tree=TreeConfig(mode=mode))
+    llm = Eagle2.load(threads=1, tree=TreeConfig(mode=mode), max_batch=max_batch)
     if variant == "no-lookup-alone":
         llm.engine.lookup_alone = False
     if variant == "always-draft":
@@ -62,25 +63,28 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8, help="per suite")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="prompts decoded together (groups of one suite's consecutive prompts)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = args.variants.split(",")
-    llms = {v: build(v) for v in variants}
-    prompts = [p for s in ("mt_bench", "humaneval") for p in load_suite(s, args.num_prompts)]
+    llms = {v: build(v, max(8, args.batch)) for v in variants}
+    suites = [load_suite(s, args.num_prompts) for s in ("mt_bench", "humaneval")]
+    groups = [ps[i: i + args.batch] for ps in suites for i in range(0, len(ps), args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    sums = {v: {p.suite: [0, 0.0, 0] for p in prompts} for v in variants}  # tokens, s, steps
+    sums = {v: {g[0].suite: [0, 0.0, 0] for g in groups} for v in variants}  # tokens, s, steps
     same = True
-    for i, prompt in enumerate(prompts):
+    for i, group in enumerate(groups):
         sp = params if params.greedy else replace(params, seed=1000 + i)
         outputs = []
         for v in variants[i % len(variants):] + variants[: i % len(variants)]:
             t0 = time.perf_counter()
-            out = llms[v].generate([prompt.user_message], sp)[0]
-            acc = sums[v][prompt.suite]
-            acc[0] += len(out.token_ids)
+            outs = llms[v].generate([p.user_message for p in group], sp)
+            acc = sums[v][group[0].suite]
+            acc[0] += sum(len(o.token_ids) for o in outs)
             acc[1] += time.perf_counter() - t0
-            acc[2] += out.num_steps
-            outputs.append(out.token_ids)
+            acc[2] += sum(o.num_steps for o in outs)
+            outputs.append([o.token_ids for o in outs])
         same &= all(o == outputs[0] for o in outputs)
     result = {"config": vars(args), "lossless": same if params.greedy else None, "variants": {}}
     for v in variants:
