@@ -313,7 +313,10 @@ def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner
             print(f"prompt lookup: {lk['accepted']} of {lk['offered']} lookup nodes accepted"
                   + (f"; {lk['steps_without_draft']} steps verified chains without a draft "
                      f"call, accepting {lk['accepted_without_draft']}"
-                     if lk.get("steps_without_draft") else ""))
+                     if lk.get("steps_without_draft") else "")
+                  + (f" ({lk['ngram_chains_without_draft']} of those chains from the n-gram "
+                     f"store, accepting {lk['ngram_accepted_without_draft']})"
+                     if lk.get("ngram_chains_without_draft") else ""))
     print(f"lossless: {report.fmt_bool(results['lossless'])}; wrote "
           f"{out_dir / 'results.json'} and {out_dir / 'bench.png'}")
     return 1 if results["lossless"] is False else 0
