@@ -457,6 +457,17 @@ VOCAB = 8
 REPEATING = [1, 4, 6, 2, 1, 4, 6, 2, 1, 4]  # lookup proposes "6 2 1 ..." after "4"
 
 
+def sampled_counts(engine, params: SamplingParams, tree: TreeConfig, first_seed: int) -> dict:
+    """NUM_SAMPLES sequences after REPEATING, 500 at a time with seeds first_seed, ...: how
+    many start with each 3 tokens."""
+    counts: dict = {}
+    for start in range(0, NUM_SAMPLES, 500):
+        seeds = list(range(first_seed + start, first_seed + start + 500))
+        for o in run(engine, [REPEATING] * 500, params, tree, seeds=seeds):
+            counts[tuple(o[:3])] = counts.get(tuple(o[:3]), 0) + 1
+    return counts
+
+
 @pytest.fixture(scope="module")
 def sampling_target():
     return tiny_target(vocab=VOCAB, hidden=32, heads=4, kv_heads=2, seed=21, logit_scale=8.0)
@@ -470,11 +481,7 @@ def test_sampling_with_lookup_matches_target_distribution(sampling_target, monke
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=3, ignore_eos=True)
     probs = exact_joint(sampling_target, 0.8, 0.95)
     engine = make_engine(sampling_target, head_seed=0, max_batch=500, max_context=64)
-    counts: dict = {}
-    for start in range(0, NUM_SAMPLES, 500):
-        seeds = list(range(30000 + start, 30000 + start + 500))
-        for o in run(engine, [REPEATING] * 500, params, tree, seeds=seeds):
-            counts[tuple(o[:3])] = counts.get(tuple(o[:3]), 0) + 1
+    counts = sampled_counts(engine, params, tree, 30000)
     assert engine.stats.lookup_accepted > 100  # lookup nodes took part in the acceptance
     assert chi_square_pvalue(counts, probs, NUM_SAMPLES) > 1e-3
 
@@ -495,11 +502,7 @@ def test_sampled_lookup_chains_without_draft_calls_match_target_distribution(sam
     engine._costs = shut_gate_costs(0.0)
     draft = engine.drafter.draft
     engine.drafter.draft = lambda *a, **k: pytest.fail("a draft call")
-    counts: dict = {}
-    for start in range(0, NUM_SAMPLES, 500):
-        seeds = list(range(40000 + start, 40000 + start + 500))
-        for o in run(engine, [REPEATING] * 500, params, tree, seeds=seeds):
-            counts[tuple(o[:3])] = counts.get(tuple(o[:3]), 0) + 1
+    counts = sampled_counts(engine, params, tree, 40000)
     assert engine.stats.lookup_step_accepted > 100  # chains verified alone were accepted
     assert engine.stats.lookup_steps == engine.stats.steps  # every step after the prefills
     engine.drafter.draft = draft

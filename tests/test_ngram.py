@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_engine, random_prompts, run, tiny_target
-from test_lookup import GREEDY, REPEATING, TREES, shut_gate_costs
+from test_lookup import GREEDY, REPEATING, TREES, sampled_counts, shut_gate_costs
 from test_lossless_sampling import NUM_SAMPLES, chi_square_pvalue, exact_joint
 
 from eagle2.budget import SpeculationGate
@@ -201,11 +201,7 @@ def test_sampled_ngram_chains_without_draft_calls_match_target_distribution(monk
     engine.ngram = store
     engine._costs = shut_gate_costs(0.0)
     engine.drafter.draft = lambda *a, **k: pytest.fail("a draft call")
-    counts: dict = {}
-    for start in range(0, NUM_SAMPLES, 500):
-        seeds = list(range(50000 + start, 50000 + start + 500))
-        for o in run(engine, [REPEATING] * 500, params, tree, seeds=seeds):
-            counts[tuple(o[:3])] = counts.get(tuple(o[:3]), 0) + 1
+    counts = sampled_counts(engine, params, tree, 50000)
     assert proposed and engine.stats.ngram_accepted > 100
     assert engine.stats.lookup_steps == engine.stats.steps
     assert chi_square_pvalue(counts, probs, NUM_SAMPLES) > 1e-3
