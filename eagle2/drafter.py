@@ -63,6 +63,8 @@ class Drafter:
         # the target's answers' n-gram continuations, where the head ships them: they compete
         # with prompt lookup's chain (`lookup.propose_chain`); None: prompt lookup alone
         self.ngram: NgramStore | None = getattr(head, "ngram", None)
+        if self.ngram is not None:
+            self.ngram.check_vocab(embed.num_embeddings)
         self.keep_candidates = keep_candidates
         # the head's candidates of the last expansion, before lookup joins them
         self.last_candidates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []

@@ -202,6 +202,9 @@ class Engine:
         self.lookup_table: LookupTable = (lookup_table or getattr(drafter, "lookup_table", None)
                                           or LookupTable())
         self.ngram: NgramStore | None = ngram or getattr(drafter, "ngram", None)
+        for store in (self.ngram, getattr(drafter, "ngram", None)):
+            if store is not None:
+                store.check_vocab(runner.vocab_size)
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:

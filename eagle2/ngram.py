@@ -155,6 +155,16 @@ class NgramStore:
             ctx = [*ctx[1:], nxt[0]] if len(ctx) >= self.max_order else [*ctx, nxt[0]]
         return out, values
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """A store built from another tokenizer's answers would propose ids the target has no
+        embedding for: refuse it with what to do."""
+        top = int(self.tokens.max()) if len(self.tokens) else -1
+        if top >= vocab_size:
+            raise ValueError(f"the n-gram store ({FILE_NAME}) proposes token ids up to {top}, "
+                             f"but the target's vocabulary has {vocab_size}: it was built for "
+                             "another tokenizer; rebuild it with `eagle2 build-ngram` from this "
+                             "target's answers, or delete it")
+
     def with_rates(self, rates: np.ndarray, info: dict | None = None) -> NgramStore:
         return NgramStore(self.keys, self.tokens, self.cells, np.asarray(rates, np.float64),
                           self.max_order, {**(self.info or {}), **(info or {})})

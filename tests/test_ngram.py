@@ -207,6 +207,26 @@ def test_sampled_ngram_chains_without_draft_calls_match_target_distribution(monk
     assert chi_square_pvalue(counts, probs, NUM_SAMPLES) > 1e-3
 
 
+def test_a_store_of_another_vocabulary_is_refused():
+    """A store whose ids the target has no embedding for (built for another tokenizer) is
+    refused when the engine is made, given to it or carried by its drafter."""
+    from eagle2.drafter import Drafter
+    from eagle2.engine import Engine
+
+    engine = make_engine(tiny_target(vocab=48, seed=45), 0)
+    store = NgramStore.build([([1], [2, 300, 4])] * 2)
+    with pytest.raises(ValueError, match=r"up to 300, but the target's vocabulary has 48"):
+        Engine(engine.runner, None, ngram=store)
+    engine.drafter.ngram = store
+    with pytest.raises(ValueError, match="another tokenizer"):
+        Engine(engine.runner, engine.drafter)
+    with pytest.raises(ValueError, match="another tokenizer"):  # the drafter's is checked too
+        Engine(engine.runner, engine.drafter, ngram=NgramStore.build([([1], [2, 3, 4])] * 2))
+    engine.drafter.head.ngram = store
+    with pytest.raises(ValueError, match="another tokenizer"):
+        Drafter(engine.drafter.head, engine.drafter.embed, None, max_slots=1, max_len=16)
+
+
 def test_the_shipped_head_loads_its_store():
     from eagle2.api import shipped_head_dir
     from eagle2.head import load_head
