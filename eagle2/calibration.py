@@ -97,8 +97,11 @@ class Calibration:
         path.write_text(json.dumps(data, indent=1) + "\n")
 
     @classmethod
-    def of_head(cls, head_dir: str | Path) -> Calibration | None:
-        """The calibration shipped in a head's directory (`FILE_NAME`), None without one."""
+    def of_head(cls, head_dir: str | Path | None) -> Calibration | None:
+        """The calibration shipped in a head's directory (`FILE_NAME`), None without one (or
+        without a directory: an untrained head)."""
+        if head_dir is None:
+            return None
         path = Path(head_dir) / FILE_NAME
         return cls.load(path) if path.exists() else None
 

@@ -129,14 +129,18 @@ class NgramStore:
                    cells[keep].astype(np.uint16), np.asarray(rates, dtype=np.float64),
                    max_order, {"answer_tokens": int((ords == 1).sum())})
 
-    def next(self, tokens: Sequence[int]) -> tuple[int, float] | None:
-        """The next token after the longest known context ending `tokens`, and its rate."""
-        keys = _context_keys(tokens, self.max_order)
-        for key in reversed(keys):
+    def _find(self, tokens: Sequence[int]) -> int | None:
+        """Index of the longest known context ending `tokens` (None: none is known)."""
+        for key in reversed(_context_keys(tokens, self.max_order)):
             i = int(np.searchsorted(self.keys, np.uint64(key)))
             if i < len(self.keys) and int(self.keys[i]) == key:
-                return int(self.tokens[i]), float(self.rates[self.cells[i]])
+                return i
         return None
+
+    def next(self, tokens: Sequence[int]) -> tuple[int, float] | None:
+        """The next token after the longest known context ending `tokens`, and its rate."""
+        i = self._find(tokens)
+        return None if i is None else (int(self.tokens[i]), float(self.rates[self.cells[i]]))
 
     def propose(self, tokens: Sequence[int], depth: int) -> tuple[list[int], list[float]]:
         """Up to `depth` tokens after `tokens`, each continuing the one before, and their values
@@ -177,13 +181,10 @@ class NgramStore:
         for prompt_tail, answer in answers:
             seq = [*prompt_tail, *answer]
             for i in range(len(prompt_tail), len(seq)):
-                keys = _context_keys(seq[max(0, i - self.max_order):i], self.max_order)
-                for key in reversed(keys):
-                    j = int(np.searchsorted(self.keys, np.uint64(key)))
-                    if j < len(self.keys) and int(self.keys[j]) == key:
-                        cells.append(int(self.cells[j]))
-                        hits.append(int(self.tokens[j]) == seq[i])
-                        break
+                j = self._find(seq[max(0, i - self.max_order):i])
+                if j is not None:
+                    cells.append(int(self.cells[j]))
+                    hits.append(int(self.tokens[j]) == seq[i])
         return np.array(cells, dtype=np.int64), np.array(hits, dtype=bool)
 
     def save(self, path: str | Path) -> None:

@@ -59,8 +59,7 @@ def lookup_table(cfg: ServiceConfig):
     where the head has none (the engine then keeps the conservative default)."""
     from eagle2.calibration import Calibration
 
-    path = head_dir(cfg)
-    calibration = Calibration.of_head(path) if path is not None else None
+    calibration = Calibration.of_head(head_dir(cfg))
     return calibration.lookup if calibration is not None else None
 
 

@@ -59,21 +59,20 @@ def read_conversations(sources: list[str]) -> list[dict]:
     return convs
 
 
-def check(store: NgramStore, answers) -> dict:
-    """Held-out hit rate against the store's predicted rate, per context order."""
-    cells, hits = store.outcomes(answers)
+def check(cells, hits, rates, positions: int, max_order: int) -> dict:
+    """Held-out outcomes (`NgramStore.outcomes` over `positions` answer tokens): hit rate
+    against the rates' prediction, per context order."""
     orders = cells // (SHARE_BINS * len(TOTAL_EDGES)) + 1
-    positions = sum(len(a) for _, a in answers)
     out = {"positions": positions, "covered": len(cells),
            "hit_rate": round(float(hits.mean()), 4) if len(hits) else 0.0,
-           "predicted": round(float(store.rates[cells].mean()), 4) if len(cells) else 0.0,
+           "predicted": round(float(rates[cells].mean()), 4) if len(cells) else 0.0,
            "by_order": {}}
-    for o in range(1, store.max_order + 1):
+    for o in range(1, max_order + 1):
         m = orders == o
         if m.any():
             out["by_order"][str(o)] = {
                 "n": int(m.sum()), "hit_rate": round(float(hits[m].mean()), 4),
-                "predicted": round(float(store.rates[cells[m]].mean()), 4)}
+                "predicted": round(float(rates[cells[m]].mean()), 4)}
     return out
 
 
@@ -101,7 +100,8 @@ def run(args) -> int:
     report = {"sources": [Path(s).name for s in sources], "conversations": len(convs),
               "answer_tokens": sum(len(a) for _, a in answers), "holdout": args.holdout,
               "max_order": args.max_order, "min_total": args.min_total,
-              "held_out": check(fitting.with_rates(rates), held)}
+              "held_out": check(cells, hits, rates, sum(len(a) for _, a in held),
+                                args.max_order)}
     store = NgramStore.build(answers, args.max_order, args.min_total, rates)
     report["contexts"] = len(store)
     report["build_s"] = round(time.perf_counter() - t0, 1)
