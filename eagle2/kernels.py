@@ -174,6 +174,48 @@ class BlockedWeight:
         return ops.linear_fma(x, packed, self.weight.shape[0])
 
 
+class GreedyArgmax:
+    """Greedy tokens of a bf16 lm_head without its logits (docs/DESIGN.md "Exact greedy
+    tokens"): an int8 copy of the weight bounds every logit, and only the few outputs that
+    could be the largest are computed as `BlockedWeight.fma` computes them, so the token is
+    bitwise `proj.fma(x).float().argmax(-1)` (ties: the lowest index) for about half the
+    lm_head's time. For a plan that multiplies every row count by the FMA kernel
+    (`greedy_argmax_ops`); the int8 copy takes half the bf16 weight's memory."""
+
+    def __init__(self, proj: BlockedWeight, ops):
+        if proj._native is None:
+            proj._native = ops, ops.pack_linear(proj.weight)
+        self.proj, self.ops = proj, ops
+        self.q, self.stats = ops.pack_argmax(proj.weight)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [..., H] bf16 -> tokens [...] (int64); None where the lm_head's plan does not
+        multiply this many rows by the FMA kernel (a plan changed after fusing), or a row is
+        not finite (its logits then decide, as torch.argmax would)."""
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if self.proj.plan.for_rows(rows.shape[0]) != FMA:
+            return None
+        tokens = self.ops.greedy_argmax(rows, self.q, self.stats, self.proj._native[1],
+                                        self.proj.weight.shape[0])
+        if bool((tokens < 0).any()):
+            return None
+        return tokens.reshape(hidden.shape[:-1])
+
+
+def greedy_argmax_ops(plan: BlockPlan, dtype: torch.dtype, device: torch.device):
+    """The native operators where `GreedyArgmax` applies to an lm_head multiplied by `plan`:
+    bf16 on a CPU, the FMA kernel for every row count (its sums are what the exact outputs
+    repeat), and not switched off by EAGLE2_GREEDY_ARGMAX=0; else None."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    if os.environ.get("EAGLE2_GREEDY_ARGMAX", "1") == "0":
+        return None
+    if any(plan.for_rows(rows) != FMA for rows in ROW_BUCKETS):
+        return None
+    ops = fma_linear_ops()
+    return ops if ops is not None and hasattr(ops, "greedy_argmax") else None
+
+
 def _chunked(x: torch.Tensor, weights: list[torch.Tensor], multiply) -> torch.Tensor:
     """x @ W.T for W in column chunks: each chunk's bf16 product, added in fp32."""
     if len(weights) == 1:

@@ -14,7 +14,7 @@ import torch
 from eagle2.config import SamplingParams
 from eagle2.target import TargetModel
 from eagle2.tree import DraftTree
-from eagle2.verify import Verified, first_tokens, verify_batch
+from eagle2.verify import Verified, first_tokens, verify_batch, verify_greedy_tokens
 
 
 class TargetRunner(Protocol):
@@ -102,15 +102,29 @@ class LocalRunner:
         it takes part in the all-reduces, rank 0 verifies)."""
         return self.target.forward(tokens, positions, tree_mask, self.cache, slots).features
 
+    def _greedy_only(self, params) -> bool:
+        """Whether this step needs only argmaxes, which the target can find without logits
+        (`TargetModel.greedy_tokens`)."""
+        return self.target.greedy_head is not None and all(p.greedy for p in params)
+
     def verify_step(self, tree, positions, slots, params, generators):
         dev = self.device
         tree = DraftTree(*(t.to(dev) for t in tree._fields()))  # greedy acceptance on the device
+        if self._greedy_only(params):
+            out = self.target.forward(tree.tokens, positions.to(dev), tree.tree_mask, self.cache,
+                                      slots.to(dev))
+            verified = verify_greedy_tokens(tree, self.target.greedy_tokens(out.hidden))
+            return verified, accepted_features(out.features, verified.nodes)
         features, logits = self.forward(tree.tokens, positions.to(dev), tree.tree_mask,
                                         slots.to(dev))  # [B, N, V]
         verified = verify_batch(tree, logits, params, generators)
         return verified, accepted_features(features, verified.nodes)
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
+        if self._greedy_only(params):
+            out = self.target.forward(tokens, positions, mask, self.cache, slots)
+            rows = torch.arange(out.hidden.shape[0], device=out.hidden.device)
+            return out.features, self.target.greedy_tokens(out.hidden[rows, last_idx]).tolist()
         features, last_logits = self.forward(tokens, positions, mask, slots, last_idx)  # [B, V]
         return features, first_tokens(last_logits, params, generators)
 

@@ -24,9 +24,11 @@ from eagle2.kernels import (
     NATIVE,
     BlockedWeight,
     BlockPlan,
+    GreedyArgmax,
     cached_plan,
     exact_bf16_candidates,
     exact_bf16_kernels,
+    greedy_argmax_ops,
     packed_plan,
 )
 from eagle2.native import cpu_ops
@@ -181,6 +183,7 @@ class TargetModel:
         self.feature_layers: tuple[int, ...] | None = None  # see set_feature_layers
         self.fused: list[FusedLayer] | None = None
         self.head_proj: BlockedWeight | None = None
+        self.greedy_head: GreedyArgmax | None = None  # greedy tokens without logits (`fuse`)
         self.plan = BlockPlan()
         # bf16 on a CPU with exact bf16 kernels: attention that gives a token bitwise the
         # same result in a tree as in plain decoding (`attention.canonical_attention`; with
@@ -229,6 +232,9 @@ class TargetModel:
                                     refresh=refresh, candidates=candidates)
                 self.plan.block_bytes.update(found.block_bytes)
             self.native = cpu_ops()
+            ops = greedy_argmax_ops(self.plan, self.dtype, self.device)
+            if self.head_proj is not None and ops is not None:
+                self.greedy_head = GreedyArgmax(self.head_proj, ops)
             return self
         if measure:
             found = cached_plan(weights, self.name, cache_root() / "kernels", refresh=refresh)
@@ -285,6 +291,16 @@ class TargetModel:
         if self.head_proj is not None:
             return self.head_proj(features).float()
         return self.lm_head(features).float()  # e.g. a TP-sharded lm_head with its own gather
+
+    @torch.inference_mode()
+    def greedy_tokens(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [...]: the argmax of `logits(features)` (ties: the lowest index), through
+        `GreedyArgmax` where the fused lm_head allows it (about half the lm_head's time)."""
+        if self.greedy_head is not None:
+            tokens = self.greedy_head(features)
+            if tokens is not None:
+                return tokens
+        return self.logits(features).argmax(-1)
 
 
 def target_num_layers(spec: str | None) -> int:

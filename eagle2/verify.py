@@ -52,7 +52,11 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verified:
     """Longest path whose tokens equal the target's argmax at their parents. logits [B, N, V]."""
-    pred = logits.argmax(-1)  # [B, N]
+    return verify_greedy_tokens(tree, logits.argmax(-1))
+
+
+def verify_greedy_tokens(tree: DraftTree, pred: torch.Tensor) -> Verified:
+    """`verify_greedy` given the target's argmax at every node, pred [B, N]."""
     paths = tree.retrieve_indices  # [B, P, D + 1]
     safe = paths.clamp(min=0)
     tok = torch.gather(tree.tokens[:, None, :].expand(-1, paths.shape[1], -1), 2, safe)

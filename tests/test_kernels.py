@@ -218,3 +218,60 @@ def test_one_family_never_mixes_fma_with_the_bf16_kernels():
     plan, _ = measure_plan([torch.randn(64, 64).bfloat16()], row_buckets=(1, 4),
                            candidates=candidates, repeats=1)
     assert len(set(plan.block_bytes.values())) == 1
+
+
+def greedy_case(vocab: int, features: int, seed: int):
+    """A bf16 weight with duplicated outputs (exact ties) and outputs one bf16 step apart in
+    one feature (logits that tie once rounded to bf16, not before), its FMA BlockedWeight and
+    GreedyArgmax; None where the native operators are missing."""
+    from eagle2.kernels import GreedyArgmax, greedy_argmax_ops
+
+    plan = BlockPlan({rows: FMA for rows in ROW_BUCKETS})
+    ops = greedy_argmax_ops(plan, torch.bfloat16, torch.device("cpu"))
+    if ops is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, features, generator=g) / features ** 0.5).bfloat16()
+    weight[vocab // 2] = weight[5]  # exact ties with output 5 (and 5 < vocab // 2)
+    weight[vocab - 1] = weight[5]
+    near = weight[9].clone()
+    away = near[0].float() * 2  # one bf16 step away from zero: a larger product with x[9]
+    near[0] = torch.nextafter(near[0].float().bfloat16(), away.bfloat16())
+    weight[vocab // 3] = near  # a hair above output 9 for inputs along it
+    proj = BlockedWeight(weight, plan)
+    return proj, GreedyArgmax(proj, ops), weight
+
+
+@pytest.mark.parametrize("shape", [(1000, 64), (4099, 576), (49152, 576), (130, 1000)])
+def test_greedy_argmax_is_the_argmax_of_the_fma_logits(shape):
+    """GreedyArgmax (an int8 pass bounds every logit, the possible winners computed exactly):
+    bitwise `argmax(proj.fma(x))` for 1-17 rows of random inputs, spread-out and
+    near-uniform logits, exact ties (the lowest index wins), logits that tie only after
+    bf16 rounding, a zero row; a non-finite row or a plan that is not FMA for the row
+    count hands back to the logits (None)."""
+    case = greedy_case(*shape, seed=shape[0])
+    if case is None:
+        pytest.skip("no native FMA linear here (needs AVX2 and FMA, and a C++ compiler)")
+    proj, greedy, weight = case
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(17, shape[1], generator=g) * 4
+    x[3] *= 1e-3  # near-uniform logits: many outputs within the bound of the largest
+    x[4] = weight[5].float() * 50  # output 5 and its copies lead: ties
+    x[5] = weight[9].float() * 50  # output 9 and its near copy
+    x[6] = 0.0  # every logit 0: output 0
+    x = x.bfloat16()
+    logits = proj.fma(x).float()
+    assert logits[4].max() == logits[4, 5] == logits[4, shape[0] // 2]
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+        assert torch.equal(greedy(x[:rows]), logits[:rows].argmax(-1)), rows
+    for i in range(17):
+        assert torch.equal(greedy(x[i:i + 1]), logits[i:i + 1].argmax(-1)), i
+    assert torch.equal(greedy(x[:6].view(2, 3, -1)), logits[:6].argmax(-1).view(2, 3))
+    assert int(greedy(x[4:5])) == 5 and int(greedy(x[6:7])) == 0
+    # output 9's fp32 sum is below its near copy's, their bf16 logits tie: 9 wins
+    assert logits[5, 9] == logits[5, shape[0] // 3] and int(greedy(x[5:6])) == 9
+    bad = x[:3].clone()
+    bad[1, 0] = float("nan")
+    assert greedy(bad) is None
+    proj.plan.block_bytes[4] = PACKED
+    assert greedy(x[:3]) is None and greedy(x[:1]) is not None

@@ -190,6 +190,45 @@ def test_bf16_native_linears_mixed_with_packed_ones_equal_vanilla():
 
 
 @needs_exact_bf16
+def test_bf16_greedy_tokens_without_logits_equal_decoding_through_the_logits():
+    """Greedy steps through `TargetModel.greedy_tokens` (GreedyArgmax: the lm_head's argmax
+    from an int8 pass and the few outputs that could win, computed exactly), every mode
+    batched, equal plain decoding of each prompt alone through the full logits; the greedy
+    head served the prefills and every verification (a vocabulary of 4099, not a multiple of
+    the kernel's blocks)."""
+    from eagle2.kernels import FMA, ROW_BUCKETS, GreedyArgmax, greedy_argmax_ops
+
+    target = tiny_target(vocab=4099, seed=33, layers=3, logit_scale=4.0)
+    target.hf.to(torch.bfloat16)
+    target = TargetModel(target.hf, name="tiny-bf16-33").fuse()
+    target.plan.block_bytes.update({rows: FMA for rows in ROW_BUCKETS})
+    ops = greedy_argmax_ops(target.plan, target.dtype, target.device)
+    if ops is None:
+        pytest.skip("no native FMA linear here")
+    greedy = GreedyArgmax(target.head_proj, ops)
+    target.greedy_head = None  # the reference: argmax of the logits
+    prompts = random_prompts(6, 4099, seed=5, lo=3, hi=40)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = [run(make_engine(target, None, max_batch=1), [p], params, TreeConfig("vanilla"))[0]
+             for p in prompts]
+    served = []
+
+    def counted(hidden):
+        tokens = greedy(hidden)
+        served.append(tokens is not None)
+        return tokens
+
+    target.greedy_head = counted
+    assert run(make_engine(target, None), prompts, params, TreeConfig("vanilla")) == alone
+    assert len(served) == 40  # the batch's prefill, then 39 steps
+    for name, tree in TREES.items():
+        before = len(served)
+        assert run(make_engine(target, 4), prompts, params, tree) == alone, name
+        assert len(served) > before, name
+    assert all(served)
+
+
+@needs_exact_bf16
 def test_bf16_fma_linears_equal_vanilla():
     """The other exact family (`kernels.FMA`, fp32 FMAs over the packed bf16 weight, chosen
     where vdpbf16ps is slow): every row count through it, every mode batched equals plain

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -1060,6 +1061,265 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+
+// ---- Greedy tokens of a bf16 linear (the lm_head) without all of its outputs ----
+// docs/DESIGN.md, "Exact greedy tokens". A greedy step needs only the argmax of each row's
+// logits, where the logits are linear_fma's: bf16(the fp32 FMA sum over the input pairs, in
+// order). One pass over an int8 copy of the weight (per-output scale s_i, Q = round(w / s_i))
+// with the input quantized to int16 gives each logit to within a bound that holds for any
+// input (Cauchy-Schwarz on the two quantization residues, plus the fp32 sum's rounding
+// bound); every output whose upper bound, rounded to bf16, is below the largest lower bound,
+// rounded to bf16, cannot be the argmax nor tie it, and the few that remain (~4 of 49,152 on
+// SmolLM2) are computed exactly as linear_fma computes them. Half the bytes of the bf16
+// weight, and 16 multiply-adds per instruction instead of 8, so the lm_head of a greedy
+// step costs about half. The chosen token is bitwise torch.argmax of linear_fma's logits
+// (ties: the lowest index).
+
+constexpr int64_t kArgBlock = 32;  // outputs per block of the int8 weight (4 groups of 8 lanes)
+
+// weight [V, K] bf16 -> (int8 weight [blocks, K / 2, 32 outputs, 2], per output (s, |w - sQ|_2,
+// |Q|_2, |w|_2) as double [V, 4]); the padding outputs of the last block are zero
+std::tuple<torch::Tensor, torch::Tensor> pack_argmax(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                  weight.device().is_cpu() && weight.size(1) % 2 == 0,
+              "pack_argmax expects a bf16 CPU weight [V, K] with K even");
+  const auto w = weight.contiguous();
+  const int64_t V = w.size(0), K = w.size(1), K2 = K / 2;
+  const int64_t blocks = (V + kArgBlock - 1) / kArgBlock;
+  auto q = torch::zeros({blocks, K2, kArgBlock, 2}, torch::dtype(torch::kInt8));
+  auto stats = torch::zeros({V, 4}, torch::dtype(torch::kFloat64));
+  const bf16* wp = w.data_ptr<bf16>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  double* sp = stats.data_ptr<double>();
+  at::parallel_for(0, V, 256, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) {
+      const bf16* row = wp + v * K;
+      double top = 0.0;
+      for (int64_t k = 0; k < K; ++k) top = std::max(top, std::fabs(static_cast<double>(row[k])));
+      const double scale = top > 0.0 ? top / 127.0 : 1.0;
+      double r2 = 0.0, q2 = 0.0, w2 = 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double x = static_cast<double>(row[k]);
+        const double qv = std::min(127.0, std::max(-127.0, std::nearbyint(x / scale)));
+        const double r = x - scale * qv;
+        r2 += r * r;
+        q2 += qv * qv;
+        w2 += x * x;
+        qp[((v / kArgBlock) * K2 + k / 2) * kArgBlock * 2 + (v % kArgBlock) * 2 + k % 2] =
+            static_cast<int8_t>(qv);
+      }
+      sp[4 * v] = scale;
+      sp[4 * v + 1] = std::sqrt(r2);
+      sp[4 * v + 2] = std::sqrt(q2);
+      sp[4 * v + 3] = std::sqrt(w2);
+    }
+  });
+  return {q, stats};
+}
+
+// int32 sums of M rows (M <= 4) against one block: out[m][32] = sum_k Q[o][k] X[m][k]. X as
+// int16 pairs in int32 lanes (xpairs[m * K2 + k]); vpmaddwd multiplies each lane's pair and
+// adds the two products. G groups of 8 outputs from group g0.
+template <int M, int G>
+inline void argmax_tile(const int8_t* qb, int64_t K2, const int32_t* xpairs, int g0,
+                        int32_t* out) {
+  __m256i acc[M][G];
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < G; ++g) acc[m][g] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K2; ++k) {
+    const int8_t* qk = qb + k * kArgBlock * 2 + g0 * 16;
+    __m256i wv[G];
+    for (int g = 0; g < G; ++g)
+      wv[g] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qk + 16 * g)));
+    for (int m = 0; m < M; ++m) {
+      const __m256i xb = _mm256_set1_epi32(xpairs[m * K2 + k]);
+      for (int g = 0; g < G; ++g)
+        acc[m][g] = _mm256_add_epi32(acc[m][g], _mm256_madd_epi16(wv[g], xb));
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < G; ++g)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * kArgBlock + (g0 + g) * 8),
+                          acc[m][g]);
+}
+
+template <int M>
+inline void argmax_block(const int8_t* qb, int64_t K2, const int32_t* xpairs, int32_t* out) {
+  if constexpr (M <= 2) {
+    argmax_tile<M, 4>(qb, K2, xpairs, 0, out);
+  } else {
+    argmax_tile<M, 2>(qb, K2, xpairs, 0, out);
+    argmax_tile<M, 2>(qb, K2, xpairs, 2, out);
+  }
+}
+
+// the bf16 value (RNE, as linear_fma stores it) of the fp32 FMA sum linear_fma computes for
+// output v: each input pair's even product, then its odd one, in order
+inline float fma_output(const uint32_t* packed, int64_t K2, int64_t v, const float* x) {
+  const uint32_t* wv = packed + (v / kBlockN) * K2 * kBlockN + v % kBlockN;
+  float acc = 0.0f;
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint32_t pair = wv[k * kBlockN], lo = pair << 16, hi = pair & 0xFFFF0000u;
+    float even, odd;
+    std::memcpy(&even, &lo, 4);
+    std::memcpy(&odd, &hi, 4);
+    acc = std::fma(even, x[2 * k], acc);
+    acc = std::fma(odd, x[2 * k + 1], acc);
+  }
+  return static_cast<float>(bf16(acc));
+}
+
+// x [R, K] bf16 (R rows of final hidden states), q/stats from pack_argmax, packed from
+// pack_linear of the same weight -> [R] int64: the argmax of linear_fma(x, packed, V) per row,
+// or -1 for a row whose input is not finite (the caller computes the logits then)
+torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
+                            const torch::Tensor& stats, const torch::Tensor& packed, int64_t V) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              "greedy_argmax expects bf16 [R, K] on the CPU");
+  const int64_t R = x.size(0), K = x.size(1), K2 = K / 2;
+  TORCH_CHECK(q.dim() == 4 && q.size(1) == K2 && q.size(2) == kArgBlock &&
+                  q.size(0) * kArgBlock >= V && stats.size(0) == V && stats.size(1) == 4 &&
+                  packed.dim() == 3 && packed.size(1) == K2 &&
+                  packed.size(0) * kBlockN >= V && K % 2 == 0,
+              "greedy_argmax: the input's features or V do not match the packed weights");
+  const auto xf = x.contiguous().to(torch::kFloat);  // exact
+  const auto st = stats.contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const double* sp = st.data_ptr<double>();
+  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  const int64_t blocks = q.size(0);
+  // the input's int16 range: the int32 sums cannot overflow (127 x X x K < 2^31)
+  const double xmax = std::min(16383.0, std::floor(2147483647.0 / (127.0 * K)));
+  // the fp32 FMA sum of K products: |f - exact| <= gamma |w|_2 |x|_2, gamma = 1.01 K 2^-24
+  const double gamma = 1.01 * static_cast<double>(K) * std::ldexp(1.0, -24);
+  auto result = torch::full({R}, -1, torch::dtype(torch::kInt64));
+  int64_t* rp = result.data_ptr<int64_t>();
+  // per row: the int16 input (pairs in int32 lanes, vpmaddwd's operand), its scale s_x, |x|_2
+  // and the quantization residue's |x - s_x X|_2
+  std::vector<int32_t> xpairs(R * K2);
+  std::vector<float> sx(R), xn(R), en(R);
+  std::vector<char> ok(R, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = xp + r * K;
+    double top = 0.0, x2 = 0.0, e2 = 0.0;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      finite = finite && std::isfinite(row[k]);
+      top = std::max(top, std::fabs(static_cast<double>(row[k])));
+      x2 += static_cast<double>(row[k]) * row[k];
+    }
+    if (!finite) continue;
+    ok[r] = 1;
+    const double s = top > 0.0 ? top / xmax : 1.0;
+    for (int64_t k = 0; k < K2; ++k) {
+      uint32_t halves[2];
+      for (int h = 0; h < 2; ++h) {
+        const double v = row[2 * k + h];
+        const double xq = std::min(xmax, std::max(-xmax, std::nearbyint(v / s)));
+        e2 += (v - s * xq) * (v - s * xq);
+        halves[h] = static_cast<uint16_t>(static_cast<int16_t>(xq));
+      }
+      xpairs[r * K2 + k] = static_cast<int32_t>(halves[0] | (halves[1] << 16));
+    }
+    // as floats, rounded up by more than their roundings (s_x enters only the estimate)
+    sx[r] = static_cast<float>(s);
+    xn[r] = static_cast<float>(std::sqrt(x2) * (1.0 + 1e-6));
+    en[r] = static_cast<float>(std::sqrt(e2) * (1.0 + 1e-6));
+  }
+  // per output: its scale and the bound's coefficients of |x|_2 and |x - s_x X|_2
+  std::vector<float> scale(V), coef_x(V), coef_e(V);
+  for (int64_t v = 0; v < V; ++v) {
+    const double* s = sp + 4 * v;
+    scale[v] = static_cast<float>(s[0]);
+    coef_x[v] = static_cast<float>((s[1] + gamma * s[3]) * (1.0 + 1e-6));
+    coef_e[v] = static_cast<float>(s[0] * s[2] * (1.0 + 1e-6));
+  }
+  // pass 1: the int32 sums -> each output's upper bound, and each row's largest lower bound.
+  // In float: each of the ~8 roundings is within 2^-24 of its result, and 1e-6 x (|estimate|
+  // + bound) more covers them all
+  std::vector<float> upper(R * V);
+  std::vector<float> best_lower(R, -INFINITY);
+  alignas(32) int32_t sums[4 * kArgBlock];
+  const __m256 rel = _mm256_set1_ps(1e-6f), tiny = _mm256_set1_ps(1e-30f);
+  const __m256 sign = _mm256_set1_ps(-0.0f), none = _mm256_set1_ps(-INFINITY);
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, R - r0);
+    const int32_t* xr = xpairs.data() + r0 * K2;
+    __m256 low[4] = {none, none, none, none};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* qb = qp + b * K2 * kArgBlock * 2;
+      switch (rows) {
+        case 1: argmax_block<1>(qb, K2, xr, sums); break;
+        case 2: argmax_block<2>(qb, K2, xr, sums); break;
+        case 3: argmax_block<3>(qb, K2, xr, sums); break;
+        default: argmax_block<4>(qb, K2, xr, sums); break;
+      }
+      const int64_t v0 = b * kArgBlock, n = std::min<int64_t>(kArgBlock, V - v0);
+      for (int64_t m = 0; m < rows; ++m) {
+        const int64_t r = r0 + m;
+        const __m256 vsx = _mm256_set1_ps(sx[r]), vxn = _mm256_set1_ps(xn[r]);
+        const __m256 ven = _mm256_set1_ps(en[r]);
+        for (int64_t j = 0; j < n; j += 8) {
+          const int64_t v = v0 + j;
+          const __m256i lanes = _mm256_cmpgt_epi32(
+              _mm256_set1_epi32(static_cast<int>(n - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          const __m256 sc = _mm256_maskload_ps(scale.data() + v, lanes);
+          const __m256 cx = _mm256_maskload_ps(coef_x.data() + v, lanes);
+          const __m256 ce = _mm256_maskload_ps(coef_e.data() + v, lanes);
+          const __m256 estimate = _mm256_mul_ps(
+              _mm256_cvtepi32_ps(_mm256_load_si256(
+                  reinterpret_cast<const __m256i*>(sums + m * kArgBlock + j))),
+              _mm256_mul_ps(sc, vsx));
+          const __m256 bound = _mm256_add_ps(_mm256_mul_ps(cx, vxn), _mm256_mul_ps(ce, ven));
+          const __m256 margin = _mm256_add_ps(bound, _mm256_add_ps(_mm256_mul_ps(
+              rel, _mm256_add_ps(_mm256_andnot_ps(sign, estimate), bound)), tiny));
+          _mm256_maskstore_ps(upper.data() + r * V + v, lanes, _mm256_add_ps(estimate, margin));
+          low[m] = _mm256_max_ps(low[m], _mm256_blendv_ps(none, _mm256_sub_ps(estimate, margin),
+                                                           _mm256_castsi256_ps(lanes)));
+        }
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      alignas(32) float lows[8];
+      _mm256_store_ps(lows, low[m]);
+      best_lower[r0 + m] = *std::max_element(lows, lows + 8);
+    }
+  }
+  // pass 2: no output whose bf16 logit can be below floor (the largest lower bound, rounded
+  // as the logits are) can win or tie; an upper bound <= thr (at most the bf16 value below
+  // floor: bf16 keeps 8 significant bits) rounds below floor. The others, exactly
+  for (int64_t r = 0; r < R; ++r) {
+    if (!ok[r]) continue;
+    const float floor_bf16 = static_cast<float>(bf16(best_lower[r]));
+    const float thr = floor_bf16 - std::fabs(floor_bf16) * (1.0f / 128.0f) - 1e-30f;
+    const __m256 vthr = _mm256_set1_ps(thr);
+    const float* row = xp + r * K;
+    const float* up = upper.data() + r * V;
+    float best = -INFINITY;
+    int64_t arg = -1;
+    for (int64_t v8 = 0; v8 < V; v8 += 8) {
+      unsigned bits = 0;
+      if (v8 + 8 <= V) {
+        bits = static_cast<unsigned>(
+            _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(up + v8), vthr, _CMP_GT_OQ)));
+      } else {
+        for (int64_t l = 0; v8 + l < V; ++l) bits |= (up[v8 + l] > thr ? 1u : 0u) << l;
+      }
+      for (; bits != 0; bits &= bits - 1) {
+        const int64_t v = v8 + __builtin_ctz(bits);
+        const float logit = fma_output(wp, K2, v, row);
+        if (arg < 0 || logit > best) {  // ties: the lowest index, as torch.argmax
+          best = logit;
+          arg = v;
+        }
+      }
+    }
+    rp[r] = arg;
+  }
+  return result;
+}
+
 // The instruction set this build uses: "avx512_bf16" or "avx2"
 std::string isa() {
 #ifdef EAGLE2_AVX512
@@ -1081,6 +1341,9 @@ TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("linear(Tensor x, Tensor packed, int out_features, int chunk_features) -> Tensor");
   m.def("linear_fma(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("pack_argmax(Tensor weight) -> (Tensor, Tensor)");
+  m.def("greedy_argmax(Tensor x, Tensor q, Tensor stats, Tensor packed, int out_features) "
+        "-> Tensor");
   m.def("isa() -> str");
 }
 
@@ -1093,6 +1356,8 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_fma", &linear_fma);
   m.impl("silu_mul", &silu_mul);
+  m.impl("pack_argmax", &pack_argmax);
+  m.impl("greedy_argmax", &greedy_argmax);
 }
 
 TORCH_LIBRARY_IMPL(eagle2_cpu, CatchAll, m) {
