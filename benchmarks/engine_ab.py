@@ -10,7 +10,9 @@ and writes JSON.
 
 Variants: vanilla (plain decoding), shipped (the default engine), no-lookup-alone (no prompt
 lookup chains on steps without a draft call: `Engine(lookup_alone=False)`), always-draft (the
-speculation gate never shut), no-ngram (prompt lookup without the n-gram store's chains).
+speculation gate never shut), no-ngram (prompt lookup without the n-gram store's chains),
+vanilla-logits and shipped-logits (greedy tokens as the argmax of the lm_head's logits, not
+through `kernels.GreedyArgmax`).
 Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
@@ -28,7 +30,8 @@ from eagle2.bench.prompts import load_suite
 from eagle2.budget import SpeculationGate
 from eagle2.config import TreeConfig
 
-VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram")
+VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
+            "vanilla-logits", "shipped-logits")
 
 
 class _OpenGates(dict):
@@ -46,8 +49,10 @@ class _OpenGates(dict):
 def build(variant: str, max_batch: int = 8) -> Eagle2:
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    mode = "vanilla" if variant == "vanilla" else "eagle2"
+    mode = "vanilla" if variant.startswith("vanilla") else "eagle2"
     llm = Eagle2.load(threads=1, tree=TreeConfig(mode=mode), max_batch=max_batch)
+    if variant.endswith("-logits"):
+        llm.target.greedy_head = None
     if variant == "no-lookup-alone":
         llm.engine.lookup_alone = False
     if variant == "always-draft":

@@ -14,7 +14,7 @@ import torch
 from eagle2.config import SamplingParams
 from eagle2.target import TargetModel
 from eagle2.tree import DraftTree
-from eagle2.verify import Verified, first_tokens, verify_batch, verify_greedy_tokens
+from eagle2.verify import Verified, first_tokens, verify_batch, verify_greedy_lazily
 
 
 class TargetRunner(Protocol):
@@ -113,7 +113,9 @@ class LocalRunner:
         if self._greedy_only(params):
             out = self.target.forward(tree.tokens, positions.to(dev), tree.tree_mask, self.cache,
                                       slots.to(dev))
-            verified = verify_greedy_tokens(tree, self.target.greedy_tokens(out.hidden))
+            hidden = out.hidden
+            verified = verify_greedy_lazily(
+                tree, lambda rows, nodes: self.target.greedy_tokens(hidden[rows, nodes]))
             return verified, accepted_features(out.features, verified.nodes)
         features, logits = self.forward(tree.tokens, positions.to(dev), tree.tree_mask,
                                         slots.to(dev))  # [B, N, V]

@@ -19,6 +19,7 @@ the target's processed distribution (SpecInfer / EAGLE-2 Appendix; vLLM "recover
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,38 @@ def verify_greedy_tokens(tree: DraftTree, pred: torch.Tensor) -> Verified:
         nodes.append(path)
         tokens.append([tok_list[b][n] for n in path[1:]] + [pred_list[b][path[-1]]])
     return Verified(nodes, tokens)
+
+
+def verify_greedy_lazily(tree: DraftTree, argmax: Callable[[list[int], list[int]], torch.Tensor]
+                         ) -> Verified:
+    """`verify_greedy_tokens` with the target's argmax computed only where acceptance reaches:
+    first at every root and its children, then, level by level, at the accepted nodes not
+    yet computed (a node is accepted when its parent is and its token is the parent's
+    argmax). argmax(batch rows, node indices) -> their tokens. Nodes off the accepted subtree
+    get -1, which no path reads (acceptance along a path stops at them), so the result is
+    `verify_greedy_tokens`'s with every argmax computed. For `GreedyArgmax`, whose cost grows
+    with the rows for more than two of them: a 4-node chain whose first token is rejected
+    needs the argmax at 2 nodes, not 4."""
+    num_b, num_n = tree.tokens.shape
+    pred = torch.full((num_b, num_n), -1, dtype=torch.long)
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    counts = tree.num_nodes.tolist()
+    kids = [children_lists(parents[b], counts[b]) for b in range(num_b)]
+    todo = [(b, n) for b in range(num_b) for n in [0, *kids[b][0]]]
+    accepted = [(b, 0) for b in range(num_b)]  # accepted nodes whose argmax is not yet known
+    while todo:
+        rows, nodes = [b for b, _ in todo], [n for _, n in todo]
+        pred[rows, nodes] = argmax(rows, nodes).to(torch.long).cpu()
+        known = pred.tolist()
+        waiting = []
+        while accepted:  # follow accepted nodes down to those whose argmax is unknown
+            b, n = accepted.pop()
+            if known[b][n] < 0:
+                waiting.append((b, n))
+                continue
+            accepted += [(b, c) for c in kids[b][n] if tokens[b][c] == known[b][n]]
+        todo, accepted = waiting, list(waiting)
+    return verify_greedy_tokens(tree, pred.to(tree.tokens.device))
 
 
 def verify_sampling(tree_tokens: list[int], children: list[list[int]], logits: torch.Tensor,

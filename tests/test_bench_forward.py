@@ -21,6 +21,9 @@ def test_bench_forward_writes_curve_roofline_and_chart(tmp_path):
         assert c["ms"] > 0 and 0 < c["roofline_fraction"] <= 1.5
         assert abs(sum(c["shares"].values()) - 1) < 0.02
     assert result["ratios"]["1"]["vs_one_token"]["1"] == 1.0
+    for rows, times in result["greedy_lm_head"].items():  # where the lm_head has the FMA plan
+        assert rows in {"1", "2", "4", "8"} and times["logits_argmax_ms"] > 0
+        assert times["greedy_ms"] > 0
     assert (out / "forward.png").stat().st_size > 1000
 
 

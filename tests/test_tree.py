@@ -166,3 +166,53 @@ def test_root_only_is_what_finish_tree_derives_for_one_node():
                            "num_nodes", "values", "lookup"), got._fields(), want._fields(),
                           strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def lazy_greedy_case(seed: int) -> bool:
+    """verify_greedy_lazily (the argmax only where acceptance reaches) gives verify_greedy's
+    result on random batches of trees of different sizes (padding), sibling tokens that repeat
+    (two accepted branches: the first longest path wins) and argmaxes that often match; it
+    asks for fewer rows than the trees have and never for a node off the accepted subtree."""
+    from eagle2.tree import tree_from_rows
+    from eagle2.verify import verify_greedy, verify_greedy_lazily
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 3  # few tokens: drafts and argmaxes agree often, siblings repeat
+    rows = []
+    for _ in range(4):
+        n = int(torch.randint(1, 12, (), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n)]
+        depths = [0] * n
+        for i in range(1, n):
+            depths[i] = depths[parents[i]] + 1
+        order = sorted(range(n), key=lambda i: (depths[i], i))  # depth order, parents first
+        where = {old: new for new, old in enumerate(order)}
+        parents = [-1 if parents[i] < 0 else where[parents[i]] for i in order]
+        depths = [depths[i] for i in order]
+        tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
+        rows.append((tokens, parents, depths, [1.0] * n, [False] * n))
+    tree = tree_from_rows(rows)
+    logits = torch.randn(tree.batch_size, tree.tokens.shape[1], vocab, generator=g)
+    asked = []
+
+    def argmax(b, n):
+        asked.extend(zip(b, n))
+        return logits[b, n].argmax(-1)
+
+    lazy = verify_greedy_lazily(tree, argmax)
+    full = verify_greedy(tree, logits)
+    assert lazy == full
+    assert len(asked) == len(set(asked)) <= int(tree.num_nodes.sum())
+    pred = logits.argmax(-1).tolist()
+    for b, n in asked:  # a root, a root's child, or an accepted node
+        tokens, parents = rows[b][0], rows[b][1]
+        node, accepted = n, True
+        while parents[node] >= 0:
+            accepted = accepted and tokens[node] == pred[b][parents[node]]
+            node = parents[node]
+        assert parents[n] <= 0 or accepted, (b, n)
+    return len(asked) < int(tree.num_nodes.sum())
+
+
+def test_lazy_greedy_verification_equals_verifying_with_every_argmax():
+    assert sum(lazy_greedy_case(seed) for seed in range(12)) >= 6  # and rows were skipped

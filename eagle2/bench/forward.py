@@ -145,6 +145,7 @@ def run(args) -> int:
         bandwidth, bw_bytes = read_bandwidth(target.device)
         prefixes = (args.prefix, long_prefix) if long_prefix else (args.prefix,)
         cells, grids = measure(runner, target, batches, nodes, prefixes, args.repeats, bandwidth)
+        greedy = greedy_lm_head(runner, target, args.repeats)
     model = CostModel.from_grids(tuple(batches), tuple(nodes), prefixes, grids)
     if not args.no_save_costs:
         model.save(cost_cache_path(target))
@@ -156,12 +157,16 @@ def run(args) -> int:
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "bandwidth_tensor_bytes": bw_bytes,
         "weight_bytes": weight_bytes(target), "kernel_plan": target.plan.block_bytes,
         "load_and_kernel_choice_s": round(load_s, 2), "prefix": args.prefix,
-        "long_prefix": long_prefix, "cells": cells,
+        "long_prefix": long_prefix, "cells": cells, "greedy_lm_head": greedy,
     }
     result["ratios"] = ratios(cells)
     (out_dir / "forward.json").write_text(json.dumps(result, indent=1))
     plot(out_dir / "forward.png", cells, result)
     print(format_table(cells, result))
+    if greedy:
+        print("greedy tokens of R hidden states, ms: " + "; ".join(
+            f"R={r} logits+argmax {g['logits_argmax_ms']}, without logits {g['greedy_ms']}"
+            for r, g in greedy.items()))
     print(f"wrote {out_dir / 'forward.json'} and {out_dir / 'forward.png'}", file=sys.stderr)
     return 0
 
@@ -197,6 +202,36 @@ def measure(runner, target, batches, nodes, prefixes, repeats, bandwidth):
                           "roofline_fraction": round(streamed / bandwidth / best, 3)})
         runner.set_lengths(slots, torch.zeros_like(slots))
     return cells, grids
+
+
+def greedy_lm_head(runner, target, repeats: int, rows=(1, 2, 4, 8)) -> dict:
+    """{R: ms of the argmax of R rows' logits (lm_head + argmax), and of the same tokens
+    without the logits (`kernels.GreedyArgmax`, DESIGN "Exact greedy tokens")}, best of
+    4 x (1 + repeats), on the final hidden states of a forward over random tokens; {} where the
+    target has no greedy head."""
+    if target.greedy_head is None:
+        return {}
+    dev = target.device
+    tokens = torch.randint(0, target.vocab_size, (1, max(rows)), device=dev)
+    slots = torch.zeros(1, dtype=torch.long, device=dev)
+    mask = torch.ones(max(rows), max(rows), dtype=torch.bool, device=dev).tril()[None]
+    positions = torch.arange(max(rows), device=dev)[None]
+    hidden = target.forward(tokens, positions, mask, runner.cache, slots).hidden[0]
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(4 * (1 + repeats)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return round(min(times) * 1e3, 3)
+
+    out = {}
+    for r in rows:
+        h = hidden[:r]
+        out[r] = {"logits_argmax_ms": best(lambda h=h: target.logits(h).argmax(-1)),
+                  "greedy_ms": best(lambda h=h: target.greedy_tokens(h))}
+    return out
 
 
 def ratios(cells: list[dict]) -> dict:
