@@ -196,7 +196,7 @@ def lazy_greedy_case(seed: int) -> bool:
     asked = []
 
     def argmax(b, n):
-        asked.extend(zip(b, n))
+        asked.extend(zip(b, n, strict=True))
         return logits[b, n].argmax(-1)
 
     lazy = verify_greedy_lazily(tree, argmax)
