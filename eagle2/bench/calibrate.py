@@ -93,6 +93,7 @@ def run(args) -> int:
     # the ones it expects to beat: the table is fitted on all of prompt lookup's proposals)
     llm.engine.drafter.ngram = None
     rec = Recorder()
+    llm.target.greedy_head = None  # verify through the logits: the observer reads them
     _observe_verification(llm.engine.runner, rec)
     tree = TreeConfig("eagle2", args.total_tokens, args.depth, args.tree_top_k, budget="fixed",
                       lookup=args.lookup)
