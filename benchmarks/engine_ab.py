@@ -12,7 +12,8 @@ Variants: vanilla (plain decoding), shipped (the default engine), no-lookup-alon
 lookup chains on steps without a draft call: `Engine(lookup_alone=False)`), always-draft (the
 speculation gate never shut), no-ngram (prompt lookup without the n-gram store's chains),
 vanilla-logits and shipped-logits (greedy tokens as the argmax of the lm_head's logits, not
-through `kernels.GreedyArgmax`).
+through `kernels.GreedyArgmax`), grid-costs (the budget prices greedy batches as the cost
+grid's forwards, logits included, not as `CostModel.greedy`).
 Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
@@ -31,7 +32,7 @@ from eagle2.budget import SpeculationGate
 from eagle2.config import TreeConfig
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
-            "vanilla-logits", "shipped-logits")
+            "vanilla-logits", "shipped-logits", "grid-costs")
 
 
 class _OpenGates(dict):
@@ -57,6 +58,8 @@ def build(variant: str, max_batch: int = 8) -> Eagle2:
         llm.engine.lookup_alone = False
     if variant == "always-draft":
         llm.engine.gates = _OpenGates()
+    if variant == "grid-costs":
+        llm.engine._forward_costs = lambda costs: costs
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
     return llm

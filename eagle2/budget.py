@@ -24,15 +24,19 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 # bumped when costs are measured differently: cache files of older ways are measured again
-COSTS_VERSION = 4  # 4: the fused CPU operations and their attention (eagle2.native)
+COSTS_VERSION = 5  # 5: the lm_head's logits and greedy argmax timed apart (`head_rows`)
 BATCHES = (1, 2, 4, 8, 16)
 NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # lm_head rows timed (linear past the last)
+# rows a request whose argmax a greedy verification takes in its first round (a chain's root
+# and first child: `verify_greedy_lazily`); the later rounds' few rows are left to the scales
+GREEDY_ROWS = 2
 
 
 def _interp(xs: tuple[int, ...], ys: list[float], x: float) -> float:
@@ -70,6 +74,12 @@ class CostModel:
     draft_head: str = ""
     long_prefix: int = 0  # 0: one grid, the cost does not depend on the context
     long_seconds: tuple[tuple[float, ...], ...] = ()  # like `seconds`, after long_prefix
+    # seconds of the lm_head over head_rows rows: the logits (which every forward of the grid
+    # computes, a row a token) and the same rows' argmax without the logits
+    # (`TargetModel.greedy_tokens`; empty where the target has no greedy head)
+    head_rows: tuple[int, ...] = ()
+    head_logits_s: tuple[float, ...] = ()
+    head_greedy_s: tuple[float, ...] = ()
 
     def __call__(self, num_b: int, num_n: int, context: float | None = None) -> float:
         """context: committed tokens per request (mean over the batch); None: the grid's."""
@@ -79,6 +89,20 @@ class CostModel:
         long = self._read(self.long_seconds, num_b, num_n)
         frac = (context - self.prefix) / (self.long_prefix - self.prefix)
         return max(short + (long - short) * frac, 0.5 * short)
+
+    def greedy(self, num_b: int, num_n: int, context: float | None = None) -> float:
+        """c(B, N) of a verification that takes the target's argmax without the logits
+        (every request greedy: `LocalRunner.verify_step`): the grid's forward less the logits
+        of its B x N rows, plus the argmax at GREEDY_ROWS of each request. E.g. 30 ms with
+        8 ms of logits, 2 ms for the argmax of 2 rows: 24 ms. Without a greedy head's times,
+        the grid's cost."""
+        full = self(num_b, num_n, context)
+        if not self.head_greedy_s:
+            return full
+        logits = _interp(self.head_rows, list(self.head_logits_s), num_b * num_n)
+        argmax = _interp(self.head_rows, list(self.head_greedy_s),
+                         num_b * min(num_n, GREEDY_ROWS))
+        return max(full - logits + argmax, 0.5 * full)
 
     def _read(self, grid, num_b: int, num_n: int) -> float:
         key = (grid is self.seconds, num_b, num_n)
@@ -129,7 +153,9 @@ class CostModel:
                 "draft_level_s": list(self.draft_level_s),
                 "draft_narrow_s": list(self.draft_narrow_s), "draft_head": self.draft_head,
                 "long_prefix": self.long_prefix,
-                "long_seconds": [list(r) for r in self.long_seconds]}
+                "long_seconds": [list(r) for r in self.long_seconds],
+                "head_rows": list(self.head_rows), "head_logits_s": list(self.head_logits_s),
+                "head_greedy_s": list(self.head_greedy_s)}
 
     @classmethod
     def from_json(cls, data: dict, draft_head: str | None = None) -> CostModel:
@@ -147,7 +173,9 @@ class CostModel:
         return cls(tuple(data["batches"]), tuple(data["nodes"]),
                    tuple(tuple(r) for r in data["seconds"]), data.get("prefix", 0),
                    batches, levels, narrow, head, data.get("long_prefix", 0),
-                   tuple(tuple(r) for r in data.get("long_seconds", ())))
+                   tuple(tuple(r) for r in data.get("long_seconds", ())),
+                   tuple(data.get("head_rows", ())), tuple(data.get("head_logits_s", ())),
+                   tuple(data.get("head_greedy_s", ())))
 
     def save(self, path: Path) -> None:
         """Write to a cache file, keeping the draft costs of other heads already there (two
@@ -178,7 +206,7 @@ class CostModel:
         """Time runner.forward (logits included) over the grid after `prefix` and, if
         long_prefix > prefix, after long_prefix too (`time_grid`, 1 + `repeats` sweeps over
         both), then take the lower envelope (`lower_envelope`; a cell of the short grid is
-        also bounded by the long one's).
+        also bounded by the long one's); and the lm_head's rows apart (`time_head`).
 
         Runs on cache slots [0, B): each slot's length is raised to at least the prefix for
         the measurement, so the tokens land in scratch entries past anything committed, and
@@ -187,7 +215,8 @@ class CostModel:
         nodes = tuple(n for n in NODES if n <= max_nodes)
         prefixes = (prefix, long_prefix) if long_prefix > prefix else (prefix,)
         grids = time_grid(runner, batches, nodes, prefixes, passes=repeats + 1)
-        return cls.from_grids(batches, nodes, prefixes, grids)
+        return replace(cls.from_grids(batches, nodes, prefixes, grids),
+                       **time_head(runner, passes=repeats + 1))
 
     @classmethod
     def from_grids(cls, batches: tuple[int, ...], nodes: tuple[int, ...],
@@ -214,7 +243,8 @@ class CostModel:
             if path.exists() and not refresh:
                 model = cls.from_json(json.loads(path.read_text()), draft_head)
                 if (model.batches[-1] >= min(max_batch, BATCHES[-1])
-                        and (model.long_prefix > model.prefix or long_prefix <= prefix)):
+                        and (model.long_prefix > model.prefix or long_prefix <= prefix)
+                        and (model.head_greedy_s or not getattr(runner, "greedy_argmax", False))):
                     return model
             model = cls.measure(runner, max_batch, prefix=prefix, long_prefix=long_prefix)
             model._write(path)
@@ -264,6 +294,18 @@ def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...],
         runner.set_lengths(slots, old)
     grids = [[[best[pre, (b, n)] for n in nodes] for b in batches] for pre in prefixes]
     return grids if isinstance(prefix, tuple) else grids[0]
+
+
+def time_head(runner, rows: tuple[int, ...] = HEAD_ROWS, passes: int = 4) -> dict:
+    """CostModel's head_* fields: the lm_head's seconds over `rows` rows with and without
+    the logits (`runner.head_seconds`, best of `passes` sweeps; monotone: more rows never
+    cost less), or {} where the runner does not time its head (e.g. a sharded target)."""
+    head_seconds = getattr(runner, "head_seconds", None)
+    if head_seconds is None:
+        return {}
+    logits, greedy = head_seconds(rows, passes)
+    return {"head_rows": tuple(rows), "head_logits_s": lower_envelope([logits])[0],
+            "head_greedy_s": lower_envelope([greedy])[0] if greedy else ()}
 
 
 def lower_envelope(seconds) -> tuple[tuple[float, ...], ...]:
@@ -448,7 +490,7 @@ class MeasuredScales:
         ratio = min(max(actual_s / predicted_s, self.limits[0]), self.limits[1])
         setattr(self, kind, self.decay * getattr(self, kind) + (1 - self.decay) * ratio)
 
-    def costs(self, costs: CostModel) -> Callable[..., float]:
+    def costs(self, costs: Callable[..., float]) -> Callable[..., float]:
         """The forward cost function c(B, n, context) with plain (n = 1) and tree (n > 1)
         forwards scaled."""
         def scaled(num_b: int, num_n: int, context: float | None = None) -> float:

@@ -355,8 +355,15 @@ class Engine:
         (`MeasuredScales`) when every request is greedy (a tree's size cannot change their
         outputs) and the costs were measured or read by the engine, else the cost model's own
         (seeded sampling stays reproducible)."""
-        if self._greedy_timed():
-            return self.scales.costs(costs)
+        forward = self._forward_costs(costs)
+        return self.scales.costs(forward) if self._greedy_timed() else forward
+
+    def _forward_costs(self, costs: CostModel):
+        """c(B, N, context) of the current batch's verification: without the logits where
+        the runner takes greedy argmaxes so (`CostModel.greedy`), else the grid's."""
+        if (costs.head_greedy_s and getattr(self.runner, "greedy_argmax", False)
+                and all(s.req.params.greedy for s in self.seqs)):
+            return costs.greedy
         return costs
 
     def _greedy_timed(self) -> bool:
@@ -372,7 +379,7 @@ class Engine:
             return
         num_n = int(tree.tokens.shape[1])
         self.scales.observe("plain" if num_n == 1 else "tree", verify_s,
-                            costs(tree.batch_size, num_n, context))
+                            self._forward_costs(costs)(tree.batch_size, num_n, context))
         if self._predicted_draft > 0:
             self.scales.observe("draft", draft_s, self._predicted_draft)
 

@@ -7,6 +7,7 @@ Verification runs where the logits are (docs/DESIGN.md "Verification"): `verify_
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -102,10 +103,48 @@ class LocalRunner:
         it takes part in the all-reduces, rank 0 verifies)."""
         return self.target.forward(tokens, positions, tree_mask, self.cache, slots).features
 
+    @property
+    def greedy_argmax(self) -> bool:
+        """Whether greedy steps take the target's argmax without its logits (the cost model
+        prices them so: `CostModel.greedy`)."""
+        return self.target.greedy_head is not None
+
     def _greedy_only(self, params) -> bool:
         """Whether this step needs only argmaxes, which the target can find without logits
         (`TargetModel.greedy_tokens`)."""
-        return self.target.greedy_head is not None and all(p.greedy for p in params)
+        return self.greedy_argmax and all(p.greedy for p in params)
+
+    @torch.inference_mode()
+    def head_seconds(self, rows: tuple[int, ...], passes: int = 4
+                     ) -> tuple[list[float], list[float] | None]:
+        """Best seconds over `passes` sweeps of the lm_head over each of `rows` rows: the
+        logits, and the argmax without them (None without a greedy head), on the final hidden
+        states of a forward over random tokens written past the shortest slot's committed
+        entries (scratch, as a tree step's: safe between engine steps)."""
+        t = self.target
+        slot = int(self.cache.lengths.argmin())
+        start = int(self.cache.lengths[slot])
+        num = max(min(max(rows), self.cache.max_len - start), 1)
+        dev = t.device
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, t.vocab_size, (1, num), generator=gen).to(dev)
+        mask = torch.ones(num, num, dtype=torch.bool, device=dev).tril()[None]
+        positions = start + torch.arange(num, device=dev)[None]
+        hidden = t.forward(tokens, positions, mask, self.cache,
+                           torch.tensor([slot], device=dev)).hidden[0]
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        fns = [t.logits] + ([t.greedy_tokens] if self.greedy_argmax else [])
+        best = [[float("inf")] * len(rows) for _ in fns]
+        for _ in range(max(passes, 1)):
+            for i, r in enumerate(rows):
+                h = hidden[torch.arange(r, device=dev) % num]
+                for f, fn in enumerate(fns):
+                    sync()
+                    t0 = time.perf_counter()
+                    fn(h)
+                    sync()
+                    best[f][i] = min(best[f][i], time.perf_counter() - t0)
+        return best[0], (best[1] if len(best) > 1 else None)
 
     def verify_step(self, tree, positions, slots, params, generators):
         dev = self.device

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_engine, random_prompts, run, tiny_target
 
-from eagle2.budget import CostModel, SpeculationGate, choose_num_nodes, draft_key
+from eagle2.budget import HEAD_ROWS, CostModel, SpeculationGate, choose_num_nodes, draft_key
 from eagle2.calibration import Calibration, _pool_adjacent_violators, accepted_nodes
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.engine import Request
@@ -112,6 +112,41 @@ def test_cost_model_measures_a_runner_without_touching_committed_entries():
                for a, b in zip(r, q, strict=True))
     assert engine.runner.cache.lengths.tolist() == [5, 0]
     assert torch.equal(engine.runner.cache.k[:, 0, :, :5], before)
+    # the lm_head timed apart; this target has no greedy head (`GreedyArgmax` needs bf16)
+    assert m.head_rows == HEAD_ROWS and not m.head_greedy_s and not engine.runner.greedy_argmax
+    assert all(a <= b for a, b in zip(m.head_logits_s, m.head_logits_s[1:], strict=False))
+
+
+def test_greedy_costs_trade_the_logits_of_every_row_for_the_argmax_of_a_few():
+    costs = CostModel((1, 2), (1, 8), ((0.010, 0.030), (0.020, 0.060)), head_rows=(1, 4, 16),
+                      head_logits_s=(0.001, 0.004, 0.016), head_greedy_s=(0.0005, 0.002, 0.008))
+    # 1 x 8: 30 ms less the logits of 8 rows (8 ms), plus the argmax of 2 rows (1 ms)
+    assert costs.greedy(1, 8) == pytest.approx(0.030 - 0.008 + 0.001)
+    assert costs.greedy(1, 1) == pytest.approx(0.010 - 0.001 + 0.0005)
+    assert costs.greedy(2, 8) == pytest.approx(0.060 - 0.016 + 0.002)  # 16 rows, then 4
+    assert CostModel.from_json(costs.to_json()) == costs
+    without = replace(costs, head_greedy_s=())
+    assert without.greedy(2, 8) == without(2, 8) == costs(2, 8)
+
+
+def test_the_engine_prices_greedy_batches_without_logits_where_the_runner_takes_them():
+    """The budget and the measured scales read `CostModel.greedy` for batches the runner
+    verifies through its greedy argmax, and the grid's costs for any other batch."""
+    engine = make_engine(tiny_target(seed=3), 0, max_batch=2, max_context=64)
+    costs = replace(flat_costs(0.001), head_rows=(1, 64), head_logits_s=(0.0005, 0.032),
+                    head_greedy_s=(0.0002, 0.0128))
+    engine._costs = costs
+    engine.add(Request("g", (1, 2, 3), GREEDY, AUTO))
+    engine.step()
+    assert engine._forward_costs(costs) == costs  # no greedy head: the logits are computed
+    engine.runner.target.greedy_head = object()  # what a bf16 target's `fuse` sets
+    assert engine._forward_costs(costs) == costs.greedy
+    assert engine._timed_costs(costs)(1, 8) == pytest.approx(costs.greedy(1, 8))
+    engine.add(Request("s", (4, 5), SamplingParams(temperature=1.0, seed=1, max_tokens=4), AUTO))
+    engine.runner.target.greedy_head = None
+    engine.step()
+    engine.runner.target.greedy_head = object()
+    assert len(engine.seqs) == 2 and engine._forward_costs(costs) == costs  # one is sampled
 
 
 def test_cached_costs_without_a_long_grid_are_measured_again(tmp_path):

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -121,7 +122,7 @@ def kv_bytes(target, cache, num_b: int, length: int) -> int:
 
 def run(args) -> int:
     from eagle2.api import Eagle2
-    from eagle2.budget import CostModel
+    from eagle2.budget import CostModel, time_head
     from eagle2.target import cost_cache_path
 
     batches = [int(x) for x in args.batches.split(",")]
@@ -146,7 +147,8 @@ def run(args) -> int:
         prefixes = (args.prefix, long_prefix) if long_prefix else (args.prefix,)
         cells, grids = measure(runner, target, batches, nodes, prefixes, args.repeats, bandwidth)
         greedy = greedy_lm_head(runner, target, args.repeats)
-    model = CostModel.from_grids(tuple(batches), tuple(nodes), prefixes, grids)
+        head = time_head(runner, passes=args.repeats + 1)
+    model = replace(CostModel.from_grids(tuple(batches), tuple(nodes), prefixes, grids), **head)
     if not args.no_save_costs:
         model.save(cost_cache_path(target))
     result = {
