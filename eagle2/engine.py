@@ -84,6 +84,8 @@ class EngineStats:
     batch_sizes: list[int] = field(default_factory=list)
     auto_steps: int = 0  # steps with auto-budget requests
     skipped_drafts: int = 0  # of those, steps decoded plainly because speculation did not pay
+    # of those, the gate's re-probes left out: not even the typical acceptance could pay
+    skipped_probes: int = 0
     nodes_chosen: Counter = field(default_factory=Counter)  # auto budget: tree size -> steps
     # auto budget, drafted steps: accepted draft tokens the calibrated values promised (times
     # each request's acceptance scale), and how many verification accepted (the check)
@@ -250,6 +252,12 @@ class Engine:
         t0 = time.perf_counter()
         num_b, auto, greedy = len(self.seqs), any(s.auto for s in self.seqs), self._greedy_timed()
         draft_auto = self.gate.should_draft() if auto else True
+        if draft_auto and auto and self.gate.backoff and not self._could_pay(num_b):
+            # a re-probe of a batch size that backed off, where not even its typical
+            # acceptance could pay (`_could_pay`): the probe would only cost
+            self.gate.record(False)
+            self.stats.skipped_probes += 1
+            draft_auto = False
         self._predicted_draft = 0.0
         self._lookup_only = False  # set where the step verifies lookup chains alone
         self._ngram_rows = []

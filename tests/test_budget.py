@@ -823,6 +823,43 @@ def test_newcomers_are_probed_where_typical_acceptance_could_pay():
     assert engine._could_pay(1)  # sampled batches: certain drafts (reproducible trees)
 
 
+@pytest.mark.parametrize("typical,probes", [(0.2, False), (0.9, True)])
+def test_a_backed_off_gate_reprobes_only_where_typical_acceptance_could_pay(typical, probes):
+    """A batch size whose gate backed off probes again after the back-off only if the typical
+    acceptance could pay there (else the gate backs off further, no draft call); where it
+    could, the probe drafts. Outputs stay plain decoding's either way."""
+    target = tiny_target(seed=6)
+    prompts = random_prompts(2, 64, seed=8)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    engine = make_engine(target, 0)
+    engine._costs = CostModel((1, 2), (1, 2, 4), ((0.02, 0.022, 0.03), (0.03, 0.034, 0.05)),
+                              draft_batches=(1, 2), draft_level_s=(0.0005, 0.0006),
+                              draft_narrow_s=(0.0005, 0.0006))
+    engine._timed = True
+    engine._accepted_sums = (typical * 10, 10.0)
+    engine.gates[2] = SpeculationGate(backoff=2, skip_left=0)  # its back-off just ran out
+    drafted = []
+    draft = engine.drafter.draft
+    engine.drafter.draft = lambda *a, **k: drafted.append(1) or draft(*a, **k)
+    out = {"a": [], "b": []}
+    engine.add(Request("a", tuple(prompts[0]), GREEDY, AUTO))
+    engine.add(Request("b", tuple(prompts[1]), GREEDY, AUTO))
+    for ev in engine.step():  # the prefill
+        out[ev.seq_id].extend(ev.token_ids)
+    for s in engine.seqs:
+        s.probe = False  # no newcomers' probe: the gate's alone
+    for ev in engine.step():
+        out[ev.seq_id].extend(ev.token_ids)
+    assert bool(drafted) == probes
+    assert engine.stats.skipped_probes == (0 if probes else 1)
+    if not probes:
+        assert engine.gates[2].backoff == 4 and engine.gates[2].skip_left == 4
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+    assert [out["a"], out["b"]] == vanilla
+
+
 def test_measured_scales_follow_step_times_and_clip_outliers():
     from eagle2.budget import MeasuredScales
 
