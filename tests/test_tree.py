@@ -204,13 +204,20 @@ def lazy_greedy_case(seed: int) -> bool:
     assert lazy == full
     assert len(asked) == len(set(asked)) <= int(tree.num_nodes.sum())
     pred = logits.argmax(-1).tolist()
-    for b, n in asked:  # a root, a root's child, or an accepted node
+
+    def accepted(b: int, n: int) -> bool:
         tokens, parents = rows[b][0], rows[b][1]
-        node, accepted = n, True
-        while parents[node] >= 0:
-            accepted = accepted and tokens[node] == pred[b][parents[node]]
-            node = parents[node]
-        assert parents[n] <= 0 or accepted, (b, n)
+        while parents[n] >= 0 and tokens[n] == pred[b][parents[n]]:
+            n = parents[n]
+        return parents[n] < 0
+
+    for i, (b, n) in enumerate(asked):
+        # a root, a root's child, an accepted node, or the first child of an accepted node
+        # asked alone in its round
+        parent = rows[b][1][n]
+        first_child = parent >= 0 and n == rows[b][1].index(parent)
+        lookahead = i > 0 and asked[i - 1] == (b, parent) and first_child
+        assert parent <= 0 or accepted(b, n) or (lookahead and accepted(b, parent)), (b, n)
     return len(asked) < int(tree.num_nodes.sum())
 
 

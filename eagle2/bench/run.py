@@ -265,6 +265,7 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
     machine, wall_s = _machine(llm, load_start), time.perf_counter() - t_start
     stats = llm.engine.stats  # what the cost-aware budget did over the whole run
     machine["budget"] = {"auto_steps": stats.auto_steps, "skipped_drafts": stats.skipped_drafts,
+                         "skipped_probes": stats.skipped_probes,
                          "nodes_chosen": dict(sorted(stats.nodes_chosen.items())),
                          "predicted_accepted": round(stats.predicted_accepted, 1),
                          "accepted": stats.accepted, "realized_vetoes": stats.realized_vetoes}
