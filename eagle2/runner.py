@@ -115,12 +115,13 @@ class LocalRunner:
         return self.greedy_argmax and all(p.greedy for p in params)
 
     @torch.inference_mode()
-    def head_seconds(self, rows: tuple[int, ...], passes: int = 4
+    def head_seconds(self, rows: tuple[int, ...], passes: int = 4, argmax: bool = False
                      ) -> tuple[list[float], list[float] | None]:
         """Best seconds over `passes` sweeps of the lm_head over each of `rows` rows: the
-        logits, and the argmax without them (None without a greedy head), on the final hidden
-        states of a forward over random tokens written past the shortest slot's committed
-        entries (scratch, as a tree step's: safe between engine steps)."""
+        logits (and their argmax if `argmax`), and the argmax without them (None without a
+        greedy head), on the final hidden states of a forward over random tokens written past
+        the shortest slot's committed entries (scratch, as a tree step's: safe between engine
+        steps)."""
         t = self.target
         slot = int(self.cache.lengths.argmin())
         start = int(self.cache.lengths[slot])
@@ -133,7 +134,8 @@ class LocalRunner:
         hidden = t.forward(tokens, positions, mask, self.cache,
                            torch.tensor([slot], device=dev)).hidden[0]
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-        fns = [t.logits] + ([t.greedy_tokens] if self.greedy_argmax else [])
+        logits = (lambda h: t.logits(h).argmax(-1)) if argmax else t.logits
+        fns = [logits] + ([t.greedy_tokens] if self.greedy_argmax else [])
         best = [[float("inf")] * len(rows) for _ in fns]
         for _ in range(max(passes, 1)):
             for i, r in enumerate(rows):

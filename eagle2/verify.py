@@ -109,9 +109,9 @@ def verify_greedy_lazily(tree: DraftTree, argmax: Callable[[list[int], list[int]
                 continue
             accepted += [(b, c) for c in kids[b][n] if tokens[b][c] == known[b][n]]
         todo, accepted = waiting, list(waiting)
-        if len(todo) == 1 and kids[todo[0][0]][todo[0][1]]:
-            b, n = todo[0]
-            todo = [(b, n), (b, kids[b][n][0])]
+        if len(waiting) == 1:  # a lone node: its first child too, a row almost for free
+            b, n = waiting[0]
+            todo = waiting + [(b, c) for c in kids[b][n][:1]]
     return verify_greedy_tokens(tree, pred.to(tree.tokens.device))
 
 

@@ -209,31 +209,13 @@ def measure(runner, target, batches, nodes, prefixes, repeats, bandwidth):
 def greedy_lm_head(runner, target, repeats: int, rows=(1, 2, 4, 8)) -> dict:
     """{R: ms of the argmax of R rows' logits (lm_head + argmax), and of the same tokens
     without the logits (`kernels.GreedyArgmax`, DESIGN "Exact greedy tokens")}, best of
-    4 x (1 + repeats), on the final hidden states of a forward over random tokens; {} where the
-    target has no greedy head."""
+    4 x (1 + repeats) sweeps (`LocalRunner.head_seconds`); {} where the target has no greedy
+    head."""
     if target.greedy_head is None:
         return {}
-    dev = target.device
-    tokens = torch.randint(0, target.vocab_size, (1, max(rows)), device=dev)
-    slots = torch.zeros(1, dtype=torch.long, device=dev)
-    mask = torch.ones(max(rows), max(rows), dtype=torch.bool, device=dev).tril()[None]
-    positions = torch.arange(max(rows), device=dev)[None]
-    hidden = target.forward(tokens, positions, mask, runner.cache, slots).hidden[0]
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(4 * (1 + repeats)):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return round(min(times) * 1e3, 3)
-
-    out = {}
-    for r in rows:
-        h = hidden[:r]
-        out[r] = {"logits_argmax_ms": best(lambda h=h: target.logits(h).argmax(-1)),
-                  "greedy_ms": best(lambda h=h: target.greedy_tokens(h))}
-    return out
+    logits, greedy = runner.head_seconds(tuple(rows), 4 * (1 + repeats), argmax=True)
+    return {r: {"logits_argmax_ms": round(a * 1e3, 3), "greedy_ms": round(g * 1e3, 3)}
+            for r, a, g in zip(rows, logits, greedy, strict=True)}
 
 
 def ratios(cells: list[dict]) -> dict:
