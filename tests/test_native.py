@@ -4,7 +4,10 @@ number of rows or threads (what exact bf16 verification rests on)."""
 
 from __future__ import annotations
 
+import platform
 import shutil
+import subprocess
+import sysconfig
 
 import pytest
 import torch
@@ -36,6 +39,27 @@ def test_the_build_uses_the_cpus_vector_instructions(ops):
         w = torch.randn(64, 64).bfloat16()
         with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
             ops.linear(torch.randn(1, 64).bfloat16(), ops.pack_linear(w), 64, 0)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
+def test_both_instruction_sets_compile():
+    """The source compiles for both of its instruction sets, whichever this CPU has: a machine
+    builds only its own (`-march=native`), and an AVX2 kernel's new argument once left the
+    AVX-512 path uncompilable, so every AVX512-BF16 machine fell back to ATen (3x slower)."""
+    from torch.utils.cpp_extension import include_paths
+
+    from eagle2.native import CFLAGS, SOURCE
+
+    flags = [f for f in CFLAGS if not f.startswith(("-march", "-O"))]
+    incs = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    runs = {march: subprocess.Popen(["c++", "-fsyntax-only", "-std=c++20", f"-march={march}",
+                                     *flags, "-DTORCH_EXTENSION_NAME=eagle2_cpu_ops",
+                                     "-DTORCH_API_INCLUDE_EXTENSION_H", *incs, str(SOURCE)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for march in ("haswell", "sapphirerapids")}  # AVX2 + FMA; AVX512-BF16
+    for march, proc in runs.items():
+        out = proc.communicate()[0]
+        assert proc.returncode == 0, f"-march={march}:\n{out[-3000:]}"
 
 
 def reference_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -773,9 +773,11 @@ inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int
 }
 
 // rows [0, M) of x (fp32) against B consecutive blocks at w: up to 24 accumulators a tile
+// (after: the block that follows them, which the AVX2 kernel prefetches; prefetch_block does
+// it here, per input pair)
 template <int B>
 inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int64_t N,
-                     int64_t n0, int64_t M) {
+                     int64_t n0, int64_t M, const uint32_t* /*after*/) {
   const int64_t bs = K2 * kBlockN;
   for (int64_t m = 0; m < M;) {
     const float* xm = x + m * 2 * K2;
