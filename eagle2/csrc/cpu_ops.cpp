@@ -1119,9 +1119,48 @@ std::tuple<torch::Tensor, torch::Tensor> pack_argmax(const torch::Tensor& weight
   return {q, stats};
 }
 
+#ifdef EAGLE2_AVX512
+// int32 sums of M rows (M <= 8) against one block: out[m][32] = sum_k Q[o][k] X[m][k]. X as
+// int16 pairs in int32 lanes (xpairs[m * K2 + k]); each input pair's 32 outputs widen to two
+// vectors of 16 int16 pairs, and vpdpwssd (AVX512-VNNI; else vpmaddwd and an add) multiplies
+// each lane's pair and adds both products to its sum: integers, so the same sums as the AVX2
+// tile's in any order.
+constexpr int64_t kArgRows = 8;
+// bytes ahead of the input pair being read that are asked into L1 (one 64-byte line a pair)
+constexpr int64_t kArgPrefetch = 4096;
+
+template <int M>
+inline void argmax_block(const int8_t* qb, int64_t K2, const int32_t* xpairs, int32_t* out) {
+  __m512i acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K2; ++k) {
+    const int8_t* qk = qb + k * kArgBlock * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(qk + kArgPrefetch), _MM_HINT_T0);
+    __m512i wv[2];
+    for (int g = 0; g < 2; ++g)
+      wv[g] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qk + 32 * g)));
+    for (int m = 0; m < M; ++m) {
+      const __m512i xb = _mm512_set1_epi32(xpairs[m * K2 + k]);
+      for (int g = 0; g < 2; ++g) {
+#ifdef __AVX512VNNI__
+        acc[m][g] = _mm512_dpwssd_epi32(acc[m][g], wv[g], xb);
+#else
+        acc[m][g] = _mm512_add_epi32(acc[m][g], _mm512_madd_epi16(wv[g], xb));
+#endif
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < 2; ++g)
+      _mm512_storeu_si512(out + m * kArgBlock + g * 16, acc[m][g]);
+}
+
+#else  // EAGLE2_AVX2
 // int32 sums of M rows (M <= 4) against one block: out[m][32] = sum_k Q[o][k] X[m][k]. X as
 // int16 pairs in int32 lanes (xpairs[m * K2 + k]); vpmaddwd multiplies each lane's pair and
 // adds the two products. G groups of 8 outputs from group g0.
+constexpr int64_t kArgRows = 4;
+
 template <int M, int G>
 inline void argmax_tile(const int8_t* qb, int64_t K2, const int32_t* xpairs, int g0,
                         int32_t* out) {
@@ -1154,6 +1193,7 @@ inline void argmax_block(const int8_t* qb, int64_t K2, const int32_t* xpairs, in
     argmax_tile<M, 2>(qb, K2, xpairs, 2, out);
   }
 }
+#endif
 
 // the bf16 value (RNE, as linear_fma stores it) of the fp32 FMA sum linear_fma computes for
 // output v: each input pair's even product, then its odd one, in order
@@ -1242,20 +1282,29 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   // + bound) more covers them all
   std::vector<float> upper(R * V);
   std::vector<float> best_lower(R, -INFINITY);
-  alignas(32) int32_t sums[4 * kArgBlock];
+  alignas(64) int32_t sums[kArgRows * kArgBlock];
   const __m256 rel = _mm256_set1_ps(1e-6f), tiny = _mm256_set1_ps(1e-30f);
   const __m256 sign = _mm256_set1_ps(-0.0f), none = _mm256_set1_ps(-INFINITY);
-  for (int64_t r0 = 0; r0 < R; r0 += 4) {
-    const int64_t rows = std::min<int64_t>(4, R - r0);
+  for (int64_t r0 = 0; r0 < R; r0 += kArgRows) {
+    const int64_t rows = std::min<int64_t>(kArgRows, R - r0);
     const int32_t* xr = xpairs.data() + r0 * K2;
-    __m256 low[4] = {none, none, none, none};
+    __m256 low[kArgRows];
+    std::fill(low, low + kArgRows, none);
     for (int64_t b = 0; b < blocks; ++b) {
       const int8_t* qb = qp + b * K2 * kArgBlock * 2;
       switch (rows) {
         case 1: argmax_block<1>(qb, K2, xr, sums); break;
         case 2: argmax_block<2>(qb, K2, xr, sums); break;
         case 3: argmax_block<3>(qb, K2, xr, sums); break;
+#ifdef EAGLE2_AVX512
+        case 4: argmax_block<4>(qb, K2, xr, sums); break;
+        case 5: argmax_block<5>(qb, K2, xr, sums); break;
+        case 6: argmax_block<6>(qb, K2, xr, sums); break;
+        case 7: argmax_block<7>(qb, K2, xr, sums); break;
+        default: argmax_block<8>(qb, K2, xr, sums); break;
+#else
         default: argmax_block<4>(qb, K2, xr, sums); break;
+#endif
       }
       const int64_t v0 = b * kArgBlock, n = std::min<int64_t>(kArgBlock, V - v0);
       for (int64_t m = 0; m < rows; ++m) {
