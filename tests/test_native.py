@@ -45,21 +45,26 @@ def test_the_build_uses_the_cpus_vector_instructions(ops):
 def test_both_instruction_sets_compile():
     """The source compiles for both of its instruction sets, whichever this CPU has: a machine
     builds only its own (`-march=native`), and an AVX2 kernel's new argument once left the
-    AVX-512 path uncompilable, so every AVX512-BF16 machine fell back to ATen (3x slower)."""
+    AVX-512 path uncompilable, so every AVX512-BF16 machine fell back to ATen (~2.4x slower).
+    AVX2 + FMA; AVX512-BF16 with VNNI (Cooper Lake); AVX512-BF16 without VNNI."""
     from torch.utils.cpp_extension import include_paths
 
     from eagle2.native import CFLAGS, SOURCE
 
     flags = [f for f in CFLAGS if not f.startswith(("-march", "-O"))]
     incs = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
-    runs = {march: subprocess.Popen(["c++", "-fsyntax-only", "-std=c++20", f"-march={march}",
-                                     *flags, "-DTORCH_EXTENSION_NAME=eagle2_cpu_ops",
-                                     "-DTORCH_API_INCLUDE_EXTENSION_H", *incs, str(SOURCE)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for march in ("haswell", "sapphirerapids")}  # AVX2 + FMA; AVX512-BF16
-    for march, proc in runs.items():
+    targets = (["-march=haswell"], ["-march=cooperlake"],
+               ["-march=skylake-avx512", "-mavx512bf16"])
+    runs = [(t, subprocess.Popen(["c++", "-fsyntax-only", "-std=c++20", *t, *flags,
+                                  "-DTORCH_EXTENSION_NAME=eagle2_cpu_ops",
+                                  "-DTORCH_API_INCLUDE_EXTENSION_H", *incs, str(SOURCE)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            for t in targets]
+    for target, proc in runs:
         out = proc.communicate()[0]
-        assert proc.returncode == 0, f"-march={march}:\n{out[-3000:]}"
+        if proc.returncode and ("bad value" in out or "unrecognized" in out):
+            pytest.skip(f"this compiler does not know {' '.join(target)}")
+        assert proc.returncode == 0, f"{' '.join(target)}:\n{out[-3000:]}"
 
 
 def reference_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
