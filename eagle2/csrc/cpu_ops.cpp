@@ -1000,13 +1000,21 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
                   x.size(-1) == 2 * packed.size(1) &&
                   (out_features + kBlockN - 1) / kBlockN == packed.size(0),
               "linear_fma: the input's features or out_features do not match the packed weight");
-  const auto xf = x.contiguous().to(torch::kFloat);  // exact: bf16 widens to fp32
+  // the input widened to fp32 here (exact: a bf16 is the top half of its fp32), not by an
+  // ATen conversion: three dispatched operations a call cost ~0.8 ms of a ~22 ms forward
+  const auto xc = x.contiguous();
   const int64_t K2 = packed.size(1), N = out_features, blocks = packed.size(0);
-  const int64_t M = xf.numel() / (2 * K2);
-  auto sizes = xf.sizes().vec();
+  const int64_t M = xc.numel() / (2 * K2);
+  std::vector<float> xw(static_cast<size_t>(xc.numel()));
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  for (size_t i = 0; i < xw.size(); ++i) {
+    const uint32_t bits = static_cast<uint32_t>(xs[i]) << 16;
+    std::memcpy(&xw[i], &bits, 4);
+  }
+  auto sizes = xc.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
-  const float* xp = xf.data_ptr<float>();
+  const float* xp = xw.data();
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   auto* yp = y.data_ptr<bf16>();
   const int64_t units = (blocks + 3) / 4;
