@@ -1001,7 +1001,7 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
                   (out_features + kBlockN - 1) / kBlockN == packed.size(0),
               "linear_fma: the input's features or out_features do not match the packed weight");
   // the input widened to fp32 here (exact: a bf16 is the top half of its fp32), not by an
-  // ATen conversion: three dispatched operations a call cost ~0.8 ms of a ~22 ms forward
+  // ATen conversion: its three dispatched operations cost ~1 us a call (~0.1 ms a forward)
   const auto xc = x.contiguous();
   const int64_t K2 = packed.size(1), N = out_features, blocks = packed.size(0);
   const int64_t M = xc.numel() / (2 * K2);
