@@ -8,6 +8,7 @@ Verification runs where the logits are (docs/DESIGN.md "Verification"): `verify_
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -115,13 +116,15 @@ class LocalRunner:
         return self.greedy_argmax and all(p.greedy for p in params)
 
     @torch.inference_mode()
-    def head_seconds(self, rows: tuple[int, ...], passes: int = 4, argmax: bool = False
+    def head_seconds(self, rows: tuple[int, ...], passes: int = 4, argmax: bool = False,
+                     before: Callable[[], object] | None = None
                      ) -> tuple[list[float], list[float] | None]:
         """Best seconds over `passes` sweeps of the lm_head over each of `rows` rows: the
         logits (and their argmax if `argmax`), and the argmax without them (None without a
         greedy head), on the final hidden states of a forward over random tokens written past
         the shortest slot's committed entries (scratch, as a tree step's: safe between engine
-        steps)."""
+        steps). before: called untimed ahead of every timed call (e.g. a read that flushes the
+        caches, as a verification's forward does)."""
         t = self.target
         slot = int(self.cache.lengths.argmin())
         start = int(self.cache.lengths[slot])
@@ -141,6 +144,8 @@ class LocalRunner:
             for i, r in enumerate(rows):
                 h = hidden[torch.arange(r, device=dev) % num]
                 for f, fn in enumerate(fns):
+                    if before is not None:
+                        before()
                     sync()
                     t0 = time.perf_counter()
                     fn(h)

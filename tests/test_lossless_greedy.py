@@ -212,8 +212,11 @@ def test_bf16_greedy_tokens_without_logits_equal_decoding_through_the_logits():
     alone = [run(make_engine(target, None, max_batch=1), [p], params, TreeConfig("vanilla"))[0]
              for p in prompts]
     target.greedy_head = greedy  # the cost model times the lm_head both ways
-    logits_s, greedy_s = make_engine(target, None).runner.head_seconds((1, 3), passes=1)
+    flushes = []
+    logits_s, greedy_s = make_engine(target, None).runner.head_seconds(
+        (1, 3), passes=1, before=lambda: flushes.append(1))
     assert greedy_s is not None and min(logits_s + greedy_s) > 0
+    assert len(flushes) == 4  # before every timed call: 2 row counts x (logits, argmax)
     served = []
 
     def counted(hidden):
