@@ -30,6 +30,7 @@ from eagle2 import Eagle2, SamplingParams
 from eagle2.bench.prompts import load_suite
 from eagle2.budget import SpeculationGate
 from eagle2.config import TreeConfig
+from eagle2.engine import EngineStats
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs")
@@ -85,7 +86,7 @@ def main() -> None:
     # first step where no cache has them yet (tens of seconds, once per machine and build)
     for v in variants:
         llms[v].generate([groups[0][0].user_message], replace(params, max_tokens=8))
-        llms[v].engine.stats = type(llms[v].engine.stats)()
+        llms[v].engine.stats = EngineStats()
     same = True
     for i, group in enumerate(groups):
         sp = params if params.greedy else replace(params, seed=1000 + i)
