@@ -247,26 +247,37 @@ inline __m512 sum16(const __m512* a) {
 
 // s[j] = scale * q . keys[j] for j < L: one vdpbf16ps per 32 dimensions per key, then the
 // 16 keys of a block reduced together (keys past L count as zeros and are not stored).
+template <int CH, bool kTail>
+inline __m512 key_block(const __m512bh* qv, const bf16* const* keys, int64_t left,
+                        int64_t dh) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    if (!kTail || i < left)
+      for (int c = 0; c < CH; ++c)
+        acc[i] = _mm512_dpbf16_ps(acc[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(
+            chunk_mask(dh - 32 * c), keys[i] + 32 * c));
+  }
+  return sum16(acc);
+}
+
+// s[j] = scale * q . keys[j] for j < L: one vdpbf16ps per 32 dimensions per key, then the
+// 16 keys of a block reduced together (keys past L count as zeros and are not stored). Full
+// blocks apart from the last, partial one: without a per-key test the 16 sums stay in
+// registers.
 template <int CH>
-void scores_of(const bf16* q, const bf16* const* keys, int64_t L, int64_t dh, float scale,
-               float* s) {
+__attribute__((noinline)) void scores_of(const bf16* q, const bf16* const* keys, int64_t L,
+                                         int64_t dh, float scale, float* s) {
   __m512bh qv[CH];
   for (int c = 0; c < CH; ++c)
     qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(chunk_mask(dh - 32 * c), q + 32 * c);
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t j0 = 0; j0 < L; j0 += 16) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) {
-      acc[i] = _mm512_setzero_ps();
-      if (j0 + i < L)
-        for (int c = 0; c < CH; ++c)
-          acc[i] = _mm512_dpbf16_ps(acc[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(
-              chunk_mask(dh - 32 * c), keys[j0 + i] + 32 * c));
-    }
-    const __mmask16 m = L - j0 >= 16 ? __mmask16(0xFFFF)
-                                     : static_cast<__mmask16>((1u << (L - j0)) - 1);
-    _mm512_mask_storeu_ps(s + j0, m, _mm512_mul_ps(sum16(acc), sc));
-  }
+  int64_t j0 = 0;
+  for (; j0 + 16 <= L; j0 += 16)
+    _mm512_storeu_ps(s + j0, _mm512_mul_ps(key_block<CH, false>(qv, keys + j0, 16, dh), sc));
+  if (j0 < L)
+    _mm512_mask_storeu_ps(s + j0, static_cast<__mmask16>((1u << (L - j0)) - 1),
+                          _mm512_mul_ps(key_block<CH, true>(qv, keys + j0, L - j0, dh), sc));
 }
 
 // max of s[j], j < L (-inf for none; a NaN is passed over, as std::max(top, s[j]) in order
@@ -304,31 +315,57 @@ inline float softmax_numerators(float* s, int64_t L) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// out[g] = bf16(sum_j p[g][j] values[j] / total[g]) for up to 16 / (2 CH) heads g at once
-// (each value row widened once for all of them); the sum runs over j in order.
-template <int CH>
-void weighted_values(const float* const* p, const float* total, int count,
-                     const bf16* const* values, int64_t L, int64_t dh, bf16* const* out) {
-  constexpr int GP = 16 / (2 * CH);
-  __m512 acc[GP][2 * CH];
-  for (int g = 0; g < GP; ++g)
+// sums[g][d] = sum_j p[g][j] values[j][d] for NG <= 16 / (2 CH) heads g at once (each value
+// row widened once for all of them), the sum over j in order. NG is a compile-time count and
+// the sums leave through plain stores: GCC 12 then keeps the NG x 2 CH accumulators in
+// registers (with the division and bf16 rounding after the loop in the same function it
+// stored all of them to the stack on every key: 12 stores a key, the kernel's bottleneck).
+template <int CH, int NG>
+inline void value_sums(const float* const* p, const bf16* const* values, int64_t L, int64_t dh,
+                       float* sums) {
+  __m512 acc[NG][2 * CH];
+  const float* pg[NG];
+  for (int g = 0; g < NG; ++g) {
+    pg[g] = p[g];
     for (int c = 0; c < 2 * CH; ++c) acc[g][c] = _mm512_setzero_ps();
+  }
   for (int64_t j = 0; j < L; ++j) {
     __m512 v[2 * CH];
     for (int c = 0; c < CH; ++c)
       widen(values[j] + 32 * c, chunk_mask(dh - 32 * c), &v[2 * c], &v[2 * c + 1]);
-    for (int g = 0; g < GP; ++g)
-      if (g < count) {
-        const __m512 pj = _mm512_set1_ps(p[g][j]);
-        for (int c = 0; c < 2 * CH; ++c) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
-      }
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pj = _mm512_set1_ps(pg[g][j]);
+      for (int c = 0; c < 2 * CH; ++c) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
+    }
   }
-  for (int g = 0; g < count; ++g) {
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 2 * CH; ++c) _mm512_store_ps(sums + (g * 2 * CH + c) * 16, acc[g][c]);
+}
+
+// out[g] = bf16(sum_j p[g][j] values[j] / total[g]) for NG heads (`value_sums`)
+template <int CH, int NG>
+void weighted_values(const float* const* p, const float* total, const bf16* const* values,
+                     int64_t L, int64_t dh, bf16* const* out) {
+  alignas(64) float sums[NG * 32 * CH];
+  value_sums<CH, NG>(p, values, L, dh, sums);
+  for (int g = 0; g < NG; ++g) {
     alignas(64) float buf[32 * CH];
     const __m512 t = _mm512_set1_ps(total[g]);
-    for (int c = 0; c < 2 * CH; ++c) _mm512_store_ps(buf + 16 * c, _mm512_div_ps(acc[g][c], t));
+    for (int c = 0; c < 2 * CH; ++c)
+      _mm512_store_ps(buf + 16 * c,
+                      _mm512_div_ps(_mm512_load_ps(sums + (g * 2 * CH + c) * 16), t));
     for (int64_t d = 0; d < dh; ++d) out[g][d] = bf16(buf[d]);
   }
+}
+
+// weighted_values for count (1 <= count <= 16 / (2 CH)) heads
+template <int CH, int NG = 16 / (2 * CH)>
+void weighted_values_of(const float* const* p, const float* total, int count,
+                        const bf16* const* values, int64_t L, int64_t dh, bf16* const* out) {
+  if constexpr (NG > 1) {
+    if (count < NG) return weighted_values_of<CH, NG - 1>(p, total, count, values, L, dh, out);
+  }
+  weighted_values<CH, NG>(p, total, values, L, dh, out);
 }
 
 // One query position's G heads (sharing a KV head) over its keys `keys[0..L)` (pointers into
@@ -346,7 +383,7 @@ void attend_ch(const bf16* const* q, int G, const bf16* const* keys, const bf16*
   }
   constexpr int GP = 16 / (2 * CH);
   for (int g = 0; g < G; g += GP)
-    weighted_values<CH>(p + g, total + g, std::min(GP, G - g), values, L, dh, out + g);
+    weighted_values_of<CH>(p + g, total + g, std::min(GP, G - g), values, L, dh, out + g);
 }
 
 void attend(const bf16* const* q, int G, const bf16* const* keys, const bf16* const* values,
@@ -536,17 +573,23 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
   at::parallel_for(0, B * KVH * N, 1, [&](int64_t t0, int64_t t1) {
     std::vector<const bf16*> keys, values;
     std::vector<float> scores;
+    int64_t listed = -1;  // the (b, h) whose committed keys `keys` and `values` begin with
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (KVH * N), h = (t / N) % KVH, n = t % N;
       const int64_t len = bp[b];
       const bf16* kh = kp + slp[b] * ks[0] + h * ks[1];
       const bf16* vh = vp + slp[b] * vs[0] + h * vs[1];
-      keys.clear();
-      values.clear();
-      for (int64_t j = 0; j < len; ++j) {
-        keys.push_back(kh + j * ks[2]);
-        values.push_back(vh + j * vs[2]);
+      if (listed != t / N) {  // the tree's queries (n) of one (b, h) share the committed keys
+        listed = t / N;
+        keys.resize(static_cast<size_t>(len));
+        values.resize(static_cast<size_t>(len));
+        for (int64_t j = 0; j < len; ++j) {
+          keys[j] = kh + j * ks[2];
+          values[j] = vh + j * vs[2];
+        }
       }
+      keys.resize(static_cast<size_t>(len));
+      values.resize(static_cast<size_t>(len));
       const bool* row = mp + (b * N + n) * T;
       for (int64_t m = 0; m < T; ++m)
         if (row[m]) {
