@@ -13,7 +13,9 @@ lookup chains on steps without a draft call: `Engine(lookup_alone=False)`), alwa
 speculation gate never shut), no-ngram (prompt lookup without the n-gram store's chains),
 vanilla-logits and shipped-logits (greedy tokens as the argmax of the lm_head's logits, not
 through `kernels.GreedyArgmax`), grid-costs (the budget prices greedy batches as the cost
-grid's forwards, logits included, not as `CostModel.greedy`).
+grid's forwards, logits included, not as `CostModel.greedy`), no-lookup-veto (lookup chains on
+steps without a draft call taken even where such steps delivered less than plain steps
+lately: `Engine._lookup_vetoed`).
 Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
@@ -33,7 +35,7 @@ from eagle2.config import TreeConfig
 from eagle2.engine import EngineStats
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
-            "vanilla-logits", "shipped-logits", "grid-costs")
+            "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto")
 
 
 class _OpenGates(dict):
@@ -61,6 +63,8 @@ def build(variant: str, max_batch: int = 8) -> Eagle2:
         llm.engine.gates = _OpenGates()
     if variant == "grid-costs":
         llm.engine._forward_costs = lambda costs: costs
+    if variant == "no-lookup-veto":
+        llm.engine._lookup_vetoed = lambda: False
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
     return llm
@@ -113,6 +117,7 @@ def main() -> None:
                             for k in ("draft", "verify", "other")},
             "steps": st.steps, "skipped_drafts": st.skipped_drafts,
             "lookup_steps": st.lookup_steps, "lookup_step_accepted": st.lookup_step_accepted,
+            "lookup_vetoes": st.lookup_vetoes,
         }
         print(v, json.dumps(result["variants"][v]))
     print("every output equal to the first variant's:", result["lossless"])

@@ -106,6 +106,10 @@ class EngineStats:
     # tokens of theirs verification accepted
     ngram_chains: int = 0
     ngram_accepted: int = 0
+    # steps without a draft call that verified no lookup chains, and proposed none, because
+    # such steps had lately delivered fewer tokens per second at this batch size than plain
+    # ones (`Engine._lookup_vetoed`)
+    lookup_vetoes: int = 0
 
 
 @dataclass
@@ -183,6 +187,9 @@ class Engine:
         # per batch size, what drafting and plain steps delivered (greedy batches only, where
         # timing cannot change an output; so, unlike the gates, kept when the engine idles)
         self.realized: dict[int, RealizedRates] = {}
+        # ... and what steps without a draft call delivered with lookup chains ("spec") and
+        # without ("plain"), per batch size (`_lookup_vetoed`)
+        self.lookup_realized: dict[int, RealizedRates] = {}
         self._last_gate: SpeculationGate | None = None  # the gate of the last step's batch size
         self._rate = 0.0  # tokens/s predicted for the last speculative step
         self._depths_used: list[int] = []  # deepest kept node of recent auto trees
@@ -275,8 +282,11 @@ class Engine:
         events = self._advance(verified, features)
         t3 = time.perf_counter()
         if auto and greedy:
-            self.realized.setdefault(num_b, RealizedRates()).observe(
-                drafted, sum(map(len, verified.tokens)), t3 - t0)
+            committed = sum(map(len, verified.tokens))
+            self.realized.setdefault(num_b, RealizedRates()).observe(drafted, committed, t3 - t0)
+            if not drafted:
+                self.lookup_realized.setdefault(num_b, RealizedRates()).observe(
+                    self._lookup_only, committed, t3 - t0)
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
         self.stats.other_s += t3 - t2
@@ -548,6 +558,9 @@ class Engine:
         request samples, so a seeded request reproduces."""
         seqs = [self.seqs[i] for i in idx]
         roots = [int(s.pending_tokens[-1]) for s in seqs]
+        if len(idx) == len(self.seqs) and self._lookup_vetoed():
+            self.stats.lookup_vetoes += 1
+            return root_only(torch.tensor(roots))
         proposed = [self._propose(s) for s in seqs] if self.lookup_alone else []
         if not any(toks for toks, _, _ in proposed):
             return root_only(torch.tensor(roots))
@@ -611,7 +624,23 @@ class Engine:
         them without one."""
         if not self.lookup_alone or not all(s.auto for s in self.seqs):
             return None
+        if self._lookup_vetoed():  # they would not be verified: a plain step
+            return self._lookup_length([])[1]
         return self._lookup_length([self._propose(s)[1] for s in self.seqs])[1]
+
+    def _lookup_vetoed(self) -> bool:
+        """Whether steps without a draft call should leave lookup chains out (and not propose
+        them: ~0.7 ms a step at batch 8): where their realized rates at this batch size say
+        such steps with chains delivered fewer tokens per second than those without (greedy
+        batches; `budget.RealizedRates`, whose evidence fades, so chains are tried again
+        now and then). E.g. batch 8 on the AVX-512 Xeon, MT-bench: chains cut to pay by the
+        table and the cost grid still lost 1-2% against plain steps, and proposing them cost
+        another 2.5%."""
+        if not self._greedy_timed():
+            return False
+        rates = self.lookup_realized.get(len(self.seqs))
+        advantage = rates.advantage() if rates is not None else None
+        return advantage is not None and advantage < 1.0
 
     def _expansions(self, config: TreeConfig) -> TreeConfig:
         """An auto tree expands one level past the deepest node kept in the last 8 steps: the

@@ -387,6 +387,37 @@ def test_lookup_chains_without_draft_calls_equal_vanilla(seed):
     assert steps["cheap"] < steps["off"]  # the copies were accepted without the head
 
 
+def test_lookup_chains_left_out_where_they_lost_lately():
+    """Greedy batches whose steps with lookup chains delivered fewer tokens a second than
+    their plain steps at that batch size (`Engine._lookup_vetoed`) verify no chains and
+    propose none, though the costs say chains pay; outputs stay vanilla's. Without that
+    record the same engine takes chains."""
+    from eagle2.budget import RealizedRates
+
+    target = tiny_target(vocab=48, seed=30)
+    prompts = copy_prompts(target, 4, 0)
+    vanilla = run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
+    for losing in (False, True):
+        engine = make_engine(target, 0)
+        engine._costs, engine._timed = shut_gate_costs(0.0001), True
+        if losing:
+            for size in range(1, len(prompts) + 1):
+                record = engine.lookup_realized[size] = RealizedRates(decay=1.0)
+                for chains in [True] * 8 + [False] * 8:
+                    record.observe(chains, 2 if chains else 1, 0.04 if chains else 0.01)
+        proposed = []
+        propose = engine._propose
+        engine._propose = lambda s, propose=propose, proposed=proposed: (
+            proposed.append(1) or propose(s))
+        assert run(engine, prompts, GREEDY, TREES["eagle2-auto"]) == vanilla
+        stats = engine.stats
+        if losing:
+            assert stats.lookup_vetoes > 0 and not proposed
+            assert stats.lookup_steps == 0  # (drafted trees keep their lookup branches)
+        else:
+            assert stats.lookup_vetoes == 0 and proposed and stats.lookup_steps > 0
+
+
 def test_lookup_chains_without_draft_calls_for_sampled_requests_too():
     """Sampled auto requests verify chains on steps without a draft call (reproducibly per
     seed); fixed budgets and lookup=0 get none."""

@@ -268,7 +268,8 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
                          "skipped_probes": stats.skipped_probes,
                          "nodes_chosen": dict(sorted(stats.nodes_chosen.items())),
                          "predicted_accepted": round(stats.predicted_accepted, 1),
-                         "accepted": stats.accepted, "realized_vetoes": stats.realized_vetoes}
+                         "accepted": stats.accepted, "realized_vetoes": stats.realized_vetoes,
+                         "lookup_vetoes": stats.lookup_vetoes}
     machine["lookup"] = {"offered": stats.lookup_offered, "accepted": stats.lookup_accepted,
                          "steps_without_draft": stats.lookup_steps,
                          "accepted_without_draft": stats.lookup_step_accepted,
