@@ -245,8 +245,8 @@ inline __m512 sum16(const __m512* a) {
                        _mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// s[j] = scale * q . keys[j] for j < L: one vdpbf16ps per 32 dimensions per key, then the
-// 16 keys of a block reduced together (keys past L count as zeros and are not stored).
+// the 16 dot products q . keys[i], i < 16 (kTail: i < left; the others count as zeros), one
+// vdpbf16ps per 32 dimensions per key, reduced together by sum16
 template <int CH, bool kTail>
 inline __m512 key_block(const __m512bh* qv, const bf16* const* keys, int64_t left,
                         int64_t dh) {
@@ -266,8 +266,8 @@ inline __m512 key_block(const __m512bh* qv, const bf16* const* keys, int64_t lef
 // blocks apart from the last, partial one: without a per-key test the 16 sums stay in
 // registers.
 template <int CH>
-__attribute__((noinline)) void scores_of(const bf16* q, const bf16* const* keys, int64_t L,
-                                         int64_t dh, float scale, float* s) {
+void scores_of(const bf16* q, const bf16* const* keys, int64_t L, int64_t dh, float scale,
+               float* s) {
   __m512bh qv[CH];
   for (int c = 0; c < CH; ++c)
     qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(chunk_mask(dh - 32 * c), q + 32 * c);
