@@ -25,7 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle2.attention import KVCache, StepInputs, cached_attention
-from eagle2.kernels import BlockedWeight, BlockPlan
+from eagle2.kernels import FMA, BlockedWeight, BlockPlan
+
+# a bf16 CPU layer whose linears all take the FMA kernel at this row count runs as one native
+# operator (`eagle2_cpu::decoder_layer`); False: the same operators called one by one from
+# Python (the tests compare the two)
+NATIVE_LAYER = True
 
 
 def can_fuse(layers: nn.ModuleList) -> bool:
@@ -123,6 +128,15 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
     MLP."""
     assert inp.base is not None and inp.tree_mask is not None
     layer_k, layer_v = cache.k[layer_idx], cache.v[layer_idx]
+    rows = x.numel() // x.shape[-1]
+    linears = (lw.qkv, lw.o, lw.gate_up, lw.down)
+    if lw.silu and NATIVE_LAYER and all(w.plan.for_rows(rows) == FMA for w in linears):
+        # the same calls in one operator (`decoder_layer`: bitwise this function's result)
+        return ops.decoder_layer(
+            x, lw.input_norm, lw.post_norm, lw.eps, *(a for w in linears for a in (
+                w.fma_packed(), w.weight.shape[0])), inp.cos, inp.sin, num_q_heads,
+            layer_k.shape[1], layer_k, layer_v, inp.slots, inp.write_pos, inp.base,
+            inp.tree_mask, layer_k.shape[-1] ** -0.5)
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
     q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
                            layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]

@@ -166,12 +166,19 @@ class BlockedWeight:
     def fma(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T through the native kernel's fp32-FMA variant (the same packed weight
         as `native`; one fp32 sum per output over all K, no column chunks)."""
+        return self._native_ops().linear_fma(x, self.fma_packed(), self.weight.shape[0])
+
+    def fma_packed(self) -> torch.Tensor:
+        """The weight as `fma` multiplies it (packed on first use)."""
+        self._native_ops()
+        return self._native[1]
+
+    def _native_ops(self):
         if self._native is None:
             ops = fma_linear_ops()
             assert ops is not None, "the native fp32-FMA linear is not available here"
             self._native = ops, ops.pack_linear(self.weight)
-        ops, packed = self._native
-        return ops.linear_fma(x, packed, self.weight.shape[0])
+        return self._native[0]
 
 
 class GreedyArgmax:

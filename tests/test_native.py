@@ -175,6 +175,51 @@ def test_fused_layers_match_the_aten_layers(ops):
     assert F.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0) > 0.999
 
 
+def test_the_native_layer_operator_equals_its_calls_one_by_one(ops):
+    """`eagle2_cpu::decoder_layer` (fused.NATIVE_LAYER) gives bitwise the features and cache
+    entries of the same operators called one by one from Python: a prefill of two prompts and
+    a tree step of two requests with different trees."""
+    from conftest import tiny_target
+
+    from eagle2 import fused
+    from eagle2.attention import causal_mask
+    from eagle2.kernels import FMA, ROW_BUCKETS, BlockPlan, exact_bf16_kernels, fma_linear_ops
+    from eagle2.target import TargetModel
+
+    if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")) or fma_linear_ops() is None:
+        pytest.skip("no exact bf16 FMA kernels on this CPU")
+    hf = tiny_target(seed=5, layers=3).hf.to(torch.bfloat16)
+    target = TargetModel(hf, name="tiny-native").fuse()
+    plan = BlockPlan({bucket: FMA for bucket in ROW_BUCKETS})  # the operator's condition
+    for lw in target.fused:
+        for w in (lw.qkv, lw.o, lw.gate_up, lw.down):
+            w.plan = plan
+    gen = torch.Generator().manual_seed(3)
+    tree = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                          [1, 0, 1, 0, 1]],
+                         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                          [1, 0, 0, 0, 1]]], dtype=torch.bool)
+    depth = tree.sum(-1) - 1
+    steps = [(torch.randint(0, 64, (2, 40), generator=gen), torch.arange(40).expand(2, 40),
+              causal_mask(torch.tensor([40, 40]), 40)),
+             (torch.randint(0, 64, (2, 5), generator=gen), depth, tree)]
+    try:
+        for tokens, pos, mask in steps:
+            outs = []
+            for native_layer in (False, True):
+                fused.NATIVE_LAYER = native_layer
+                cache = target.allocate_cache(2, 64)
+                with torch.profiler.profile() as prof:
+                    hidden = target.forward(tokens, pos, mask, cache, torch.arange(2)).hidden
+                called = any(e.key == "eagle2_cpu::decoder_layer" for e in prof.key_averages())
+                assert called == native_layer
+                outs.append((hidden, cache.k.clone(), cache.v.clone()))
+            for a, b in zip(*outs, strict=True):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    finally:
+        fused.NATIVE_LAYER = True
+
+
 def reference_attention(q, cache_k, cache_v, slots, base, tree_mask):
     """Plain fp32 softmax attention, one query at a time, over its keys in position order."""
     num_b, num_hq, num_n, dim = q.shape

@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -1470,6 +1471,58 @@ std::string isa() {
 #endif
 }
 
+// One decoder layer (RMSNorm, q|k|v, RoPE and the K/V writes, exact attention, o, residual add
+// and norm, gate|up, SiLU x up, down, residual add) as the Python path `fused._native_layer`
+// calls the operators above one by one, in the same order on the same tensors: bitwise its
+// result, without the ~10 dispatched calls and the Python between them (docs/DESIGN.md "CPU
+// performance"). The linears are linear_fma's (packed from pack_linear). Each step is a
+// RECORD_FUNCTION under its operator's name, so the profiler still splits the time by kernel.
+torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_norm,
+                            const torch::Tensor& post_norm, double eps,
+                            const torch::Tensor& qkv_w, int64_t qkv_features,
+                            const torch::Tensor& o_w, int64_t o_features,
+                            const torch::Tensor& gate_up_w, int64_t gate_up_features,
+                            const torch::Tensor& down_w, int64_t down_features,
+                            const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_q,
+                            int64_t num_kv, torch::Tensor cache_k, torch::Tensor cache_v,
+                            const torch::Tensor& slots, const torch::Tensor& write_pos,
+                            const torch::Tensor& base, const torch::Tensor& tree_mask,
+                            double scale) {
+  const std::vector<c10::IValue> no_inputs;
+  auto fma = [&](const torch::Tensor& in, const torch::Tensor& w, int64_t features) {
+    RECORD_FUNCTION("eagle2_cpu::linear_fma", no_inputs);
+    return linear_fma(in, w, features);
+  };
+  torch::Tensor h, q, out, res;
+  {
+    RECORD_FUNCTION("eagle2_cpu::rms_norm", no_inputs);
+    h = rms_norm(x.contiguous(), input_norm, eps);
+  }
+  const auto qkv = fma(h, qkv_w, qkv_features);
+  {
+    RECORD_FUNCTION("eagle2_cpu::qkv_rope_write", no_inputs);
+    q = qkv_rope_write(qkv, cos, sin, num_q, num_kv, cache_k, cache_v, slots, write_pos);
+  }
+  {
+    RECORD_FUNCTION("eagle2_cpu::attention", no_inputs);
+    out = attention(q, cache_k, cache_v, slots, base, tree_mask, scale);
+  }
+  const auto delta = fma(out, o_w, o_features);
+  {
+    RECORD_FUNCTION("eagle2_cpu::add_rms_norm", no_inputs);
+    std::tie(res, h) = add_rms_norm(x, delta, post_norm, eps);
+  }
+  const auto gate_up = fma(h, gate_up_w, gate_up_features);
+  torch::Tensor act;
+  {
+    RECORD_FUNCTION("eagle2_cpu::silu_mul", no_inputs);
+    act = silu_mul(gate_up);
+  }
+  const auto down = fma(act, down_w, down_features);
+  RECORD_FUNCTION("aten::add", no_inputs);
+  return res + down;
+}
+
 // Registered as torch operators (torch.ops.eagle2_cpu.*): the profiler sees them by name.
 TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -1485,6 +1538,11 @@ TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("pack_argmax(Tensor weight) -> (Tensor, Tensor)");
   m.def("greedy_argmax(Tensor x, Tensor q, Tensor stats, Tensor packed, int out_features) "
         "-> Tensor");
+  m.def("decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_w, "
+        "int qkv_features, Tensor o_w, int o_features, Tensor gate_up_w, int gate_up_features, "
+        "Tensor down_w, int down_features, Tensor cos, Tensor sin, int num_q, int num_kv, "
+        "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos, Tensor base, "
+        "Tensor tree_mask, float scale) -> Tensor");
   m.def("isa() -> str");
 }
 
@@ -1499,6 +1557,7 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("pack_argmax", &pack_argmax);
   m.impl("greedy_argmax", &greedy_argmax);
+  m.impl("decoder_layer", &decoder_layer);
 }
 
 TORCH_LIBRARY_IMPL(eagle2_cpu, CatchAll, m) {
