@@ -282,6 +282,35 @@ def test_attention_of_a_tree_node_equals_plain_decoding_bitwise(ops):
     assert torch.equal(in_tree[0, 3], alone[0, 0])
 
 
+def test_attention_of_a_long_chain_equals_each_token_decoded_alone_bitwise(ops):
+    """Chains of 20 tree tokens (two key blocks of the tree) after 37 and 5 committed keys,
+    two requests in one call, on one and on two threads (the queries of a request then split
+    between them): every token's output has the bits of the same query decoded alone, its
+    chain before it committed."""
+    g = torch.Generator().manual_seed(11)
+    num_q, num_kv, dim, size, num_n = 9, 3, 64, 96, 20
+    cache_k = torch.randn(2, num_kv, size, dim, generator=g).bfloat16()
+    cache_v = torch.randn(2, num_kv, size, dim + 1, generator=g).bfloat16()
+    q = torch.randn(2, num_q, num_n, dim, generator=g).bfloat16()
+    slots, base = torch.tensor([1, 0]), torch.tensor([37, 5])
+    chain = torch.tril(torch.ones(num_n, num_n, dtype=torch.bool)).expand(2, -1, -1)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            outs.append(ops.attention(q, cache_k, cache_v, slots, base, chain, dim ** -0.5))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    one = torch.ones(1, 1, 1, dtype=torch.bool)
+    for b in range(2):
+        for n in range(num_n):
+            alone = ops.attention(q[b:b + 1, :, n:n + 1].contiguous(), cache_k, cache_v,
+                                  slots[b:b + 1], base[b:b + 1] + n, one, dim ** -0.5)
+            assert torch.equal(outs[0][b, n].view(torch.int16), alone[0, 0].view(torch.int16))
+
+
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_process(ops):
     """torch's extension builder waits forever on the lock file of a build that was killed;
     the next process clears it (its own flock proves the file stale) and loads the ops."""

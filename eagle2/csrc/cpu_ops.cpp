@@ -186,6 +186,30 @@ namespace {
 
 constexpr int kMaxG = 8;  // query heads per KV head handled together
 
+// One (request, KV head) of an attention call: its queries (each with G heads), its part of
+// the cache, its tree mask rows.
+struct Unit {
+  const bf16* q;  // query n, head g (of the G): q + (g N + n) dh
+  int64_t N;
+  const bf16* k;  // the cache at position 0 of this slot and KV head; positions ks / vs apart
+  const bf16* v;
+  int64_t ks, vs;
+  int64_t len, T;  // committed keys; tree entries (at positions len + m)
+  const bool* mask;  // [N, T]: the tree entries query n attends to (its ancestors and itself)
+  bf16* out;  // query n, head g: out + n out_stride + g dh
+  int64_t out_stride;
+  int G;
+  int64_t dh;
+  float scale;
+};
+
+// per-thread buffers, reused across units
+struct Scratch {
+  std::vector<uint32_t> kc, kt;  // transposed committed keys, tree entries (AVX-512)
+  std::vector<float> qe, qo, s, ts;
+  std::vector<const bf16*> keys, values;
+};
+
 // exp(x) for a vector of floats (exp16, exp8 below: the same operations at both widths):
 // x = n ln2 + r, |r| <= ln2 / 2, 2^n exp(r) with a degree-6 polynomial (Cephes' expf
 // coefficients). Only IEEE operations with explicit FMAs, so every lane gives the same bits
@@ -227,58 +251,105 @@ inline __mmask32 chunk_mask(int64_t left) {
 
 
 
-// v[i] = the sum of the 16 lanes of a[i], i = 0..15, by a fixed tree of adds (each lane of the
-// result from its own vector's lanes only).
-inline __m512 sum16(const __m512* a) {
-  __m512 b[8], c[4], e[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d u = _mm512_castps_pd(b[2 * i]), v = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, v)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(u, v)));
+// Scores (AVX-512) by fp32 FMAs over keys transposed in blocks of 16: a block is [dh / 2][16]
+// uint32, row i lane l the bf16 pair (key_l[2i], key_l[2i + 1]) (`transpose_keys`). The score
+// of query q and key k: two fp32 sums from zero, e += q[2i] k[2i] and o += q[2i + 1] k[2i + 1]
+// by FMAs in order i = 0, 1, ..., then scale * (e + o): a function of q and that key alone,
+// whatever block, lane or other queries it is computed with. One widened key row serves every
+// query of a (request, KV head), so a tree's queries cost FMAs only (`vdpbf16ps`, which
+// summed one query's pairs before, runs at under half the FMAs' rate on the Xeon without AMX).
+
+// count (<= 16) keys of `pairs` bf16 pairs each -> a block at blk; lanes past count are zeros
+inline void transpose_keys(const bf16* const* keys, int count, int64_t pairs, uint32_t* blk) {
+  for (int64_t c0 = 0; c0 < pairs; c0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, pairs - c0);
+    const __mmask16 m = static_cast<__mmask16>((1u << rows) - 1);
+    __m512i r[16], t[16], u[16], v[16];
+    for (int l = 0; l < 16; ++l)
+      r[l] = l < count ? _mm512_maskz_loadu_epi32(
+                             m, reinterpret_cast<const uint32_t*>(keys[l]) + c0)
+                       : _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 4; ++j) {
+        v[8 * i + j] = _mm512_shuffle_i32x4(u[8 * i + j], u[8 * i + 4 + j], 0x88);
+        v[8 * i + 4 + j] = _mm512_shuffle_i32x4(u[8 * i + j], u[8 * i + 4 + j], 0xdd);
+      }
+    for (int j = 0; j < 8 && j < rows; ++j)  // row j: pair c0 + j of every key
+      _mm512_storeu_si512(blk + (c0 + j) * 16, _mm512_shuffle_i32x4(v[j], v[8 + j], 0x88));
+    for (int j = 8; j < rows; ++j)
+      _mm512_storeu_si512(blk + (c0 + j) * 16, _mm512_shuffle_i32x4(v[j - 8], v[j], 0xdd));
   }
-  for (int i = 0; i < 2; ++i)
-    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// the 16 dot products q . keys[i], i < 16 (kTail: i < left; the others count as zeros), one
-// vdpbf16ps per 32 dimensions per key, reduced together by sum16
-template <int CH, bool kTail>
-inline __m512 key_block(const __m512bh* qv, const bf16* const* keys, int64_t left,
-                        int64_t dh) {
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) {
-    acc[i] = _mm512_setzero_ps();
-    if (!kTail || i < left)
-      for (int c = 0; c < CH; ++c)
-        acc[i] = _mm512_dpbf16_ps(acc[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(
-            chunk_mask(dh - 32 * c), keys[i] + 32 * c));
+// s[q][16 b + l] = score of query q (its even / odd dimensions as floats: qe, qo [QN][pairs])
+// and lane l of block b < NB (consecutive blocks at blk), q < QN; rows `stride` apart
+template <int QN, int NB>
+inline void score_blocks(const float* qe, const float* qo, int64_t pairs, const uint32_t* blk,
+                         float scale, float* s, int64_t stride) {
+  __m512 e[QN][NB], o[QN][NB];
+  for (int q = 0; q < QN; ++q)
+    for (int b = 0; b < NB; ++b) e[q][b] = o[q][b] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512 ke[NB], ko[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i raw = _mm512_loadu_si512(blk + (b * pairs + i) * 16);
+      ke[b] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      ko[b] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    for (int q = 0; q < QN; ++q) {
+      const __m512 a = _mm512_set1_ps(qe[q * pairs + i]), c = _mm512_set1_ps(qo[q * pairs + i]);
+      for (int b = 0; b < NB; ++b) {
+        e[q][b] = _mm512_fmadd_ps(a, ke[b], e[q][b]);
+        o[q][b] = _mm512_fmadd_ps(c, ko[b], o[q][b]);
+      }
+    }
   }
-  return sum16(acc);
-}
-
-// s[j] = scale * q . keys[j] for j < L: one vdpbf16ps per 32 dimensions per key, then the
-// 16 keys of a block reduced together (keys past L count as zeros and are not stored). Full
-// blocks apart from the last, partial one: without a per-key test the 16 sums stay in
-// registers.
-template <int CH>
-void scores_of(const bf16* q, const bf16* const* keys, int64_t L, int64_t dh, float scale,
-               float* s) {
-  __m512bh qv[CH];
-  for (int c = 0; c < CH; ++c)
-    qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(chunk_mask(dh - 32 * c), q + 32 * c);
   const __m512 sc = _mm512_set1_ps(scale);
-  int64_t j0 = 0;
-  for (; j0 + 16 <= L; j0 += 16)
-    _mm512_storeu_ps(s + j0, _mm512_mul_ps(key_block<CH, false>(qv, keys + j0, 16, dh), sc));
-  if (j0 < L)
-    _mm512_mask_storeu_ps(s + j0, static_cast<__mmask16>((1u << (L - j0)) - 1),
-                          _mm512_mul_ps(key_block<CH, true>(qv, keys + j0, L - j0, dh), sc));
+  for (int q = 0; q < QN; ++q)
+    for (int b = 0; b < NB; ++b)
+      _mm512_storeu_ps(s + q * stride + 16 * b, _mm512_mul_ps(_mm512_add_ps(e[q][b], o[q][b]), sc));
+}
+
+// QN queries against nblk blocks: NB blocks at a time (up to 24 accumulators), then one
+template <int QN>
+void score_group(const float* qe, const float* qo, int64_t pairs, const uint32_t* blk,
+                 int64_t nblk, float scale, float* s, int64_t stride) {
+  constexpr int NB = QN >= 4 ? 2 : QN == 3 ? 3 : 4;
+  int64_t b = 0;
+  for (; b + NB <= nblk; b += NB)
+    score_blocks<QN, NB>(qe, qo, pairs, blk + b * pairs * 16, scale, s + 16 * b, stride);
+  for (; b < nblk; ++b)
+    score_blocks<QN, 1>(qe, qo, pairs, blk + b * pairs * 16, scale, s + 16 * b, stride);
+}
+
+// nq queries (rows of qe, qo) against nblk blocks -> score rows `stride` apart, six queries
+// at a time
+void score_queries(const float* qe, const float* qo, int64_t nq, int64_t pairs,
+                   const uint32_t* blk, int64_t nblk, float scale, float* s, int64_t stride) {
+  for (int64_t q0 = 0; q0 < nq; q0 += 6) {
+    const float* e = qe + q0 * pairs;
+    const float* o = qo + q0 * pairs;
+    float* out = s + q0 * stride;
+    switch (std::min<int64_t>(6, nq - q0)) {
+      case 6: score_group<6>(e, o, pairs, blk, nblk, scale, out, stride); break;
+      case 5: score_group<5>(e, o, pairs, blk, nblk, scale, out, stride); break;
+      case 4: score_group<4>(e, o, pairs, blk, nblk, scale, out, stride); break;
+      case 3: score_group<3>(e, o, pairs, blk, nblk, scale, out, stride); break;
+      case 2: score_group<2>(e, o, pairs, blk, nblk, scale, out, stride); break;
+      default: score_group<1>(e, o, pairs, blk, nblk, scale, out, stride); break;
+    }
+  }
 }
 
 // max of s[j], j < L (-inf for none; a NaN is passed over, as std::max(top, s[j]) in order
@@ -369,32 +440,78 @@ void weighted_values_of(const float* const* p, const float* total, int count,
   weighted_values<CH, NG>(p, total, values, L, dh, out);
 }
 
-// One query position's G heads (sharing a KV head) over its keys `keys[0..L)` (pointers into
-// the cache, in position order): scores in fp32, softmax, the weighted sum of the values. A
-// function of this query and these keys only.
+// Queries n0 <= n < n1 of one unit (`Unit`), each with its G heads: every committed key and
+// tree entry transposed once, the scores of all the queries (their own keys' picked out), then
+// per query position the softmax and the weighted sum of its values (committed, then the tree
+// entries its mask keeps, in order). Each query's result is a function of it and its keys only.
 template <int CH>
-void attend_ch(const bf16* const* q, int G, const bf16* const* keys, const bf16* const* values,
-               int64_t L, int64_t dh, float scale, float* scores, bf16* const* out) {
-  const float* p[kMaxG];
-  float total[kMaxG];
-  for (int g = 0; g < G; ++g) {
-    scores_of<CH>(q[g], keys, L, dh, scale, scores + g * L);
-    total[g] = softmax_numerators(scores + g * L, L);
-    p[g] = scores + g * L;
+void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
+  const int64_t pairs = u.dh / 2, nbc = (u.len + 15) / 16, nbt = (u.T + 15) / 16;
+  const int G = u.G;
+  const bf16* rows[16];
+  w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc, 1) * pairs * 16));
+  w.kt.resize(static_cast<size_t>(std::max<int64_t>(nbt, 1) * pairs * 16));
+  for (int64_t blk = 0; blk < nbc; ++blk) {
+    const int count = static_cast<int>(std::min<int64_t>(16, u.len - 16 * blk));
+    for (int l = 0; l < count; ++l) rows[l] = u.k + (16 * blk + l) * u.ks;
+    transpose_keys(rows, count, pairs, w.kc.data() + blk * pairs * 16);
   }
+  for (int64_t blk = 0; blk < nbt; ++blk) {
+    const int count = static_cast<int>(std::min<int64_t>(16, u.T - 16 * blk));
+    for (int l = 0; l < count; ++l) rows[l] = u.k + (u.len + 16 * blk + l) * u.ks;
+    transpose_keys(rows, count, pairs, w.kt.data() + blk * pairs * 16);
+  }
+  const int64_t nq = (n1 - n0) * G;  // query (n, g) is row (n - n0) G + g
+  w.qe.resize(static_cast<size_t>(nq * pairs));
+  w.qo.resize(static_cast<size_t>(nq * pairs));
+  for (int64_t r = 0; r < nq; ++r) {
+    const bf16* src = u.q + ((r % G) * u.N + n0 + r / G) * u.dh;
+    for (int64_t i = 0; i < pairs; ++i) {
+      w.qe[r * pairs + i] = static_cast<float>(src[2 * i]);
+      w.qo[r * pairs + i] = static_cast<float>(src[2 * i + 1]);
+    }
+  }
+  // a score row: the committed keys' (16 a block), then the tree entries' the mask keeps
+  const int64_t R = nbc * 16 + u.T, RT = std::max<int64_t>(nbt, 1) * 16;
+  w.s.resize(static_cast<size_t>(nq * R));
+  w.ts.resize(static_cast<size_t>(nq * RT));
+  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kc.data(), nbc, u.scale, w.s.data(), R);
+  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kt.data(), nbt, u.scale, w.ts.data(), RT);
+  w.values.resize(static_cast<size_t>(u.len));
+  for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
   constexpr int GP = 16 / (2 * CH);
-  for (int g = 0; g < G; g += GP)
-    weighted_values_of<CH>(p + g, total + g, std::min(GP, G - g), values, L, dh, out + g);
+  for (int64_t n = n0; n < n1; ++n) {
+    const bool* row = u.mask + n * u.T;
+    w.values.resize(static_cast<size_t>(u.len));  // the previous position's tree entries dropped
+    for (int64_t m = 0; m < u.T; ++m)
+      if (row[m]) w.values.push_back(u.v + (u.len + m) * u.vs);
+    const int64_t L = static_cast<int64_t>(w.values.size());
+    const float* p[kMaxG];
+    float total[kMaxG];
+    bf16* outs[kMaxG];
+    for (int g = 0; g < G; ++g) {
+      const int64_t r = (n - n0) * G + g;
+      float* s = w.s.data() + r * R;
+      const float* t = w.ts.data() + r * RT;
+      for (int64_t m = 0, k = u.len; m < u.T; ++m)
+        if (row[m]) s[k++] = t[m];
+      total[g] = softmax_numerators(s, L);
+      p[g] = s;
+      outs[g] = u.out + n * u.out_stride + g * u.dh;
+    }
+    for (int g = 0; g < G; g += GP)
+      weighted_values_of<CH>(p + g, total + g, std::min(GP, G - g), w.values.data(), L, u.dh,
+                             outs + g);
+  }
 }
 
-void attend(const bf16* const* q, int G, const bf16* const* keys, const bf16* const* values,
-            int64_t L, int64_t dh, float scale, float* scores, bf16* const* out) {
-  if (dh <= 32) {
-    attend_ch<1>(q, G, keys, values, L, dh, scale, scores, out);
-  } else if (dh <= 64) {
-    attend_ch<2>(q, G, keys, values, L, dh, scale, scores, out);
+void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
+  if (u.dh <= 32) {
+    attend_unit_ch<1>(u, n0, n1, w);
+  } else if (u.dh <= 64) {
+    attend_unit_ch<2>(u, n0, n1, w);
   } else {
-    attend_ch<4>(q, G, keys, values, L, dh, scale, scores, out);
+    attend_unit_ch<4>(u, n0, n1, w);
   }
 }
 
@@ -529,6 +646,37 @@ void attend(const bf16* const* q, int G, const bf16* const* keys, const bf16* co
   }
 }
 
+
+// Queries n0 <= n < n1 of one unit, one position at a time: its keys and values in order
+// (committed, then the tree entries its mask keeps), `attend`.
+void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
+  w.keys.resize(static_cast<size_t>(u.len));
+  w.values.resize(static_cast<size_t>(u.len));
+  for (int64_t j = 0; j < u.len; ++j) {
+    w.keys[j] = u.k + j * u.ks;
+    w.values[j] = u.v + j * u.vs;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const bool* row = u.mask + n * u.T;
+    w.keys.resize(static_cast<size_t>(u.len));  // the previous position's tree entries dropped
+    w.values.resize(static_cast<size_t>(u.len));
+    for (int64_t m = 0; m < u.T; ++m)
+      if (row[m]) {
+        w.keys.push_back(u.k + (u.len + m) * u.ks);
+        w.values.push_back(u.v + (u.len + m) * u.vs);
+      }
+    const int64_t L = static_cast<int64_t>(w.keys.size());
+    w.s.resize(static_cast<size_t>(u.G * std::max<int64_t>(L, 1)));
+    const bf16* qs[kMaxG];
+    bf16* os[kMaxG];
+    for (int g = 0; g < u.G; ++g) {
+      qs[g] = u.q + (g * u.N + n) * u.dh;
+      os[g] = u.out + n * u.out_stride + g * u.dh;
+    }
+    attend(qs, u.G, w.keys.data(), w.values.data(), L, u.dh, u.scale, w.s.data(), os);
+  }
+}
+
 #endif
 
 }  // namespace
@@ -571,40 +719,23 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
   bf16* op = out.data_ptr<bf16>();
   const auto ks = cache_k.strides();
   const auto vs = cache_v.strides();
-  at::parallel_for(0, B * KVH * N, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<const bf16*> keys, values;
-    std::vector<float> scores;
-    int64_t listed = -1;  // the (b, h) whose committed keys `keys` and `values` begin with
+  // one unit per (request, KV head); with several threads and few units, the queries of a
+  // unit split in parts (each transposes the unit's keys again)
+  const int64_t units = B * KVH, threads = at::get_num_threads();
+  const int64_t parts = threads > 1 && units < 2 * threads
+                            ? std::min<int64_t>(N, (2 * threads + units - 1) / units) : 1;
+  at::parallel_for(0, units * parts, 1, [&](int64_t t0, int64_t t1) {
+    // kept from call to call: growing a vector fills it with zeros (~1 MB a layer after 2,048
+    // tokens, which cost more than the scores)
+    thread_local Scratch w;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (KVH * N), h = (t / N) % KVH, n = t % N;
-      const int64_t len = bp[b];
-      const bf16* kh = kp + slp[b] * ks[0] + h * ks[1];
-      const bf16* vh = vp + slp[b] * vs[0] + h * vs[1];
-      keys.resize(static_cast<size_t>(len));  // the committed part (the last query's tree
-      values.resize(static_cast<size_t>(len));  // entries dropped)
-      if (listed != t / N) {  // the tree's queries (n) of one (b, h) share the committed keys
-        listed = t / N;
-        for (int64_t j = 0; j < len; ++j) {
-          keys[j] = kh + j * ks[2];
-          values[j] = vh + j * vs[2];
-        }
-      }
-      const bool* row = mp + (b * N + n) * T;
-      for (int64_t m = 0; m < T; ++m)
-        if (row[m]) {
-          keys.push_back(kh + (len + m) * ks[2]);
-          values.push_back(vh + (len + m) * vs[2]);
-        }
-      const int64_t L = static_cast<int64_t>(keys.size());
-      scores.resize(static_cast<size_t>(G * std::max<int64_t>(L, 1)));
-      const bf16* qs[kMaxG];
-      bf16* os[kMaxG];
-      for (int64_t g = 0; g < G; ++g) {
-        qs[g] = qp + ((b * Hq + h * G + g) * N + n) * dh;
-        os[g] = op + (b * N + n) * Hq * dh + (h * G + g) * dh;
-      }
-      attend(qs, static_cast<int>(G), keys.data(), values.data(), L, dh,
-             static_cast<float>(scale), scores.data(), os);
+      const int64_t b = t / (KVH * parts), h = (t / parts) % KVH, part = t % parts;
+      const Unit u{qp + (b * Hq + h * G) * N * dh, N,
+                   kp + slp[b] * ks[0] + h * ks[1], vp + slp[b] * vs[0] + h * vs[1],
+                   ks[2], vs[2], bp[b], T, mp + b * N * T,
+                   op + b * N * Hq * dh + h * G * dh, Hq * dh, static_cast<int>(G), dh,
+                   static_cast<float>(scale)};
+      attend_unit(u, N * part / parts, N * (part + 1) / parts, w);
     }
   });
   return out;
