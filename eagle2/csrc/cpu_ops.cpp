@@ -206,8 +206,9 @@ struct Unit {
 // per-thread buffers, reused across units
 struct Scratch {
   std::vector<uint32_t> kc, kt;  // transposed committed keys, tree entries (AVX-512)
-  std::vector<float> qe, qo, s, ts;
-  std::vector<const bf16*> keys, values;
+  std::vector<float> qe, qo, s, ts, total, sums;
+  std::vector<const bf16*> keys, values, tree;
+  std::vector<int64_t> counts;
 };
 
 // exp(x) for a vector of floats (exp16, exp8 below: the same operations at both widths):
@@ -387,57 +388,66 @@ inline float softmax_numerators(float* s, int64_t L) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// sums[g][d] = sum_j p[g][j] values[j][d] for NG <= 16 / (2 CH) heads g at once (each value
-// row widened once for all of them), the sum over j in order. NG is a compile-time count and
-// the sums leave through plain stores: GCC 12 then keeps the NG x 2 CH accumulators in
-// registers (with the division and bf16 rounding after the loop in the same function it
-// stored all of them to the stack on every key: 12 stores a key, the kernel's bottleneck).
-template <int CH, int NG>
+// The weighted sums of values: sum_j p[r][j] values[j][d] from zero, by FMAs in order j, per
+// row r (a query's head) and dimension d; one rounding to bf16 after the division by the
+// row's total. A value row is read as bf16 pairs: its even dimensions (a shift) and its odd
+// ones (a mask) go to two accumulators, 32 dimensions a chunk, so the sums are kept as
+// [chunk][even 16, odd 16] and interleaved back at the end.
+
+// sums[r] (in/out, [CH][32] floats) += p[r][j] * values[j] for j < L, NR rows at once (each
+// value row widened once for all of them). NR is a compile-time count and the sums leave
+// through plain stores: GCC 12 then keeps the NR x 2 CH accumulators in registers (with more
+// work after the loop in the same function it had stored all of them to the stack on every
+// key).
+template <int CH, int NR>
 inline void value_sums(const float* const* p, const bf16* const* values, int64_t L, int64_t dh,
-                       float* sums) {
-  __m512 acc[NG][2 * CH];
-  const float* pg[NG];
-  for (int g = 0; g < NG; ++g) {
-    pg[g] = p[g];
-    for (int c = 0; c < 2 * CH; ++c) acc[g][c] = _mm512_setzero_ps();
-  }
+                       float* const* sums) {
+  __m512 acc[NR][2 * CH];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 2 * CH; ++c) acc[r][c] = _mm512_loadu_ps(sums[r] + 16 * c);
+  __mmask16 m[CH];
+  for (int c = 0; c < CH; ++c)
+    m[c] = static_cast<__mmask16>(dh - 32 * c >= 32 ? 0xFFFF : (1u << ((dh - 32 * c) / 2)) - 1);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t j = 0; j < L; ++j) {
     __m512 v[2 * CH];
-    for (int c = 0; c < CH; ++c)
-      widen(values[j] + 32 * c, chunk_mask(dh - 32 * c), &v[2 * c], &v[2 * c + 1]);
-    for (int g = 0; g < NG; ++g) {
-      const __m512 pj = _mm512_set1_ps(pg[g][j]);
-      for (int c = 0; c < 2 * CH; ++c) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
+    for (int c = 0; c < CH; ++c) {
+      const __m512i raw = _mm512_maskz_loadu_epi32(
+          m[c], reinterpret_cast<const uint32_t*>(values[j]) + 16 * c);
+      v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r][j]);
+      for (int c = 0; c < 2 * CH; ++c) acc[r][c] = _mm512_fmadd_ps(pj, v[c], acc[r][c]);
     }
   }
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < 2 * CH; ++c) _mm512_store_ps(sums + (g * 2 * CH + c) * 16, acc[g][c]);
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 2 * CH; ++c) _mm512_storeu_ps(sums[r] + 16 * c, acc[r][c]);
 }
 
-// out[g] = bf16(sum_j p[g][j] values[j] / total[g]) for NG heads (`value_sums`)
-template <int CH, int NG>
-void weighted_values(const float* const* p, const float* total, const bf16* const* values,
-                     int64_t L, int64_t dh, bf16* const* out) {
-  alignas(64) float sums[NG * 32 * CH];
-  value_sums<CH, NG>(p, values, L, dh, sums);
-  for (int g = 0; g < NG; ++g) {
-    alignas(64) float buf[32 * CH];
-    const __m512 t = _mm512_set1_ps(total[g]);
-    for (int c = 0; c < 2 * CH; ++c)
-      _mm512_store_ps(buf + 16 * c,
-                      _mm512_div_ps(_mm512_load_ps(sums + (g * 2 * CH + c) * 16), t));
-    for (int64_t d = 0; d < dh; ++d) out[g][d] = bf16(buf[d]);
+// rows value_sums takes at once: up to 24 accumulators
+template <int CH>
+constexpr int kValueRows = CH == 1 ? 12 : CH == 2 ? 6 : 2;
+
+// value_sums for count (1 <= count <= NR) rows
+template <int CH, int NR = kValueRows<CH>>
+void value_sums_of(const float* const* p, int count, const bf16* const* values, int64_t L,
+                   int64_t dh, float* const* sums) {
+  if constexpr (NR > 1) {
+    if (count < NR) return value_sums_of<CH, NR - 1>(p, count, values, L, dh, sums);
   }
+  value_sums<CH, NR>(p, values, L, dh, sums);
 }
 
-// weighted_values for count (1 <= count <= 16 / (2 CH)) heads
-template <int CH, int NG = 16 / (2 * CH)>
-void weighted_values_of(const float* const* p, const float* total, int count,
-                        const bf16* const* values, int64_t L, int64_t dh, bf16* const* out) {
-  if constexpr (NG > 1) {
-    if (count < NG) return weighted_values_of<CH, NG - 1>(p, total, count, values, L, dh, out);
-  }
-  weighted_values<CH, NG>(p, total, values, L, dh, out);
+// out[d] = bf16(sums / total), the sums as value_sums keeps them
+template <int CH>
+void store_values(const float* sums, float total, int64_t dh, bf16* out) {
+  alignas(64) float buf[32 * CH];
+  const __m512 t = _mm512_set1_ps(total);
+  for (int c = 0; c < 2 * CH; ++c)
+    _mm512_store_ps(buf + 16 * c, _mm512_div_ps(_mm512_loadu_ps(sums + 16 * c), t));
+  for (int64_t d = 0; d < dh; ++d) out[d] = bf16(buf[32 * (d / 32) + 16 * (d % 2) + (d % 32) / 2]);
 }
 
 // Queries n0 <= n < n1 of one unit (`Unit`), each with its G heads: every committed key and
@@ -477,31 +487,48 @@ void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
   w.ts.resize(static_cast<size_t>(nq * RT));
   score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kc.data(), nbc, u.scale, w.s.data(), R);
   score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kt.data(), nbt, u.scale, w.ts.data(), RT);
-  w.values.resize(static_cast<size_t>(u.len));
-  for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
-  constexpr int GP = 16 / (2 * CH);
+  // per query position: its heads' scores, the tree entries its mask keeps appended; softmax
+  w.total.resize(static_cast<size_t>(nq));
+  w.tree.resize(static_cast<size_t>((n1 - n0) * std::max<int64_t>(u.T, 1)));
+  w.counts.resize(static_cast<size_t>(n1 - n0));
   for (int64_t n = n0; n < n1; ++n) {
     const bool* row = u.mask + n * u.T;
-    w.values.resize(static_cast<size_t>(u.len));  // the previous position's tree entries dropped
+    const bf16** tree = w.tree.data() + (n - n0) * u.T;
+    int64_t count = 0;
     for (int64_t m = 0; m < u.T; ++m)
-      if (row[m]) w.values.push_back(u.v + (u.len + m) * u.vs);
-    const int64_t L = static_cast<int64_t>(w.values.size());
-    const float* p[kMaxG];
-    float total[kMaxG];
-    bf16* outs[kMaxG];
+      if (row[m]) tree[count++] = u.v + (u.len + m) * u.vs;
+    w.counts[n - n0] = count;
     for (int g = 0; g < G; ++g) {
       const int64_t r = (n - n0) * G + g;
       float* s = w.s.data() + r * R;
       const float* t = w.ts.data() + r * RT;
       for (int64_t m = 0, k = u.len; m < u.T; ++m)
         if (row[m]) s[k++] = t[m];
-      total[g] = softmax_numerators(s, L);
-      p[g] = s;
-      outs[g] = u.out + n * u.out_stride + g * u.dh;
+      w.total[r] = softmax_numerators(s, u.len + count);
     }
-    for (int g = 0; g < G; g += GP)
-      weighted_values_of<CH>(p + g, total + g, std::min(GP, G - g), w.values.data(), L, u.dh,
-                             outs + g);
+  }
+  // the weighted sums: the committed values (shared) for several rows at once, then each
+  // row's own tree entries, continuing the same sums in order
+  w.sums.assign(static_cast<size_t>(nq * 32 * CH), 0.0f);
+  w.values.resize(static_cast<size_t>(u.len));
+  for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
+  constexpr int NR = kValueRows<CH>;
+  const float* p[NR];
+  float* sums[NR];
+  for (int64_t r0 = 0; r0 < nq; r0 += NR) {
+    const int count = static_cast<int>(std::min<int64_t>(NR, nq - r0));
+    for (int i = 0; i < count; ++i) {
+      p[i] = w.s.data() + (r0 + i) * R;
+      sums[i] = w.sums.data() + (r0 + i) * 32 * CH;
+    }
+    value_sums_of<CH>(p, count, w.values.data(), u.len, u.dh, sums);
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t n = n0 + r / G;
+    const float* pr = w.s.data() + r * R + u.len;
+    float* sr = w.sums.data() + r * 32 * CH;
+    value_sums<CH, 1>(&pr, w.tree.data() + (n - n0) * u.T, w.counts[n - n0], u.dh, &sr);
+    store_values<CH>(sr, w.total[r], u.dh, u.out + n * u.out_stride + (r % G) * u.dh);
   }
 }
 
