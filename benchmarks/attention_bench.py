@@ -1,24 +1,50 @@
 # ruff: noqa: I001  (eagle2 before torch: passive OpenMP waiting)
 """The native exact attention alone (`eagle2_cpu::attention`), one layer of the embedded
 model's layout (9 query heads over 3 KV heads of 64), batch 1: N tree tokens (a chain) after
-L committed keys, microseconds a call (best of 5 rounds), one thread. Writes JSON and,
-with --outputs, the outputs themselves, so two builds can be compared bitwise:
+L committed keys, microseconds a call (best of the rounds), one thread. Writes JSON and,
+with --outputs, the outputs themselves:
 
     .venv/bin/python benchmarks/attention_bench.py OUT.json [--outputs OUT.pt]
-    PYTHONPATH=<a worktree of another commit> .venv/bin/python benchmarks/attention_bench.py ...
+
+With --against OTHER.cpp (another commit's `eagle2/csrc/cpu_ops.cpp`, e.g. from a `git
+worktree`), that source is built too, under its own operator namespace, and the two builds are
+timed in turn in this one process, round after round (machine drift between separate runs is
+as large as the differences measured here); the JSON then has both builds' cells and which
+outputs differ:
+
+    .venv/bin/python benchmarks/attention_bench.py OUT.json \
+        --against /tmp/old/eagle2/csrc/cpu_ops.cpp
 """
 
 import argparse
 import json
 import time
+from pathlib import Path
 
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
 import torch
 
-from eagle2.native import build_key, cpu_ops
+from eagle2.native import CFLAGS, build_key, cpu_ops
 
 
-def time_call(ops, num_n: int, length: int, reps: int) -> tuple[float, torch.Tensor]:
+def load_other(source: Path):
+    """`source` built as torch.ops.eagle2_cpu_other (its operators renamed)."""
+    from torch.utils.cpp_extension import load
+
+    from eagle2.target import cache_root
+
+    text = source.read_text().replace("(eagle2_cpu,", "(eagle2_cpu_other,")
+    build = cache_root() / "ext" / "attention-bench-other"
+    build.mkdir(parents=True, exist_ok=True)
+    copy = build / "cpu_ops_other.cpp"
+    if not copy.exists() or copy.read_text() != text:
+        copy.write_text(text)
+    load("eagle2_cpu_ops_other", [str(copy)], extra_cflags=list(CFLAGS),
+         extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+    return torch.ops.eagle2_cpu_other
+
+
+def inputs(num_n: int, length: int):
     heads, kv_heads, dh, size = 9, 3, 64, 4096
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, num_n, dh, generator=g).bfloat16()
@@ -26,17 +52,14 @@ def time_call(ops, num_n: int, length: int, reps: int) -> tuple[float, torch.Ten
     cache_v = torch.randn(1, kv_heads, size, dh, generator=g).bfloat16()
     slots, base = torch.zeros(1, dtype=torch.long), torch.full((1,), length, dtype=torch.long)
     mask = torch.tril(torch.ones(num_n, num_n, dtype=torch.bool))[None]
-    def call():
-        return ops.attention(q, cache_k, cache_v, slots, base, mask, dh ** -0.5)
-    for _ in range(20):
-        out = call()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = call()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return 1e6 * best, out
+    return q, cache_k, cache_v, slots, base, mask, dh ** -0.5
+
+
+def time_round(ops, args: tuple, reps: int) -> tuple[float, torch.Tensor]:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = ops.attention(*args)
+    return (time.perf_counter() - t0) / reps, out
 
 
 def main() -> None:
@@ -44,23 +67,53 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--outputs", default=None, help="also torch.save the outputs here")
     ap.add_argument("--lengths", default="256,1024,2048")
-    ap.add_argument("--nodes", default="1,8,16")
+    ap.add_argument("--nodes", default="1,4,8,16")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--against", type=Path, default=None,
+                    help="another cpu_ops.cpp, timed in turn with this checkout's")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    ops = cpu_ops()
-    if ops is None:
+    builds = {"this": cpu_ops()}
+    if builds["this"] is None:
         raise SystemExit("the fused CPU operations are not available here")
-    cells, outputs = [], {}
-    for length in map(int, args.lengths.split(",")):
-        for num_n in map(int, args.nodes.split(",")):
-            us, out = time_call(ops, num_n, length, 300 if length <= 1024 else 100)
-            outputs[f"{num_n}x{length}"] = out
-            cells.append({"nodes": num_n, "committed": length, "us": round(us, 1)})
-            print(f"N={num_n:2d} after {length:4d}: {us:7.1f} us", flush=True)
+    if args.against is not None:
+        builds["other"] = load_other(args.against)
+    cases = [(n, length) for length in map(int, args.lengths.split(","))
+             for n in map(int, args.nodes.split(","))]
+    best = {(b, c): float("inf") for b in builds for c in cases}
+    outputs = {}
+    for case in cases:
+        for ops in builds.values():
+            for _ in range(20):  # warm-up
+                ops.attention(*inputs(*case))
+    for _ in range(args.rounds):
+        for case in cases:
+            call = inputs(*case)
+            reps = 200 if case[1] <= 1024 else 60
+            for name, ops in builds.items():
+                sec, out = time_round(ops, call, reps)
+                best[(name, case)] = min(best[(name, case)], sec)
+                outputs[(name, case)] = out
+    cells = []
+    for n, length in cases:
+        cell = {"nodes": n, "committed": length,
+                "us": round(1e6 * best[("this", (n, length))], 1)}
+        line = f"N={n:2d} after {length:4d}: {cell['us']:7.1f} us"
+        if "other" in builds:
+            a, b = outputs[("this", (n, length))], outputs[("other", (n, length))]
+            cell["other_us"] = round(1e6 * best[("other", (n, length))], 1)
+            cell["bitwise_equal"] = bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+            cell["max_abs_diff"] = float((a.float() - b.float()).abs().max())
+            line += (f"   against {cell['other_us']:7.1f} us"
+                     f"{'' if cell['bitwise_equal'] else '  (outputs differ)'}")
+        cells.append(cell)
+        print(line, flush=True)
     with open(args.out, "w") as f:
-        json.dump({"build": build_key(), "cells": cells}, f, indent=1)
+        json.dump({"build": build_key(), "against": str(args.against) if args.against else None,
+                   "rounds": args.rounds, "cells": cells}, f, indent=1)
     if args.outputs:
-        torch.save(outputs, args.outputs)
+        torch.save({f"{n}x{length}": outputs[("this", (n, length))] for n, length in cases},
+                   args.outputs)
 
 
 if __name__ == "__main__":
