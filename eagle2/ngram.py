@@ -130,9 +130,12 @@ class NgramStore:
                    max_order, {"answer_tokens": int((ords == 1).sum())})
 
     def _find(self, tokens: Sequence[int]) -> int | None:
-        """Index of the longest known context ending `tokens` (None: none is known)."""
-        for key in reversed(_context_keys(tokens, self.max_order)):
-            i = int(np.searchsorted(self.keys, np.uint64(key)))
+        """Index of the longest known context ending `tokens` (None: none is known). One
+        search for all the orders' keys (a search per order cost ~4 numpy calls a token:
+        at batch 8 the chains' proposals took ~0.5 ms a step)."""
+        keys = _context_keys(tokens, self.max_order)
+        found = np.searchsorted(self.keys, np.array(keys, dtype=np.uint64)).tolist()
+        for key, i in zip(reversed(keys), reversed(found), strict=True):
             if i < len(self.keys) and int(self.keys[i]) == key:
                 return i
         return None
