@@ -400,8 +400,9 @@ inline float softmax_numerators(float* s, int64_t L) {
 // work after the loop in the same function it had stored all of them to the stack on every
 // key).
 template <int CH, int NR>
-inline void value_sums(const float* const* p, const bf16* const* values, int64_t L, int64_t dh,
-                       float* const* sums) {
+__attribute__((always_inline)) inline void value_sums(
+    const float* const* p, const bf16* const* values, int64_t L, int64_t dh,
+    float* const* sums) {
   __m512 acc[NR][2 * CH];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < 2 * CH; ++c) acc[r][c] = _mm512_loadu_ps(sums[r] + 16 * c);
@@ -450,27 +451,25 @@ void store_values(const float* sums, float total, int64_t dh, bf16* out) {
   for (int64_t d = 0; d < dh; ++d) out[d] = bf16(buf[32 * (d / 32) + 16 * (d % 2) + (d % 32) / 2]);
 }
 
-// Queries n0 <= n < n1 of one unit (`Unit`), each with its G heads: every committed key and
-// tree entry transposed once, the scores of all the queries (their own keys' picked out), then
-// per query position the softmax and the weighted sum of its values (committed, then the tree
-// entries its mask keeps, in order). Each query's result is a function of it and its keys only.
+// query positions of a unit scored together: bounds the score buffers (a prefill of P tokens
+// is a unit of P positions over P tree entries; unchunked, its scores took 2 x 3P^2 floats)
+constexpr int64_t kQueryChunk = 64;
+
+// Query positions n0 <= n < n1 (at most kQueryChunk) of a unit whose keys `attend_unit_ch`
+// transposed (nbc committed blocks in w.kc, the tree entries' in w.kt) and whose committed
+// values' addresses are in w.values: scores, softmax, weighted sums.
 template <int CH>
-void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
-  const int64_t pairs = u.dh / 2, nbc = (u.len + 15) / 16, nbt = (u.T + 15) / 16;
+void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w) {
+  const int64_t pairs = u.dh / 2;
   const int G = u.G;
-  const bf16* rows[16];
-  w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc, 1) * pairs * 16));
-  w.kt.resize(static_cast<size_t>(std::max<int64_t>(nbt, 1) * pairs * 16));
-  for (int64_t blk = 0; blk < nbc; ++blk) {
-    const int count = static_cast<int>(std::min<int64_t>(16, u.len - 16 * blk));
-    for (int l = 0; l < count; ++l) rows[l] = u.k + (16 * blk + l) * u.ks;
-    transpose_keys(rows, count, pairs, w.kc.data() + blk * pairs * 16);
-  }
-  for (int64_t blk = 0; blk < nbt; ++blk) {
-    const int count = static_cast<int>(std::min<int64_t>(16, u.T - 16 * blk));
-    for (int l = 0; l < count; ++l) rows[l] = u.k + (u.len + 16 * blk + l) * u.ks;
-    transpose_keys(rows, count, pairs, w.kt.data() + blk * pairs * 16);
-  }
+  int64_t last = -1;  // the last tree entry any of these positions attends to
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = u.T - 1; m > last; --m)
+      if (u.mask[n * u.T + m]) {
+        last = m;
+        break;
+      }
+  const int64_t nbt = (last + 16) / 16;  // tree blocks scored
   const int64_t nq = (n1 - n0) * G;  // query (n, g) is row (n - n0) G + g
   w.qe.resize(static_cast<size_t>(nq * pairs));
   w.qo.resize(static_cast<size_t>(nq * pairs));
@@ -510,8 +509,6 @@ void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
   // the weighted sums: the committed values (shared) for several rows at once, then each
   // row's own tree entries, continuing the same sums in order
   w.sums.assign(static_cast<size_t>(nq * 32 * CH), 0.0f);
-  w.values.resize(static_cast<size_t>(u.len));
-  for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
   constexpr int NR = kValueRows<CH>;
   const float* p[NR];
   float* sums[NR];
@@ -530,6 +527,34 @@ void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
     value_sums<CH, 1>(&pr, w.tree.data() + (n - n0) * u.T, w.counts[n - n0], u.dh, &sr);
     store_values<CH>(sr, w.total[r], u.dh, u.out + n * u.out_stride + (r % G) * u.dh);
   }
+}
+
+
+// Queries n0 <= n < n1 of one unit (`Unit`), each with its G heads: every committed key and
+// tree entry transposed once, then in chunks of positions (`attend_chunk`) the scores of all
+// their queries (each query's own keys picked out), per position the softmax and the weighted
+// sum of its values (committed, then the tree entries its mask keeps, in order). Each
+// query's result is a function of it and its keys only.
+template <int CH>
+void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
+  const int64_t pairs = u.dh / 2, nbc = (u.len + 15) / 16, nbt = (u.T + 15) / 16;
+  const bf16* rows[16];
+  w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc, 1) * pairs * 16));
+  w.kt.resize(static_cast<size_t>(std::max<int64_t>(nbt, 1) * pairs * 16));
+  for (int64_t blk = 0; blk < nbc; ++blk) {
+    const int count = static_cast<int>(std::min<int64_t>(16, u.len - 16 * blk));
+    for (int l = 0; l < count; ++l) rows[l] = u.k + (16 * blk + l) * u.ks;
+    transpose_keys(rows, count, pairs, w.kc.data() + blk * pairs * 16);
+  }
+  for (int64_t blk = 0; blk < nbt; ++blk) {
+    const int count = static_cast<int>(std::min<int64_t>(16, u.T - 16 * blk));
+    for (int l = 0; l < count; ++l) rows[l] = u.k + (u.len + 16 * blk + l) * u.ks;
+    transpose_keys(rows, count, pairs, w.kt.data() + blk * pairs * 16);
+  }
+  w.values.resize(static_cast<size_t>(u.len));
+  for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
+  for (int64_t c0 = n0; c0 < n1; c0 += kQueryChunk)
+    attend_chunk<CH>(u, c0, std::min(n1, c0 + kQueryChunk), nbc, w);
 }
 
 void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
