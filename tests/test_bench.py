@@ -211,7 +211,8 @@ def test_hf_mode_uses_the_same_target_greedy(bench_run):
 
 
 def test_shards_merge_into_one_report(tmp_path):
-    """Two --shard runs split the prompts; --merge gives the report of all of them."""
+    """Two --shard runs split the prompts; --merge gives the report of all of them, whether
+    the shards wrote to folders of their own or to one (their files carry the shard)."""
     from eagle2.cli import main
 
     common = ["bench", "--suite", "mt_bench", "--num-prompts", "3", "--max-tokens", "6",
@@ -219,9 +220,11 @@ def test_shards_merge_into_one_report(tmp_path):
               "--tree-top-k", "2", "--dtype", "float32", "--device", "cpu", "--threads", "1"]
     for i in (0, 1):
         assert main([*common, "--shard", f"{i}/2", "--out", str(tmp_path / f"s{i}")]) == 0
+        assert (tmp_path / f"s{i}" / f"results-shard-{i}-of-2.json").exists()
     assert main(["bench", "--merge", str(tmp_path / "s1"), str(tmp_path / "s0"),
                  "--out", str(tmp_path / "all")]) == 0
-    shards = [json.loads((tmp_path / f"s{i}" / "runs.json").read_text()) for i in (0, 1)]
+    shards = [json.loads((tmp_path / f"s{i}" / f"runs-shard-{i}-of-2.json").read_text())
+              for i in (0, 1)]
     assert [len(s["runs"]["mt_bench"]["eagle2"]) for s in shards] == [2, 1]
     res = json.loads((tmp_path / "all" / "results.json").read_text())
     suite = res["suites"]["mt_bench"]
@@ -233,6 +236,15 @@ def test_shards_merge_into_one_report(tmp_path):
             (r["prompt_id"] for r in runs), key=int)
         assert m["new_tokens"] == sum(len(r["token_ids"]) for r in runs)
         assert m["num_steps"] == sum(r["num_steps"] for r in runs)
+    # both shards' files in one folder (as two shards given the same --out leave them)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for i in (0, 1):
+        name = f"runs-shard-{i}-of-2.json"
+        (shared / name).write_text((tmp_path / f"s{i}" / name).read_text())
+    assert main(["bench", "--merge", str(shared), "--out", str(tmp_path / "all2")]) == 0
+    again = json.loads((tmp_path / "all2" / "results.json").read_text())
+    assert again["suites"] == res["suites"]
     # a shard merged with itself, or a run that was not sharded, is refused
     assert main(["bench", "--merge", str(tmp_path / "s0"), str(tmp_path / "s0"),
                  "--out", str(tmp_path / "bad")]) == 2

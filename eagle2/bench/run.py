@@ -75,10 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measure speculation on a machine that is not quiet")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only prompts i with i %% N == I (one process per core; needs a "
-                        "fixed tree), then combine the shards' folders with --merge")
+                        "fixed tree; its files are named *-shard-I-of-N, so shards may share "
+                        "--out), then combine the shards' folders with --merge")
     p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
-                   help="combine finished --shard runs (their runs.json) into one report in "
-                        "--out; runs nothing")
+                   help="combine finished --shard runs (the runs-shard-I-of-N.json in these "
+                        "folders) into one report in --out; runs nothing")
     add_model_arguments(p)
 
 
@@ -275,16 +276,21 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
                          "accepted_without_draft": stats.lookup_step_accepted,
                          "ngram_chains_without_draft": stats.ngram_chains,
                          "ngram_accepted_without_draft": stats.ngram_accepted}
-    report.write_json(out_dir / "runs.json", {
+    # a shard's files carry its name, so shards started side by side with one --out (or with
+    # the default, a folder named by the second they started) do not overwrite each other
+    index, count = parse_shard(args.shard)
+    tag = f"-shard-{index}-of-{count}" if args.shard else ""
+    report.write_json(out_dir / f"runs{tag}.json", {
         "config": config, "machine": machine, "wall_s": wall_s,
         "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
                  for s, by_mode in runs.items()}})
-    return _report(out_dir, config, runs, [machine], tuned.to_json() if tuned else None, wall_s)
+    return _report(out_dir, config, runs, [machine], tuned.to_json() if tuned else None, wall_s,
+                   tag)
 
 
 def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner: dict | None,
-            wall_s: float) -> int:
-    """Metrics, results.json, the chart and the printed table from the raw runs."""
+            wall_s: float, tag: str = "") -> int:
+    """Metrics, results{tag}.json, the chart and the printed table from the raw runs."""
     greedy = config["temperature"] == 0
     levels = {m: draft_levels(TreeConfig(**{k: v for k, v in t.items() if k != "num_nodes"}))
               for m, t in config["trees"].items()}
@@ -299,8 +305,9 @@ def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner
     checks = [s["lossless"] for s in results["suites"].values()]
     results["lossless"] = None if None in checks else all(checks)
     results["wall_s"] = round(wall_s, 2)
-    report.write_json(out_dir / "results.json", results)
-    report.plot(out_dir / "bench.png", results["suites"])
+    results_path, chart_path = out_dir / f"results{tag}.json", out_dir / f"bench{tag}.png"
+    report.write_json(results_path, results)
+    report.plot(chart_path, results["suites"])
     print("trees  " + "; ".join(
         f"{m}: N={t['num_nodes']} depth={t['depth']} top_k={t['top_k']}"
         + (f" lookup={t['lookup']}" if m == "eagle2" and t.get("lookup") else "")
@@ -319,20 +326,23 @@ def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner
                   + (f" ({lk['ngram_chains_without_draft']} of those chains from the n-gram "
                      f"store, accepting {lk['ngram_accepted_without_draft']})"
                      if lk.get("ngram_chains_without_draft") else ""))
-    print(f"lossless: {report.fmt_bool(results['lossless'])}; wrote "
-          f"{out_dir / 'results.json'} and {out_dir / 'bench.png'}")
+    print(f"lossless: {report.fmt_bool(results['lossless'])}; wrote {results_path} and "
+          f"{chart_path}")
     return 1 if results["lossless"] is False else 0
 
 
 def merge(dirs: list[str], out_dir: Path) -> int:
-    """Combine `--shard` runs: same config apart from the shard, prompts in suite order."""
+    """Combine `--shard` runs (every shard's runs-shard-I-of-N.json, or a runs.json, in the
+    folders given): same config apart from the shard, prompts in suite order."""
     import json
 
-    missing = [d for d in dirs if not (Path(d) / "runs.json").exists()]
+    found = [(d, sorted(Path(d).glob("runs-shard-*-of-*.json"))
+              + [p for p in [Path(d) / "runs.json"] if p.exists()]) for d in dirs]
+    missing = [d for d, files in found if not files]
     if missing:
-        raise ValueError(f"no runs.json in {missing}: --merge takes the --out folders of "
-                         "finished --shard runs")
-    parts = [json.loads((Path(d) / "runs.json").read_text()) for d in dirs]
+        raise ValueError(f"no runs in {missing}: --merge takes the --out folders of finished "
+                         "--shard runs")
+    parts = [json.loads(f.read_text()) for _, files in found for f in files]
     configs = [{k: v for k, v in p["config"].items() if k != "shard"} for p in parts]
     if any(c != configs[0] for c in configs[1:]):
         raise ValueError("the runs to merge differ in more than their --shard "
