@@ -166,19 +166,20 @@ class BlockedWeight:
     def fma(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T through the native kernel's fp32-FMA variant (the same packed weight
         as `native`; one fp32 sum per output over all K, no column chunks)."""
-        return self._native_ops().linear_fma(x, self.fma_packed(), self.weight.shape[0])
+        ops, packed = self._fma_native()
+        return ops.linear_fma(x, packed, self.weight.shape[0])
 
     def fma_packed(self) -> torch.Tensor:
         """The weight as `fma` multiplies it (packed on first use)."""
-        self._native_ops()
-        return self._native[1]
+        return self._fma_native()[1]
 
-    def _native_ops(self):
+    def _fma_native(self) -> tuple[object, torch.Tensor]:
+        """(the operators with linear_fma, the packed weight), packed on first use."""
         if self._native is None:
             ops = fma_linear_ops()
             assert ops is not None, "the native fp32-FMA linear is not available here"
             self._native = ops, ops.pack_linear(self.weight)
-        return self._native[0]
+        return self._native
 
 
 class GreedyArgmax:
