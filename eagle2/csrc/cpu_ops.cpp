@@ -260,6 +260,14 @@ inline __mmask32 chunk_mask(int64_t left) {
 // query of a (request, KV head), so a tree's queries cost FMAs only (`vdpbf16ps`, which
 // summed one query's pairs before, runs at under half the FMAs' rate on the Xeon without AMX).
 
+// 16 bf16 pairs (uint32 lanes, first element in the low half) -> the first elements and the
+// second ones as floats (exact: a bf16 is the top half of an fp32): a shift and a mask
+inline void split_pairs(__m512i raw, __m512* first, __m512* second) {
+  *first = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  *second = _mm512_castsi512_ps(
+      _mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // count (<= 16) keys of `pairs` bf16 pairs each -> a block at blk; lanes past count are zeros
 inline void transpose_keys(const bf16* const* keys, int count, int64_t pairs, uint32_t* blk) {
   for (int64_t c0 = 0; c0 < pairs; c0 += 16) {
@@ -300,14 +308,10 @@ inline void score_blocks(const float* qe, const float* qo, int64_t pairs, const 
   __m512 e[QN][NB], o[QN][NB];
   for (int q = 0; q < QN; ++q)
     for (int b = 0; b < NB; ++b) e[q][b] = o[q][b] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t i = 0; i < pairs; ++i) {
     __m512 ke[NB], ko[NB];
-    for (int b = 0; b < NB; ++b) {
-      const __m512i raw = _mm512_loadu_si512(blk + (b * pairs + i) * 16);
-      ke[b] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-      ko[b] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
-    }
+    for (int b = 0; b < NB; ++b)
+      split_pairs(_mm512_loadu_si512(blk + (b * pairs + i) * 16), &ke[b], &ko[b]);
     for (int q = 0; q < QN; ++q) {
       const __m512 a = _mm512_set1_ps(qe[q * pairs + i]), c = _mm512_set1_ps(qo[q * pairs + i]);
       for (int b = 0; b < NB; ++b) {
@@ -409,15 +413,12 @@ __attribute__((always_inline)) inline void value_sums(
   __mmask16 m[CH];
   for (int c = 0; c < CH; ++c)
     m[c] = static_cast<__mmask16>(dh - 32 * c >= 32 ? 0xFFFF : (1u << ((dh - 32 * c) / 2)) - 1);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t j = 0; j < L; ++j) {
     __m512 v[2 * CH];
-    for (int c = 0; c < CH; ++c) {
-      const __m512i raw = _mm512_maskz_loadu_epi32(
-          m[c], reinterpret_cast<const uint32_t*>(values[j]) + 16 * c);
-      v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-      v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
-    }
+    for (int c = 0; c < CH; ++c)
+      split_pairs(_mm512_maskz_loadu_epi32(
+                      m[c], reinterpret_cast<const uint32_t*>(values[j]) + 16 * c),
+                  &v[2 * c], &v[2 * c + 1]);
     for (int r = 0; r < NR; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r][j]);
       for (int c = 0; c < 2 * CH; ++c) acc[r][c] = _mm512_fmadd_ps(pj, v[c], acc[r][c]);
@@ -1005,15 +1006,13 @@ inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < B; ++b)
       for (int r = 0; r < kGroups; ++r) acc[m][b][r] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < K2; ++k) {
     for (int b = 0; b < B; ++b) {
       const uint32_t* wk = w + (b * K2 + k) * kBlockN;
       prefetch_block(wk);
       for (int r = 0; r < kGroups; ++r) {
-        const __m512i raw = _mm512_loadu_si512(wk + 16 * r);
-        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+        __m512 even, odd;
+        split_pairs(_mm512_loadu_si512(wk + 16 * r), &even, &odd);
         for (int m = 0; m < M; ++m) {
           const float* xm = x + m * 2 * K2 + 2 * k;
           acc[m][b][r] = _mm512_fmadd_ps(even, _mm512_set1_ps(xm[0]), acc[m][b][r]);
