@@ -34,18 +34,36 @@ class KVCache:
     k: torch.Tensor  # [L, slots, KVH, S, Dh]
     v: torch.Tensor  # [L, slots, KVH, S, Dh]
     lengths: torch.Tensor  # [slots] committed length, long
+    # the committed keys kept transposed in blocks of 16 for the native attention (AVX-512;
+    # docs/DESIGN.md "Exact bf16 attention"): [L, slots, KVH, ceil(S / 16), Dh / 2 * 16]
+    # int32, and per layer, slot and KV head how many blocks are valid [L, slots, KVH]
+    key_blocks: torch.Tensor | None = None
+    key_blocks_valid: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 ones_column: bool = False) -> KVCache:
+                 ones_column: bool = False, key_blocks: bool = False) -> KVCache:
         """ones_column: V gets a last column of ones (`canonical_attention` reads the sums of
-        its probabilities from the same matmul as the values)."""
+        its probabilities from the same matmul as the values). key_blocks: keep the committed
+        keys transposed as well (`eagle2.native`'s AVX-512 attention; the K cache's memory
+        again)."""
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         v = torch.zeros(*shape[:-1], head_dim + int(ones_column), dtype=dtype, device=device)
         v[..., head_dim:] = 1
-        return cls(torch.zeros(shape, dtype=dtype, device=device), v,
-                   torch.zeros(num_slots, dtype=torch.long, device=device))
+        cache = cls(torch.zeros(shape, dtype=dtype, device=device), v,
+                    torch.zeros(num_slots, dtype=torch.long, device=device))
+        if key_blocks:
+            cache.key_blocks = torch.empty(*shape[:3], -(-max_len // 16), head_dim // 2 * 16,
+                                           dtype=torch.int32, device=device)
+            cache.key_blocks_valid = torch.zeros(shape[:3], dtype=torch.int32, device=device)
+        return cache
+
+    def layer_key_blocks(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One layer's (key_blocks, key_blocks_valid) for the native attention, or Nones."""
+        if self.key_blocks is None:
+            return None, None
+        return self.key_blocks[layer_idx], self.key_blocks_valid[layer_idx]
 
     @property
     def values(self) -> torch.Tensor:
@@ -85,6 +103,8 @@ class KVCache:
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst] = n
+        if self.key_blocks_valid is not None:  # dst's blocks were another request's keys
+            self.key_blocks_valid[:, dst] = 0
 
 
 @dataclass

@@ -136,12 +136,12 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
             x, lw.input_norm, lw.post_norm, lw.eps, *(a for w in linears for a in (
                 w.fma_packed(), w.weight.shape[0])), inp.cos, inp.sin, num_q_heads,
             layer_k.shape[1], layer_k, layer_v, inp.slots, inp.write_pos, inp.base,
-            inp.tree_mask, layer_k.shape[-1] ** -0.5)
+            inp.tree_mask, layer_k.shape[-1] ** -0.5, *cache.layer_key_blocks(layer_idx))
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
     q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
                            layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
     out = ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
-                        q.shape[-1] ** -0.5)  # [B, N, Hq Dh]
+                        q.shape[-1] ** -0.5, *cache.layer_key_blocks(layer_idx))  # [B, N, Hq Dh]
     x, h = ops.add_rms_norm(x, lw.o(out), lw.post_norm, lw.eps)
     if lw.silu:
         return x + lw.down(ops.silu_mul(lw.gate_up(h)))

@@ -254,9 +254,11 @@ class TargetModel:
         return proj.weight.shape[0] // self.head_dim
 
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
+        native = self.native if self.canonical and self.fused is not None else None
         return KVCache.allocate(self.num_layers, num_slots, self.local_kv_heads(), max_len,
                                 self.head_dim, self.dtype, self.device,
-                                ones_column=self.canonical)
+                                ones_column=self.canonical,
+                                key_blocks=native is not None and native.isa() == "avx512_bf16")
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,

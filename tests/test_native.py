@@ -311,6 +311,54 @@ def test_attention_of_a_long_chain_equals_each_token_decoded_alone_bitwise(ops):
             assert torch.equal(outs[0][b, n].view(torch.int16), alone[0, 0].view(torch.int16))
 
 
+def test_kept_key_blocks_give_the_bits_of_transposing_every_call(ops):
+    """The committed keys kept transposed from call to call (`KVCache.key_blocks`) through a
+    request's life as the engine drives the cache: prefill, tree steps whose K land at the
+    base and after, a step that rewinds the committed length below blocks kept earlier, a
+    finished request's slot taken over by `copy_slot`, a new request in a used slot. Every
+    call gives bitwise the outputs of the same call transposing every key afresh."""
+    from eagle2.attention import KVCache
+
+    if ops.isa() != "avx512_bf16":
+        pytest.skip("kept key blocks are the AVX-512 build's")
+    g = torch.Generator().manual_seed(13)
+    num_q, num_kv, dim, size = 9, 3, 64, 160
+    cache = KVCache.allocate(1, 3, num_kv, size, dim, torch.bfloat16, "cpu", ones_column=True,
+                             key_blocks=True)
+    cache.key_blocks.fill_(-1)  # whatever the memory held
+
+    def call(slots, base, num_n):
+        """New K/V at base + [0, num_n) of each slot (a chain), then both attentions."""
+        for s, b in zip(slots, base, strict=True):
+            cache.k[0, s, :, b:b + num_n] = torch.randn(num_kv, num_n, dim, generator=g).bfloat16()
+            cache.v[0, s, :, b:b + num_n, :dim] = torch.randn(num_kv, num_n, dim,
+                                                              generator=g).bfloat16()
+        q = torch.randn(len(slots), num_q, num_n, dim, generator=g).bfloat16()
+        chain = torch.tril(torch.ones(num_n, num_n, dtype=torch.bool)).expand(len(slots), -1, -1)
+        args = (q, cache.k[0], cache.v[0], torch.tensor(slots), torch.tensor(base), chain,
+                dim ** -0.5)
+        kept = ops.attention(*args, *cache.layer_key_blocks(0))
+        fresh = ops.attention(*args)
+        assert torch.equal(kept.view(torch.int16), fresh.view(torch.int16)), (slots, base)
+        for s, b in zip(slots, base, strict=True):
+            assert cache.key_blocks_valid[0, s].tolist() == [b // 16] * num_kv
+
+    call([0, 1], [0, 0], 40)  # prefill of two requests
+    length = [40, 40]
+    for step in range(20):  # tree steps, 1-7 tokens committed each
+        num_n = 1 + step % 7
+        call([0, 1], length, num_n)
+        length = [n + 1 + (step + b) % num_n for b, n in enumerate(length)]
+    assert min(length) > 64
+    call([1], [33], 5)  # rewound below the blocks kept: keys from 33 on rewritten
+    call([1], [48], 3)  # ... so the blocks from 32 on are transposed again
+    cache.lengths[:] = torch.tensor([length[0], 51, 0])
+    cache.copy_slot(0, 1)  # slot 1's request finished; slot 0's moves there
+    call([1], [length[0]], 4)
+    call([0], [0], 20)  # a new request in slot 0 (its old blocks: another request's)
+    call([0, 1, 2], [20, length[0] + 2, 0], 6)
+
+
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_process(ops):
     """torch's extension builder waits forever on the lock file of a build that was killed;
     the next process clears it (its own flock proves the file stale) and loads the ops."""

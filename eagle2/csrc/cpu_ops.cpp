@@ -201,6 +201,11 @@ struct Unit {
   int G;
   int64_t dh;
   float scale;
+  // the first `kept` blocks of 16 committed keys, transposed by an earlier call and kept in
+  // the cache's key blocks (`update_key_blocks`); nullptr: every committed key is transposed
+  // into the scratch (AVX-512 only)
+  const uint32_t* blocks = nullptr;
+  int64_t kept = 0;
 };
 
 // per-thread buffers, reused across units
@@ -457,8 +462,9 @@ void store_values(const float* sums, float total, int64_t dh, bf16* out) {
 constexpr int64_t kQueryChunk = 64;
 
 // Query positions n0 <= n < n1 (at most kQueryChunk) of a unit whose keys `attend_unit_ch`
-// transposed (nbc committed blocks in w.kc, the tree entries' in w.kt) and whose committed
-// values' addresses are in w.values: scores, softmax, weighted sums.
+// transposed (nbc committed blocks: the unit's u.kept kept ones, then the rest in w.kc; the
+// tree entries' in w.kt) and whose committed values' addresses are in w.values: scores,
+// softmax, weighted sums.
 template <int CH>
 void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w) {
   const int64_t pairs = u.dh / 2;
@@ -485,7 +491,10 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
   const int64_t R = nbc * 16 + u.T, RT = std::max<int64_t>(nbt, 1) * 16;
   w.s.resize(static_cast<size_t>(nq * R));
   w.ts.resize(static_cast<size_t>(nq * RT));
-  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kc.data(), nbc, u.scale, w.s.data(), R);
+  if (u.kept > 0)
+    score_queries(w.qe.data(), w.qo.data(), nq, pairs, u.blocks, u.kept, u.scale, w.s.data(), R);
+  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kc.data(), nbc - u.kept, u.scale,
+                w.s.data() + 16 * u.kept, R);
   score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kt.data(), nbt, u.scale, w.ts.data(), RT);
   // per query position: its heads' scores, the tree entries its mask keeps appended; softmax
   w.total.resize(static_cast<size_t>(nq));
@@ -540,12 +549,12 @@ template <int CH>
 void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
   const int64_t pairs = u.dh / 2, nbc = (u.len + 15) / 16, nbt = (u.T + 15) / 16;
   const bf16* rows[16];
-  w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc, 1) * pairs * 16));
+  w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc - u.kept, 1) * pairs * 16));
   w.kt.resize(static_cast<size_t>(std::max<int64_t>(nbt, 1) * pairs * 16));
-  for (int64_t blk = 0; blk < nbc; ++blk) {
+  for (int64_t blk = u.kept; blk < nbc; ++blk) {
     const int count = static_cast<int>(std::min<int64_t>(16, u.len - 16 * blk));
     for (int l = 0; l < count; ++l) rows[l] = u.k + (16 * blk + l) * u.ks;
-    transpose_keys(rows, count, pairs, w.kc.data() + blk * pairs * 16);
+    transpose_keys(rows, count, pairs, w.kc.data() + (blk - u.kept) * pairs * 16);
   }
   for (int64_t blk = 0; blk < nbt; ++blk) {
     const int count = static_cast<int>(std::min<int64_t>(16, u.T - 16 * blk));
@@ -556,6 +565,23 @@ void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
   for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
   for (int64_t c0 = n0; c0 < n1; c0 += kQueryChunk)
     attend_chunk<CH>(u, c0, std::min(n1, c0 + kQueryChunk), nbc, w);
+}
+
+// The full blocks of 16 committed keys of one (slot, KV head) in its kept key blocks
+// (`attention`'s key_blocks: [NB][dh / 2][16] uint32 at blocks): those before *valid were
+// transposed by an earlier call and are still right, since a call at base b writes keys at b
+// and after only (and `KVCache.copy_slot`, the one other writer, resets the count). The
+// blocks from *valid to base / 16 are transposed and the count set to base / 16 (also when
+// it was larger: a rewound request rewrites the keys after its base).
+void update_key_blocks(const bf16* k, int64_t ks, int64_t base, int64_t dh, uint32_t* blocks,
+                       int32_t* valid) {
+  const int64_t pairs = dh / 2, full = base / 16;
+  const bf16* rows[16];
+  for (int64_t blk = *valid; blk < full; ++blk) {
+    for (int l = 0; l < 16; ++l) rows[l] = k + (16 * blk + l) * ks;
+    transpose_keys(rows, 16, pairs, blocks + blk * pairs * 16);
+  }
+  *valid = static_cast<int32_t>(full);
 }
 
 void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
@@ -740,10 +766,19 @@ void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
 // base[b] + m), in that order: the order plain decoding has them in. q [B, Hq, N, Dh];
 // one layer's cache_k [slots, KVH, S, Dh], cache_v [slots, KVH, S, >= Dh] (this step's
 // entries written); -> [B, N, Hq Dh], what o_proj reads.
+//
+// key_blocks, key_blocks_valid (AVX-512 build, optional, both or neither): the layer's
+// committed keys kept transposed from call to call, [slots, KVH, NB >= S / 16, Dh / 2 * 16]
+// int32 (the bf16 pairs of blocks of 16 keys, as `transpose_keys` lays them out) and
+// [slots, KVH] int32, the blocks of each still valid (zeros: none). Each call brings the
+// blocks before base up to date (`update_key_blocks`) and scores the committed keys from
+// them: the same scores as without (a score does not depend on where its key block lies),
+// without transposing every committed key again at every call.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
                         const torch::Tensor& cache_v, const torch::Tensor& slots,
                         const torch::Tensor& base, const torch::Tensor& tree_mask,
-                        double scale) {
+                        double scale, const std::optional<torch::Tensor>& key_blocks,
+                        const std::optional<torch::Tensor>& key_blocks_valid) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.is_contiguous() && q.dim() == 4,
               "q must be a contiguous bf16 [B, Hq, N, Dh]");
   const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), dh = q.size(3);
@@ -772,6 +807,37 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
   bf16* op = out.data_ptr<bf16>();
   const auto ks = cache_k.strides();
   const auto vs = cache_v.strides();
+  TORCH_CHECK(key_blocks.has_value() == key_blocks_valid.has_value(),
+              "key_blocks and key_blocks_valid go together");
+  uint32_t* kbp = nullptr;
+  int32_t* kvp = nullptr;
+  const int64_t block_len = dh / 2 * 16;
+  int64_t num_blocks = 0;
+  if (key_blocks.has_value()) {
+#ifdef EAGLE2_AVX512
+    const auto& kb = *key_blocks;
+    const auto& kv = *key_blocks_valid;
+    TORCH_CHECK(kb.scalar_type() == at::kInt && kb.is_contiguous() && kb.dim() == 4 &&
+                    kb.size(0) == cache_k.size(0) && kb.size(1) == KVH &&
+                    kb.size(2) * 16 >= cache_k.size(2) && kb.size(3) == block_len,
+                "key_blocks must be a contiguous int32 [slots, KVH, >= S / 16, Dh / 2 * 16]");
+    TORCH_CHECK(kv.scalar_type() == at::kInt && kv.is_contiguous() &&
+                    kv.sizes() == at::IntArrayRef({cache_k.size(0), KVH}),
+                "key_blocks_valid must be a contiguous int32 [slots, KVH]");
+    kbp = reinterpret_cast<uint32_t*>(kb.data_ptr<int32_t>());
+    kvp = kv.data_ptr<int32_t>();
+    num_blocks = kb.size(2);
+    at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / KVH, h = t % KVH, unit = slp[b] * KVH + h;
+        update_key_blocks(kp + slp[b] * ks[0] + h * ks[1], ks[2], bp[b], dh,
+                          kbp + unit * num_blocks * block_len, kvp + unit);
+      }
+    });
+#else
+    TORCH_CHECK(false, "key_blocks need the AVX-512 build (this one is AVX2)");
+#endif
+  }
   // one unit per (request, KV head); with several threads and few units, the queries of a
   // unit split in parts (each transposes the unit's keys again)
   const int64_t units = B * KVH, threads = at::get_num_threads();
@@ -783,11 +849,15 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
     thread_local Scratch w;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (KVH * parts), h = (t / parts) % KVH, part = t % parts;
-      const Unit u{qp + (b * Hq + h * G) * N * dh, N,
-                   kp + slp[b] * ks[0] + h * ks[1], vp + slp[b] * vs[0] + h * vs[1],
-                   ks[2], vs[2], bp[b], T, mp + b * N * T,
-                   op + b * N * Hq * dh + h * G * dh, Hq * dh, static_cast<int>(G), dh,
-                   static_cast<float>(scale)};
+      Unit u{qp + (b * Hq + h * G) * N * dh, N,
+             kp + slp[b] * ks[0] + h * ks[1], vp + slp[b] * vs[0] + h * vs[1],
+             ks[2], vs[2], bp[b], T, mp + b * N * T,
+             op + b * N * Hq * dh + h * G * dh, Hq * dh, static_cast<int>(G), dh,
+             static_cast<float>(scale)};
+      if (kbp != nullptr) {
+        u.blocks = kbp + (slp[b] * KVH + h) * num_blocks * block_len;
+        u.kept = bp[b] / 16;
+      }
       attend_unit(u, N * part / parts, N * (part + 1) / parts, w);
     }
   });
@@ -1667,7 +1737,8 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
                             int64_t num_kv, torch::Tensor cache_k, torch::Tensor cache_v,
                             const torch::Tensor& slots, const torch::Tensor& write_pos,
                             const torch::Tensor& base, const torch::Tensor& tree_mask,
-                            double scale) {
+                            double scale, const std::optional<torch::Tensor>& key_blocks,
+                            const std::optional<torch::Tensor>& key_blocks_valid) {
   const std::vector<c10::IValue> no_inputs;
   auto fma = [&](const torch::Tensor& in, const torch::Tensor& w, int64_t features) {
     RECORD_FUNCTION("eagle2_cpu::linear_fma", no_inputs);
@@ -1685,7 +1756,8 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
   }
   {
     RECORD_FUNCTION("eagle2_cpu::attention", no_inputs);
-    out = attention(q, cache_k, cache_v, slots, base, tree_mask, scale);
+    out = attention(q, cache_k, cache_v, slots, base, tree_mask, scale, key_blocks,
+                    key_blocks_valid);
   }
   const auto delta = fma(out, o_w, o_features);
   {
@@ -1708,7 +1780,8 @@ TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("qkv_rope_write(Tensor qkv, Tensor cos, Tensor sin, int num_q, int num_kv, "
         "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos) -> Tensor");
   m.def("attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor slots, Tensor base, "
-        "Tensor tree_mask, float scale) -> Tensor");
+        "Tensor tree_mask, float scale, Tensor(c!)? key_blocks=None, "
+        "Tensor(d!)? key_blocks_valid=None) -> Tensor");
   m.def("pack_linear(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, int chunk_features) -> Tensor");
   m.def("linear_fma(Tensor x, Tensor packed, int out_features) -> Tensor");
@@ -1720,7 +1793,8 @@ TORCH_LIBRARY(eagle2_cpu, m) {
         "int qkv_features, Tensor o_w, int o_features, Tensor gate_up_w, int gate_up_features, "
         "Tensor down_w, int down_features, Tensor cos, Tensor sin, int num_q, int num_kv, "
         "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos, Tensor base, "
-        "Tensor tree_mask, float scale) -> Tensor");
+        "Tensor tree_mask, float scale, Tensor(c!)? key_blocks=None, "
+        "Tensor(d!)? key_blocks_valid=None) -> Tensor");
   m.def("isa() -> str");
 }
 
