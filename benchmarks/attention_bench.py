@@ -29,24 +29,12 @@ from pathlib import Path
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
 import torch
 
-from eagle2.native import CFLAGS, build_key, cpu_ops
+from eagle2.native import build_key, cpu_ops, load_variant
 
 
 def load_other(source: Path):
     """`source` built as torch.ops.eagle2_cpu_other (its operators renamed)."""
-    from torch.utils.cpp_extension import load
-
-    from eagle2.target import cache_root
-
-    text = source.read_text().replace("(eagle2_cpu,", "(eagle2_cpu_other,")
-    build = cache_root() / "ext" / "attention-bench-other"
-    build.mkdir(parents=True, exist_ok=True)
-    copy = build / "cpu_ops_other.cpp"
-    if not copy.exists() or copy.read_text() != text:
-        copy.write_text(text)
-    load("eagle2_cpu_ops_other", [str(copy)], extra_cflags=list(CFLAGS),
-         extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
-    return torch.ops.eagle2_cpu_other
+    return load_variant("eagle2_cpu_other", source)
 
 
 def inputs(num_n: int, length: int):

@@ -34,9 +34,9 @@ class KVCache:
     k: torch.Tensor  # [L, slots, KVH, S, Dh]
     v: torch.Tensor  # [L, slots, KVH, S, Dh]
     lengths: torch.Tensor  # [slots] committed length, long
-    # the committed keys kept transposed in blocks of 16 for the native attention (AVX-512;
-    # docs/DESIGN.md "Exact bf16 attention"): [L, slots, KVH, ceil(S / 16), Dh / 2 * 16]
-    # int32, and per layer, slot and KV head how many blocks are valid [L, slots, KVH]
+    # the committed keys kept transposed in blocks for the native attention (docs/DESIGN.md
+    # "Exact bf16 attention"): [L, slots, KVH, ceil(S / 16), Dh / 2 * 16] int32, and per
+    # layer, slot and KV head how many blocks are valid [L, slots, KVH]
     key_blocks: torch.Tensor | None = None
     key_blocks_valid: torch.Tensor | None = None
 
@@ -46,8 +46,7 @@ class KVCache:
                  ones_column: bool = False, key_blocks: bool = False) -> KVCache:
         """ones_column: V gets a last column of ones (`canonical_attention` reads the sums of
         its probabilities from the same matmul as the values). key_blocks: keep the committed
-        keys transposed as well (`eagle2.native`'s AVX-512 attention; the K cache's memory
-        again)."""
+        keys transposed as well (`eagle2.native`'s attention; the K cache's memory again)."""
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         v = torch.zeros(*shape[:-1], head_dim + int(ones_column), dtype=dtype, device=device)
         v[..., head_dim:] = 1

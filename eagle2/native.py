@@ -56,29 +56,54 @@ def cpu_ops() -> ModuleType | None:
     loads, not at import)."""
     if os.environ.get("EAGLE2_NATIVE", "1") == "0":
         return None
-    from torch.utils.cpp_extension import load
-
-    _find_ninja()
-
     build = _build_dir()
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         log.info("building eagle2's fused CPU operations into %s (once per machine, ~30 s)",
                  build)
     try:
-        # torch's builder waits forever on a lock file that a killed build left behind; an
-        # flock dies with its process, so whoever holds it knows such a file is stale
-        with open(build / "eagle2.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            (build / "lock").unlink(missing_ok=True)
-            load("eagle2_cpu_ops", [str(SOURCE)], extra_cflags=list(CFLAGS),
-                 extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False,
-                 is_python_module=False)
+        _build("eagle2_cpu_ops", SOURCE, build, CFLAGS)
         return torch.ops.eagle2_cpu
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, build error
         log.warning("eagle2's fused CPU operations could not be built (%s); using ATen "
                     "operations (slower)", e)
         return None
+
+
+def load_variant(namespace: str, source: Path = SOURCE, march: str = "native") -> ModuleType:
+    """`source` built with its operators as torch.ops.<namespace> beside this build's: another
+    commit's source (a benchmark's baseline), or this one for another instruction set (march
+    "haswell": the AVX2 build, which the tests run on an AVX-512 machine too). Built into the
+    eagle2 cache once per source, flags, torch and CPU; raises where it cannot be built."""
+    from eagle2.kernels import cpu_info
+    from eagle2.target import cache_root
+
+    text = source.read_text().replace("(eagle2_cpu,", f"({namespace},")
+    flags = tuple(f for f in CFLAGS if not f.startswith("-march")) + (f"-march={march}",)
+    key = hashlib.sha256("|".join([text, " ".join(flags), torch.__version__,
+                                   str(cpu_info())]).encode()).hexdigest()[:16]
+    build = cache_root() / "ext" / f"{namespace}-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    copy = build / f"{namespace}.cpp"
+    if not copy.exists() or copy.read_text() != text:
+        copy.write_text(text)
+    _build(f"{namespace}_ops", copy, build, flags)
+    return getattr(torch.ops, namespace)
+
+
+def _build(name: str, source: Path, build: Path, flags: tuple[str, ...]) -> None:
+    """torch's extension builder on one source file (loads the library: its operators
+    register themselves)."""
+    from torch.utils.cpp_extension import load
+
+    _find_ninja()
+    # torch's builder waits forever on a lock file that a killed build left behind; an flock
+    # dies with its process, so whoever holds it knows such a file is stale
+    with open(build / "eagle2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        load(name, [str(source)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
+             build_directory=str(build), verbose=False, is_python_module=False)
 
 
 def _find_ninja() -> None:

@@ -258,7 +258,7 @@ class TargetModel:
         return KVCache.allocate(self.num_layers, num_slots, self.local_kv_heads(), max_len,
                                 self.head_dim, self.dtype, self.device,
                                 ones_column=self.canonical,
-                                key_blocks=native is not None and native.isa() == "avx512_bf16")
+                                key_blocks=native is not None)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,

@@ -26,6 +26,22 @@ def ops():
     return module
 
 
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def attn_ops(request, ops):
+    """This machine's build, and the AVX2 build where this one is AVX-512 (a machine builds
+    only its own instruction set, so an AVX-512 CI machine would otherwise never run the AVX2
+    attention; every x86-64 CPU we run on has AVX2)."""
+    if request.param == "native":
+        return ops
+    if platform.machine() not in ("x86_64", "AMD64") or ops.isa() == "avx2":
+        pytest.skip("this machine's build is the AVX2 one")
+    from eagle2.native import load_variant
+
+    avx2 = load_variant("eagle2_cpu_avx2", march="haswell")
+    assert avx2.isa() == "avx2"
+    return avx2
+
+
 def test_the_build_uses_the_cpus_vector_instructions(ops):
     """AVX512-BF16 where the CPU has it, else AVX2 + FMA; the bf16 dot-product linear says
     clearly that an AVX2 build lacks it (the plans never pick it there)."""
@@ -239,7 +255,7 @@ def reference_attention(q, cache_k, cache_v, slots, base, tree_mask):
 
 
 @pytest.mark.parametrize("dim", [16, 64, 128])
-def test_attention_matches_softmax_attention_over_each_querys_keys(ops, dim):
+def test_attention_matches_softmax_attention_over_each_querys_keys(attn_ops, dim):
     """Committed keys of each request's slot, then its tree ancestors, with per-request
     lengths (some crossing a 16-key block) and slots out of order."""
     g = torch.Generator().manual_seed(dim)
@@ -255,12 +271,12 @@ def test_attention_matches_softmax_attention_over_each_querys_keys(ops, dim):
     tree_mask[1] = torch.eye(5, dtype=torch.bool)  # a request whose nodes are all roots
     q = torch.randn(3, num_q, 5, dim, generator=g).bfloat16()
     slot_idx, base = torch.tensor([2, 0, 1]), torch.tensor([17, 0, 64])
-    out = ops.attention(q, cache_k, cache_v, slot_idx, base, tree_mask, dim ** -0.5)
+    out = attn_ops.attention(q, cache_k, cache_v, slot_idx, base, tree_mask, dim ** -0.5)
     want = reference_attention(q, cache_k, cache_v, slot_idx, base, tree_mask)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_attention_of_a_tree_node_equals_plain_decoding_bitwise(ops):
+def test_attention_of_a_tree_node_equals_plain_decoding_bitwise(attn_ops):
     """A node at depth 2 of a tree over committed length 30 sees the same keys in the same
     order as the same token decoded alone after its path was committed: the same bits."""
     g = torch.Generator().manual_seed(7)
@@ -270,19 +286,19 @@ def test_attention_of_a_tree_node_equals_plain_decoding_bitwise(ops):
     # tree after 30 committed: nodes 0 (root), 1, 2 (children of 0), 3 (child of 2)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]).bool()
     q = torch.randn(1, num_q, 4, dim, generator=g).bfloat16()
-    in_tree = ops.attention(q, cache_k, cache_v, torch.tensor([0]), torch.tensor([30]),
+    in_tree = attn_ops.attention(q, cache_k, cache_v, torch.tensor([0]), torch.tensor([30]),
                             tree[None], dim ** -0.5)
     plain_k, plain_v = cache_k.clone(), cache_v.clone()
     for depth, node in enumerate([0, 2, 3]):  # node 3's path, committed in order
         plain_k[0, :, 30 + depth] = cache_k[0, :, 30 + node]
         plain_v[0, :, 30 + depth] = cache_v[0, :, 30 + node]
-    alone = ops.attention(q[:, :, 3:4].contiguous(), plain_k, plain_v, torch.tensor([0]),
+    alone = attn_ops.attention(q[:, :, 3:4].contiguous(), plain_k, plain_v, torch.tensor([0]),
                           torch.tensor([32]), torch.ones(1, 1, 1, dtype=torch.bool),
                           dim ** -0.5)
     assert torch.equal(in_tree[0, 3], alone[0, 0])
 
 
-def test_attention_of_a_long_chain_equals_each_token_decoded_alone_bitwise(ops):
+def test_attention_of_a_long_chain_equals_each_token_decoded_alone_bitwise(attn_ops):
     """Chains of 20 tree tokens (two key blocks of the tree) after 37 and 5 committed keys,
     two requests in one call, on one and on two threads (the queries of a request then split
     between them): every token's output has the bits of the same query decoded alone, its
@@ -299,19 +315,19 @@ def test_attention_of_a_long_chain_equals_each_token_decoded_alone_bitwise(ops):
         outs = []
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
-            outs.append(ops.attention(q, cache_k, cache_v, slots, base, chain, dim ** -0.5))
+            outs.append(attn_ops.attention(q, cache_k, cache_v, slots, base, chain, dim ** -0.5))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     one = torch.ones(1, 1, 1, dtype=torch.bool)
     for b in range(2):
         for n in range(num_n):
-            alone = ops.attention(q[b:b + 1, :, n:n + 1].contiguous(), cache_k, cache_v,
+            alone = attn_ops.attention(q[b:b + 1, :, n:n + 1].contiguous(), cache_k, cache_v,
                                   slots[b:b + 1], base[b:b + 1] + n, one, dim ** -0.5)
             assert torch.equal(outs[0][b, n].view(torch.int16), alone[0, 0].view(torch.int16))
 
 
-def test_kept_key_blocks_give_the_bits_of_transposing_every_call(ops):
+def test_kept_key_blocks_give_the_bits_of_transposing_every_call(attn_ops):
     """The committed keys kept transposed from call to call (`KVCache.key_blocks`) through a
     request's life as the engine drives the cache: prefill, tree steps whose K land at the
     base and after, a step that rewinds the committed length below blocks kept earlier, a
@@ -319,13 +335,12 @@ def test_kept_key_blocks_give_the_bits_of_transposing_every_call(ops):
     call gives bitwise the outputs of the same call transposing every key afresh."""
     from eagle2.attention import KVCache
 
-    if ops.isa() != "avx512_bf16":
-        pytest.skip("kept key blocks are the AVX-512 build's")
     g = torch.Generator().manual_seed(13)
     num_q, num_kv, dim, size = 9, 3, 64, 160
     cache = KVCache.allocate(1, 3, num_kv, size, dim, torch.bfloat16, "cpu", ones_column=True,
                              key_blocks=True)
     cache.key_blocks.fill_(-1)  # whatever the memory held
+    width = 8 if attn_ops.isa() == "avx2" else 16  # keys a block
 
     def call(slots, base, num_n):
         """New K/V at base + [0, num_n) of each slot (a chain), then both attentions."""
@@ -337,11 +352,11 @@ def test_kept_key_blocks_give_the_bits_of_transposing_every_call(ops):
         chain = torch.tril(torch.ones(num_n, num_n, dtype=torch.bool)).expand(len(slots), -1, -1)
         args = (q, cache.k[0], cache.v[0], torch.tensor(slots), torch.tensor(base), chain,
                 dim ** -0.5)
-        kept = ops.attention(*args, *cache.layer_key_blocks(0))
-        fresh = ops.attention(*args)
+        kept = attn_ops.attention(*args, *cache.layer_key_blocks(0))
+        fresh = attn_ops.attention(*args)
         assert torch.equal(kept.view(torch.int16), fresh.view(torch.int16)), (slots, base)
         for s, b in zip(slots, base, strict=True):
-            assert cache.key_blocks_valid[0, s].tolist() == [b // 16] * num_kv
+            assert cache.key_blocks_valid[0, s].tolist() == [b // width] * num_kv
 
     call([0, 1], [0, 0], 40)  # prefill of two requests
     length = [40, 40]

@@ -201,18 +201,18 @@ struct Unit {
   int G;
   int64_t dh;
   float scale;
-  // the first `kept` blocks of 16 committed keys, transposed by an earlier call and kept in
+  // the first `kept` blocks of W committed keys, transposed by an earlier call and kept in
   // the cache's key blocks (`update_key_blocks`); nullptr: every committed key is transposed
-  // into the scratch (AVX-512 only)
+  // into the scratch
   const uint32_t* blocks = nullptr;
   int64_t kept = 0;
 };
 
 // per-thread buffers, reused across units
 struct Scratch {
-  std::vector<uint32_t> kc, kt;  // transposed committed keys, tree entries (AVX-512)
+  std::vector<uint32_t> kc, kt;  // transposed committed keys, tree entries
   std::vector<float> qe, qo, s, ts, total, sums;
-  std::vector<const bf16*> keys, values, tree;
+  std::vector<const bf16*> values, tree;
   std::vector<int64_t> counts;
 };
 
@@ -305,294 +305,47 @@ inline void transpose_keys(const bf16* const* keys, int count, int64_t pairs, ui
   }
 }
 
-// s[q][16 b + l] = score of query q (its even / odd dimensions as floats: qe, qo [QN][pairs])
-// and lane l of block b < NB (consecutive blocks at blk), q < QN; rows `stride` apart
-template <int QN, int NB>
-inline void score_blocks(const float* qe, const float* qo, int64_t pairs, const uint32_t* blk,
-                         float scale, float* s, int64_t stride) {
-  __m512 e[QN][NB], o[QN][NB];
-  for (int q = 0; q < QN; ++q)
-    for (int b = 0; b < NB; ++b) e[q][b] = o[q][b] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < pairs; ++i) {
-    __m512 ke[NB], ko[NB];
-    for (int b = 0; b < NB; ++b)
-      split_pairs(_mm512_loadu_si512(blk + (b * pairs + i) * 16), &ke[b], &ko[b]);
-    for (int q = 0; q < QN; ++q) {
-      const __m512 a = _mm512_set1_ps(qe[q * pairs + i]), c = _mm512_set1_ps(qo[q * pairs + i]);
-      for (int b = 0; b < NB; ++b) {
-        e[q][b] = _mm512_fmadd_ps(a, ke[b], e[q][b]);
-        o[q][b] = _mm512_fmadd_ps(c, ko[b], o[q][b]);
-      }
-    }
+
+// The attention's vector operations at the build's width (W fp32 lanes); the functions after
+// the #endif are written once against them. AVX-512: 16 lanes, 32 registers.
+struct Lanes {
+  static constexpr int W = 16;
+  // queries scored together and key blocks a pass: 6 x 2 x 2 sums = 24 accumulators
+  static constexpr int kScoreQueries = 6;
+  template <int QN>
+  static constexpr int kScoreBlocks = QN >= 4 ? 2 : QN == 3 ? 3 : 4;
+  using F = __m512;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }  // a NaN in a: b
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static __mmask16 first(int64_t n) {
+    return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
   }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int q = 0; q < QN; ++q)
-    for (int b = 0; b < NB; ++b)
-      _mm512_storeu_ps(s + q * stride + 16 * b, _mm512_mul_ps(_mm512_add_ps(e[q][b], o[q][b]), sc));
-}
-
-// QN queries against nblk blocks: NB blocks at a time (up to 24 accumulators), then one
-template <int QN>
-void score_group(const float* qe, const float* qo, int64_t pairs, const uint32_t* blk,
-                 int64_t nblk, float scale, float* s, int64_t stride) {
-  constexpr int NB = QN >= 4 ? 2 : QN == 3 ? 3 : 4;
-  int64_t b = 0;
-  for (; b + NB <= nblk; b += NB)
-    score_blocks<QN, NB>(qe, qo, pairs, blk + b * pairs * 16, scale, s + 16 * b, stride);
-  for (; b < nblk; ++b)
-    score_blocks<QN, 1>(qe, qo, pairs, blk + b * pairs * 16, scale, s + 16 * b, stride);
-}
-
-// nq queries (rows of qe, qo) against nblk blocks -> score rows `stride` apart, six queries
-// at a time
-void score_queries(const float* qe, const float* qo, int64_t nq, int64_t pairs,
-                   const uint32_t* blk, int64_t nblk, float scale, float* s, int64_t stride) {
-  for (int64_t q0 = 0; q0 < nq; q0 += 6) {
-    const float* e = qe + q0 * pairs;
-    const float* o = qo + q0 * pairs;
-    float* out = s + q0 * stride;
-    switch (std::min<int64_t>(6, nq - q0)) {
-      case 6: score_group<6>(e, o, pairs, blk, nblk, scale, out, stride); break;
-      case 5: score_group<5>(e, o, pairs, blk, nblk, scale, out, stride); break;
-      case 4: score_group<4>(e, o, pairs, blk, nblk, scale, out, stride); break;
-      case 3: score_group<3>(e, o, pairs, blk, nblk, scale, out, stride); break;
-      case 2: score_group<2>(e, o, pairs, blk, nblk, scale, out, stride); break;
-      default: score_group<1>(e, o, pairs, blk, nblk, scale, out, stride); break;
-    }
+  // lanes [0, n) from p, the others from fill
+  static F load_first(const float* p, int64_t n, F fill) {
+    return _mm512_mask_loadu_ps(fill, first(n), p);
   }
-}
-
-// max of s[j], j < L (-inf for none; a NaN is passed over, as std::max(top, s[j]) in order
-// passes it over). A max is exact in any order (of two zeros it may keep either sign, which
-// s[j] - max cannot tell apart), so 16 lanes take it: the scalar loop was a chain of
-// dependent vmaxss, ~23% of the attention's time at 2,000 keys.
-inline float max_of(const float* s, int64_t L) {
-  const __m512 none = _mm512_set1_ps(-INFINITY);
-  __m512 top = none;
-  for (int64_t j = 0; j < L; j += 16) {
-    const __mmask16 m = L - j >= 16 ? __mmask16(0xFFFF)
-                                    : static_cast<__mmask16>((1u << (L - j)) - 1);
-    top = _mm512_max_ps(_mm512_mask_loadu_ps(none, m, s + j), top);  // NaN in s: top
+  static F keep_first(F v, int64_t n) { return _mm512_maskz_mov_ps(first(n), v); }
+  static void store_first(float* p, F v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
+  // W bf16 pairs (n of them, the rest zeros) -> their first and second elements
+  static void pairs(const uint32_t* p, F* a, F* b) { split_pairs(_mm512_loadu_si512(p), a, b); }
+  static void pairs_first(const uint32_t* p, int64_t n, F* a, F* b) {
+    split_pairs(_mm512_maskz_loadu_epi32(first(n), p), a, b);
   }
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, top);
-  float best = -INFINITY;
-  for (float v : lanes) best = std::max(best, v);
-  return best;
-}
-
-// s[j] <- exp(s[j] - max s) for j < L; -> their sum (lane l: keys j = l mod 16, in order).
-inline float softmax_numerators(float* s, int64_t L) {
-  const float top = max_of(s, L);
-  const __m512 topv = _mm512_set1_ps(top);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; j += 16) {
-    const __mmask16 m = L - j >= 16 ? __mmask16(0xFFFF)
-                                    : static_cast<__mmask16>((1u << (L - j)) - 1);
-    const __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(
-        _mm512_maskz_loadu_ps(m, s + j), topv)));
-    _mm512_mask_storeu_ps(s + j, m, p);
-    sum = _mm512_add_ps(sum, p);
+  static F exp(F x) { return exp16(x); }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+  static void transpose(const bf16* const* keys, int count, int64_t pairs, uint32_t* blk) {
+    transpose_keys(keys, count, pairs, blk);
   }
-  return _mm512_reduce_add_ps(sum);
-}
+};
 
-// The weighted sums of values: sum_j p[r][j] values[j][d] from zero, by FMAs in order j, per
-// row r (a query's head) and dimension d; one rounding to bf16 after the division by the
-// row's total. A value row is read as bf16 pairs: its even dimensions (a shift) and its odd
-// ones (a mask) go to two accumulators, 32 dimensions a chunk, so the sums are kept as
-// [chunk][even 16, odd 16] and interleaved back at the end.
-
-// sums[r] (in/out, [CH][32] floats) += p[r][j] * values[j] for j < L, NR rows at once (each
-// value row widened once for all of them). NR is a compile-time count and the sums leave
-// through plain stores: GCC 12 then keeps the NR x 2 CH accumulators in registers (with more
-// work after the loop in the same function it had stored all of them to the stack on every
-// key).
-template <int CH, int NR>
-__attribute__((always_inline)) inline void value_sums(
-    const float* const* p, const bf16* const* values, int64_t L, int64_t dh,
-    float* const* sums) {
-  __m512 acc[NR][2 * CH];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < 2 * CH; ++c) acc[r][c] = _mm512_loadu_ps(sums[r] + 16 * c);
-  __mmask16 m[CH];
-  for (int c = 0; c < CH; ++c)
-    m[c] = static_cast<__mmask16>(dh - 32 * c >= 32 ? 0xFFFF : (1u << ((dh - 32 * c) / 2)) - 1);
-  for (int64_t j = 0; j < L; ++j) {
-    __m512 v[2 * CH];
-    for (int c = 0; c < CH; ++c)
-      split_pairs(_mm512_maskz_loadu_epi32(
-                      m[c], reinterpret_cast<const uint32_t*>(values[j]) + 16 * c),
-                  &v[2 * c], &v[2 * c + 1]);
-    for (int r = 0; r < NR; ++r) {
-      const __m512 pj = _mm512_set1_ps(p[r][j]);
-      for (int c = 0; c < 2 * CH; ++c) acc[r][c] = _mm512_fmadd_ps(pj, v[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < 2 * CH; ++c) _mm512_storeu_ps(sums[r] + 16 * c, acc[r][c]);
-}
-
-// rows value_sums takes at once: up to 24 accumulators
-template <int CH>
-constexpr int kValueRows = CH == 1 ? 12 : CH == 2 ? 6 : 2;
-
-// value_sums for count (1 <= count <= NR) rows
-template <int CH, int NR = kValueRows<CH>>
-void value_sums_of(const float* const* p, int count, const bf16* const* values, int64_t L,
-                   int64_t dh, float* const* sums) {
-  if constexpr (NR > 1) {
-    if (count < NR) return value_sums_of<CH, NR - 1>(p, count, values, L, dh, sums);
-  }
-  value_sums<CH, NR>(p, values, L, dh, sums);
-}
-
-// out[d] = bf16(sums / total), the sums as value_sums keeps them
-template <int CH>
-void store_values(const float* sums, float total, int64_t dh, bf16* out) {
-  alignas(64) float buf[32 * CH];
-  const __m512 t = _mm512_set1_ps(total);
-  for (int c = 0; c < 2 * CH; ++c)
-    _mm512_store_ps(buf + 16 * c, _mm512_div_ps(_mm512_loadu_ps(sums + 16 * c), t));
-  for (int64_t d = 0; d < dh; ++d) out[d] = bf16(buf[32 * (d / 32) + 16 * (d % 2) + (d % 32) / 2]);
-}
-
-// query positions of a unit scored together: bounds the score buffers (a prefill of P tokens
-// is a unit of P positions over P tree entries; unchunked, its scores took 2 x 3P^2 floats)
-constexpr int64_t kQueryChunk = 64;
-
-// Query positions n0 <= n < n1 (at most kQueryChunk) of a unit whose keys `attend_unit_ch`
-// transposed (nbc committed blocks: the unit's u.kept kept ones, then the rest in w.kc; the
-// tree entries' in w.kt) and whose committed values' addresses are in w.values: scores,
-// softmax, weighted sums.
-template <int CH>
-void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w) {
-  const int64_t pairs = u.dh / 2;
-  const int G = u.G;
-  int64_t last = -1;  // the last tree entry any of these positions attends to
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = u.T - 1; m > last; --m)
-      if (u.mask[n * u.T + m]) {
-        last = m;
-        break;
-      }
-  const int64_t nbt = (last + 16) / 16;  // tree blocks scored
-  const int64_t nq = (n1 - n0) * G;  // query (n, g) is row (n - n0) G + g
-  w.qe.resize(static_cast<size_t>(nq * pairs));
-  w.qo.resize(static_cast<size_t>(nq * pairs));
-  for (int64_t r = 0; r < nq; ++r) {
-    const bf16* src = u.q + ((r % G) * u.N + n0 + r / G) * u.dh;
-    for (int64_t i = 0; i < pairs; ++i) {
-      w.qe[r * pairs + i] = static_cast<float>(src[2 * i]);
-      w.qo[r * pairs + i] = static_cast<float>(src[2 * i + 1]);
-    }
-  }
-  // a score row: the committed keys' (16 a block), then the tree entries' the mask keeps
-  const int64_t R = nbc * 16 + u.T, RT = std::max<int64_t>(nbt, 1) * 16;
-  w.s.resize(static_cast<size_t>(nq * R));
-  w.ts.resize(static_cast<size_t>(nq * RT));
-  if (u.kept > 0)
-    score_queries(w.qe.data(), w.qo.data(), nq, pairs, u.blocks, u.kept, u.scale, w.s.data(), R);
-  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kc.data(), nbc - u.kept, u.scale,
-                w.s.data() + 16 * u.kept, R);
-  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kt.data(), nbt, u.scale, w.ts.data(), RT);
-  // per query position: its heads' scores, the tree entries its mask keeps appended; softmax
-  w.total.resize(static_cast<size_t>(nq));
-  w.tree.resize(static_cast<size_t>((n1 - n0) * std::max<int64_t>(u.T, 1)));
-  w.counts.resize(static_cast<size_t>(n1 - n0));
-  for (int64_t n = n0; n < n1; ++n) {
-    const bool* row = u.mask + n * u.T;
-    const bf16** tree = w.tree.data() + (n - n0) * u.T;
-    int64_t count = 0;
-    for (int64_t m = 0; m < u.T; ++m)
-      if (row[m]) tree[count++] = u.v + (u.len + m) * u.vs;
-    w.counts[n - n0] = count;
-    for (int g = 0; g < G; ++g) {
-      const int64_t r = (n - n0) * G + g;
-      float* s = w.s.data() + r * R;
-      const float* t = w.ts.data() + r * RT;
-      for (int64_t m = 0, k = u.len; m < u.T; ++m)
-        if (row[m]) s[k++] = t[m];
-      w.total[r] = softmax_numerators(s, u.len + count);
-    }
-  }
-  // the weighted sums: the committed values (shared) for several rows at once, then each
-  // row's own tree entries, continuing the same sums in order
-  w.sums.assign(static_cast<size_t>(nq * 32 * CH), 0.0f);
-  constexpr int NR = kValueRows<CH>;
-  const float* p[NR];
-  float* sums[NR];
-  for (int64_t r0 = 0; r0 < nq; r0 += NR) {
-    const int count = static_cast<int>(std::min<int64_t>(NR, nq - r0));
-    for (int i = 0; i < count; ++i) {
-      p[i] = w.s.data() + (r0 + i) * R;
-      sums[i] = w.sums.data() + (r0 + i) * 32 * CH;
-    }
-    value_sums_of<CH>(p, count, w.values.data(), u.len, u.dh, sums);
-  }
-  for (int64_t r = 0; r < nq; ++r) {
-    const int64_t n = n0 + r / G;
-    const float* pr = w.s.data() + r * R + u.len;
-    float* sr = w.sums.data() + r * 32 * CH;
-    value_sums<CH, 1>(&pr, w.tree.data() + (n - n0) * u.T, w.counts[n - n0], u.dh, &sr);
-    store_values<CH>(sr, w.total[r], u.dh, u.out + n * u.out_stride + (r % G) * u.dh);
-  }
-}
-
-
-// Queries n0 <= n < n1 of one unit (`Unit`), each with its G heads: every committed key and
-// tree entry transposed once, then in chunks of positions (`attend_chunk`) the scores of all
-// their queries (each query's own keys picked out), per position the softmax and the weighted
-// sum of its values (committed, then the tree entries its mask keeps, in order). Each
-// query's result is a function of it and its keys only.
-template <int CH>
-void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
-  const int64_t pairs = u.dh / 2, nbc = (u.len + 15) / 16, nbt = (u.T + 15) / 16;
-  const bf16* rows[16];
-  w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc - u.kept, 1) * pairs * 16));
-  w.kt.resize(static_cast<size_t>(std::max<int64_t>(nbt, 1) * pairs * 16));
-  for (int64_t blk = u.kept; blk < nbc; ++blk) {
-    const int count = static_cast<int>(std::min<int64_t>(16, u.len - 16 * blk));
-    for (int l = 0; l < count; ++l) rows[l] = u.k + (16 * blk + l) * u.ks;
-    transpose_keys(rows, count, pairs, w.kc.data() + (blk - u.kept) * pairs * 16);
-  }
-  for (int64_t blk = 0; blk < nbt; ++blk) {
-    const int count = static_cast<int>(std::min<int64_t>(16, u.T - 16 * blk));
-    for (int l = 0; l < count; ++l) rows[l] = u.k + (u.len + 16 * blk + l) * u.ks;
-    transpose_keys(rows, count, pairs, w.kt.data() + blk * pairs * 16);
-  }
-  w.values.resize(static_cast<size_t>(u.len));
-  for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
-  for (int64_t c0 = n0; c0 < n1; c0 += kQueryChunk)
-    attend_chunk<CH>(u, c0, std::min(n1, c0 + kQueryChunk), nbc, w);
-}
-
-// The full blocks of 16 committed keys of one (slot, KV head) in its kept key blocks
-// (`attention`'s key_blocks: [NB][dh / 2][16] uint32 at blocks): those before *valid were
-// transposed by an earlier call and are still right, since a call at base b writes keys at b
-// and after only (and `KVCache.copy_slot`, the one other writer, resets the count). The
-// blocks from *valid to base / 16 are transposed and the count set to base / 16 (also when
-// it was larger: a rewound request rewrites the keys after its base).
-void update_key_blocks(const bf16* k, int64_t ks, int64_t base, int64_t dh, uint32_t* blocks,
-                       int32_t* valid) {
-  const int64_t pairs = dh / 2, full = base / 16;
-  const bf16* rows[16];
-  for (int64_t blk = *valid; blk < full; ++blk) {
-    for (int l = 0; l < 16; ++l) rows[l] = k + (16 * blk + l) * ks;
-    transpose_keys(rows, 16, pairs, blocks + blk * pairs * 16);
-  }
-  *valid = static_cast<int32_t>(full);
-}
-
-void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
-  if (u.dh <= 32) {
-    attend_unit_ch<1>(u, n0, n1, w);
-  } else if (u.dh <= 64) {
-    attend_unit_ch<2>(u, n0, n1, w);
-  } else {
-    attend_unit_ch<4>(u, n0, n1, w);
-  }
-}
 
 #else  // EAGLE2_AVX2: the same operations on 8 fp32 lanes, products by fp32 FMAs
 
@@ -623,140 +376,378 @@ inline __m256i tail_mask8(int64_t left) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// v[i] = the sum of the 8 lanes of a[i], i = 0..7, by a fixed tree of adds (each lane of the
-// result from its own vector's lanes only).
-inline __m256 sum8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
-// s[j] = scale * q . keys[j] for j < L: fp32 FMAs over the 8-dimension chunks in order, the 8
-// lanes then reduced (8 keys at once). CH = dh / 8 (0: read from dh).
-template <int CH>
-void scores_of(const bf16* q, const bf16* const* keys, int64_t L, int64_t dh, float scale,
-               float* s) {
-  const int ch = CH ? CH : static_cast<int>(dh / 8);
-  __m256 qv[16];
-  for (int c = 0; c < ch; ++c) qv[c] = widen8(q + 8 * c);
-  const __m256 sc = _mm256_set1_ps(scale);
-  for (int64_t j0 = 0; j0 < L; j0 += 8) {
-    __m256 acc[8];
-    for (int i = 0; i < 8; ++i) {
-      acc[i] = _mm256_setzero_ps();
-      if (j0 + i < L)
-        for (int c = 0; c < ch; ++c)
-          acc[i] = _mm256_fmadd_ps(qv[c], widen8(keys[j0 + i] + 8 * c), acc[i]);
+// AVX2: the same operations on 8 lanes, 16 registers (fewer accumulators a pass).
+struct Lanes {
+  static constexpr int W = 8;
+  // 4 queries x 1 block x 2 sums = 8 accumulators (2 queries x 2 blocks, fewer broadcasts
+  // a key vector: ~3% slower on the Xeon)
+  static constexpr int kScoreQueries = 4;
+  template <int QN>
+  static constexpr int kScoreBlocks = QN >= 3 ? 1 : 2;
+  using F = __m256;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }  // a NaN in a: b
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F load_first(const float* p, int64_t n, F fill) {
+    const __m256i m = tail_mask8(n);
+    return _mm256_blendv_ps(fill, _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+  }
+  static F keep_first(F v, int64_t n) { return _mm256_and_ps(_mm256_castsi256_ps(tail_mask8(n)), v); }
+  static void store_first(float* p, F v, int64_t n) { _mm256_maskstore_ps(p, tail_mask8(n), v); }
+  static void split(__m256i raw, F* a, F* b) {
+    *a = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    *b = _mm256_castsi256_ps(
+        _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static void pairs(const uint32_t* p, F* a, F* b) {
+    split(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), a, b);
+  }
+  static void pairs_first(const uint32_t* p, int64_t n, F* a, F* b) {
+    if (n >= 8) return pairs(p, a, b);
+    split(_mm256_maskload_epi32(reinterpret_cast<const int*>(p), tail_mask8(n)), a, b);
+  }
+  static F exp(F x) { return exp8(x); }
+  static float sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  // count (<= 8) keys of `pairs` bf16 pairs each -> a block [pairs][8] at blk (lanes past
+  // count zeros): 8 x 8 transposes of 32-bit lanes
+  static void transpose(const bf16* const* keys, int count, int64_t pairs, uint32_t* blk) {
+    for (int64_t c0 = 0; c0 < pairs; c0 += 8) {
+      const int64_t rows = std::min<int64_t>(8, pairs - c0);
+      const __m256i m = tail_mask8(rows);
+      __m256i r[8], t[8], u[8];
+      for (int l = 0; l < 8; ++l)
+        r[l] = l < count ? _mm256_maskload_epi32(reinterpret_cast<const int*>(keys[l]) + c0, m)
+                         : _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {  // per 128-bit half: (a0 b0 a1 b1), (a2 b2 a3 b3)
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 2; ++i) {  // (a0 b0 c0 d0), (a1 b1 c1 d1), (a2 ...), (a3 ...)
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+      }
+      for (int j = 0; j < 4; ++j) {  // pair j: low halves of keys a-d and e-h; j + 4: high
+        if (j < rows)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk + (c0 + j) * 8),
+                              _mm256_permute2x128_si256(u[j], u[4 + j], 0x20));
+        if (j + 4 < rows)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk + (c0 + j + 4) * 8),
+                              _mm256_permute2x128_si256(u[j], u[4 + j], 0x31));
+      }
     }
-    _mm256_maskstore_ps(s + j0, tail_mask8(L - j0), _mm256_mul_ps(sum8(acc), sc));
   }
+};
+
+
+#endif
+
+// The exact attention on W = Lanes::W lanes. Keys are transposed in blocks of W: a block is
+// [dh / 2][W] uint32, row i lane l the bf16 pair (key_l[2i], key_l[2i + 1]) (`Lanes::transpose`).
+// The score of query q and key k: two fp32 sums from zero, e += q[2i] k[2i] and o += q[2i + 1]
+// k[2i + 1] by FMAs in order i = 0, 1, ..., then scale * (e + o): a function of q and that key
+// alone, whatever block, lane or other queries it is computed with (and the same bits at both
+// widths). One widened key row serves every query of a (request, KV head), so a tree's
+// queries cost FMAs only (`vdpbf16ps`, which summed one query's pairs before, runs at under
+// half the FMAs' rate on the Xeon without AMX; AVX2 had widened every key for every query and
+// reduced 8 lanes per score: 3x the AVX-512 kernel's time on the same CPU, now ~2x).
+using V = Lanes;
+constexpr int W = Lanes::W;
+
+// s[q][W b + l] = score of query q (its even / odd dimensions as floats: qe, qo [QN][pairs])
+// and lane l of block b < NB (consecutive blocks at blk), q < QN; rows `stride` apart
+template <int QN, int NB>
+inline void score_blocks(const float* qe, const float* qo, int64_t pairs, const uint32_t* blk,
+                         float scale, float* s, int64_t stride) {
+  V::F e[QN][NB], o[QN][NB];
+  for (int q = 0; q < QN; ++q)
+    for (int b = 0; b < NB; ++b) e[q][b] = o[q][b] = V::zero();
+  for (int64_t i = 0; i < pairs; ++i) {
+    V::F ke[NB], ko[NB];
+    for (int b = 0; b < NB; ++b) V::pairs(blk + (b * pairs + i) * W, &ke[b], &ko[b]);
+    for (int q = 0; q < QN; ++q) {
+      const V::F a = V::set1(qe[q * pairs + i]), c = V::set1(qo[q * pairs + i]);
+      for (int b = 0; b < NB; ++b) {
+        e[q][b] = V::fma(a, ke[b], e[q][b]);
+        o[q][b] = V::fma(c, ko[b], o[q][b]);
+      }
+    }
+  }
+  const V::F sc = V::set1(scale);
+  for (int q = 0; q < QN; ++q)
+    for (int b = 0; b < NB; ++b) V::store(s + q * stride + W * b, V::mul(V::add(e[q][b], o[q][b]), sc));
 }
 
-// max of s[j], j < L, on 8 lanes (as the 16-lane max_of above)
-inline float max_of(const float* s, int64_t L) {
-  const __m256 none = _mm256_set1_ps(-INFINITY);
-  __m256 top = none;
-  for (int64_t j = 0; j < L; j += 8) {
-    const __m256i m = tail_mask8(L - j);
-    const __m256 v = _mm256_blendv_ps(none, _mm256_maskload_ps(s + j, m), _mm256_castsi256_ps(m));
-    top = _mm256_max_ps(v, top);  // NaN in s: top
+// QN queries against nblk blocks: NB blocks at a time, then one
+template <int QN>
+void score_group(const float* qe, const float* qo, int64_t pairs, const uint32_t* blk,
+                 int64_t nblk, float scale, float* s, int64_t stride) {
+  constexpr int NB = V::kScoreBlocks<QN>;
+  int64_t b = 0;
+  for (; b + NB <= nblk; b += NB)
+    score_blocks<QN, NB>(qe, qo, pairs, blk + b * pairs * W, scale, s + W * b, stride);
+  for (; b < nblk; ++b)
+    score_blocks<QN, 1>(qe, qo, pairs, blk + b * pairs * W, scale, s + W * b, stride);
+}
+
+// score_group for count (1 <= count <= QN) queries
+template <int QN = V::kScoreQueries>
+void score_group_of(int count, const float* qe, const float* qo, int64_t pairs,
+                    const uint32_t* blk, int64_t nblk, float scale, float* s, int64_t stride) {
+  if constexpr (QN > 1) {
+    if (count < QN) return score_group_of<QN - 1>(count, qe, qo, pairs, blk, nblk, scale, s, stride);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
+  score_group<QN>(qe, qo, pairs, blk, nblk, scale, s, stride);
+}
+
+// nq queries (rows of qe, qo) against nblk blocks -> score rows `stride` apart, kScoreQueries
+// at a time
+void score_queries(const float* qe, const float* qo, int64_t nq, int64_t pairs,
+                   const uint32_t* blk, int64_t nblk, float scale, float* s, int64_t stride) {
+  for (int64_t q0 = 0; q0 < nq; q0 += V::kScoreQueries)
+    score_group_of(static_cast<int>(std::min<int64_t>(V::kScoreQueries, nq - q0)),
+                   qe + q0 * pairs, qo + q0 * pairs, pairs, blk, nblk, scale, s + q0 * stride,
+                   stride);
+}
+
+// max of s[j], j < L (-inf for none; a NaN is passed over, as std::max(top, s[j]) in order
+// passes it over). A max is exact in any order (of two zeros it may keep either sign, which
+// s[j] - max cannot tell apart), so W lanes take it: the scalar loop was a chain of
+// dependent vmaxss, ~23% of the attention's time at 2,000 keys.
+inline float max_of(const float* s, int64_t L) {
+  const V::F none = V::set1(-INFINITY);
+  V::F top = none;
+  for (int64_t j = 0; j < L; j += W) top = V::max(V::load_first(s + j, L - j, none), top);
+  alignas(64) float lanes[W];
+  V::store(lanes, top);
   float best = -INFINITY;
   for (float v : lanes) best = std::max(best, v);
   return best;
 }
 
-// s[j] <- exp(s[j] - max s) for j < L; -> their sum (lane l: keys j = l mod 8, in order).
+// s[j] <- exp(s[j] - max s) for j < L; -> their sum (lane l: keys j = l mod W, in order).
 inline float softmax_numerators(float* s, int64_t L) {
-  const float top = max_of(s, L);
-  const __m256 topv = _mm256_set1_ps(top);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < L; j += 8) {
-    const __m256i m = tail_mask8(L - j);
-    const __m256 p = _mm256_and_ps(_mm256_castsi256_ps(m), exp8(_mm256_sub_ps(
-        _mm256_maskload_ps(s + j, m), topv)));
-    _mm256_maskstore_ps(s + j, m, p);
-    sum = _mm256_add_ps(sum, p);
+  const V::F topv = V::set1(max_of(s, L));
+  V::F sum = V::zero();
+  for (int64_t j = 0; j < L; j += W) {
+    const V::F p = V::keep_first(V::exp(V::sub(V::load_first(s + j, L - j, V::zero()), topv)),
+                                 L - j);
+    V::store_first(s + j, p, L - j);
+    sum = V::add(sum, p);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return V::sum(sum);
 }
 
-// out[d] = bf16(sum_j p[j] values[j][d] / total); the sum runs over j in order.
-template <int CH>
-void weighted_values(const float* p, float total, const bf16* const* values, int64_t L,
-                     int64_t dh, bf16* out) {
-  const int ch = CH ? CH : static_cast<int>(dh / 8);
-  __m256 acc[16];
-  for (int c = 0; c < ch; ++c) acc[c] = _mm256_setzero_ps();
+// The weighted sums of values: sum_j p[r][j] values[j][d] from zero, by FMAs in order j, per
+// row r (a query's head) and dimension d; one rounding to bf16 after the division by the
+// row's total (the same bits at both widths). A value row is read as bf16 pairs: its even
+// dimensions (a shift) and its odd ones (a mask) go to two accumulators, 2W dimensions a
+// chunk, so the sums are kept as [chunk][even W, odd W] and interleaved back at the end.
+
+// sums[r] (in/out, [CH][2W] floats) += p[r][j] * values[j] for j < L, NR rows at once (each
+// value row widened once for all of them). NR is a compile-time count and the sums leave
+// through plain stores: GCC 12 then keeps the NR x 2 CH accumulators in registers (with more
+// work after the loop in the same function it had stored all of them to the stack on every
+// key).
+template <int CH, int NR>
+__attribute__((always_inline)) inline void value_sums(
+    const float* const* p, const bf16* const* values, int64_t L, int64_t dh,
+    float* const* sums) {
+  V::F acc[NR][2 * CH];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 2 * CH; ++c) acc[r][c] = V::load(sums[r] + W * c);
+  int64_t n[CH];  // pairs in chunk c
+  for (int c = 0; c < CH; ++c) n[c] = std::min<int64_t>(W, (dh - 2 * W * c) / 2);
   for (int64_t j = 0; j < L; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int c = 0; c < ch; ++c) acc[c] = _mm256_fmadd_ps(pj, widen8(values[j] + 8 * c), acc[c]);
+    V::F v[2 * CH];
+    for (int c = 0; c < CH; ++c)
+      V::pairs_first(reinterpret_cast<const uint32_t*>(values[j]) + W * c, n[c], &v[2 * c],
+                     &v[2 * c + 1]);
+    for (int r = 0; r < NR; ++r) {
+      const V::F pj = V::set1(p[r][j]);
+      for (int c = 0; c < 2 * CH; ++c) acc[r][c] = V::fma(pj, v[c], acc[r][c]);
+    }
   }
-  alignas(32) float buf[128];
-  const __m256 t = _mm256_set1_ps(total);
-  for (int c = 0; c < ch; ++c) _mm256_store_ps(buf + 8 * c, _mm256_div_ps(acc[c], t));
-  for (int64_t d = 0; d < dh; ++d) out[d] = bf16(buf[d]);
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 2 * CH; ++c) V::store(sums[r] + W * c, acc[r][c]);
 }
 
+// rows value_sums takes at once: up to 24 accumulators (AVX-512), 12 (AVX2)
 template <int CH>
-void attend_ch(const bf16* const* q, int G, const bf16* const* keys, const bf16* const* values,
-               int64_t L, int64_t dh, float scale, float* scores, bf16* const* out) {
-  for (int g = 0; g < G; ++g) {
-    float* s = scores + g * L;
-    scores_of<CH>(q[g], keys, L, dh, scale, s);
-    const float total = softmax_numerators(s, L);
-    weighted_values<CH>(s, total, values, L, dh, out[g]);
+constexpr int kValueRows = W == 16 ? (CH == 1 ? 12 : CH == 2 ? 6 : CH == 4 ? 2 : 1)
+                                   : (CH == 1 ? 6 : CH == 2 ? 3 : 1);
+
+// value_sums for count (1 <= count <= NR) rows
+template <int CH, int NR = kValueRows<CH>>
+void value_sums_of(const float* const* p, int count, const bf16* const* values, int64_t L,
+                   int64_t dh, float* const* sums) {
+  if constexpr (NR > 1) {
+    if (count < NR) return value_sums_of<CH, NR - 1>(p, count, values, L, dh, sums);
   }
+  value_sums<CH, NR>(p, values, L, dh, sums);
 }
 
-void attend(const bf16* const* q, int G, const bf16* const* keys, const bf16* const* values,
-            int64_t L, int64_t dh, float scale, float* scores, bf16* const* out) {
-  if (dh == 64) {
-    attend_ch<8>(q, G, keys, values, L, dh, scale, scores, out);
-  } else if (dh == 128) {
-    attend_ch<16>(q, G, keys, values, L, dh, scale, scores, out);
-  } else {
-    attend_ch<0>(q, G, keys, values, L, dh, scale, scores, out);
-  }
+// out[d] = bf16(sums / total), the sums as value_sums keeps them
+template <int CH>
+void store_values(const float* sums, float total, int64_t dh, bf16* out) {
+  alignas(64) float buf[2 * W * CH];
+  const V::F t = V::set1(total);
+  for (int c = 0; c < 2 * CH; ++c) V::store(buf + W * c, V::div(V::load(sums + W * c), t));
+  for (int64_t d = 0; d < dh; ++d)
+    out[d] = bf16(buf[2 * W * (d / (2 * W)) + W * (d % 2) + (d % (2 * W)) / 2]);
 }
 
+// query positions of a unit scored together: bounds the score buffers (a prefill of P tokens
+// is a unit of P positions over P tree entries; unchunked, its scores took 2 x 3P^2 floats)
+constexpr int64_t kQueryChunk = 64;
 
-// Queries n0 <= n < n1 of one unit, one position at a time: its keys and values in order
-// (committed, then the tree entries its mask keeps), `attend`.
-void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
-  w.keys.resize(static_cast<size_t>(u.len));
-  w.values.resize(static_cast<size_t>(u.len));
-  for (int64_t j = 0; j < u.len; ++j) {
-    w.keys[j] = u.k + j * u.ks;
-    w.values[j] = u.v + j * u.vs;
+// Query positions n0 <= n < n1 (at most kQueryChunk) of a unit whose keys `attend_unit_ch`
+// transposed (nbc committed blocks: the unit's u.kept kept ones, then the rest in w.kc; the
+// tree entries' in w.kt) and whose committed values' addresses are in w.values: scores,
+// softmax, weighted sums.
+template <int CH>
+void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w) {
+  const int64_t pairs = u.dh / 2;
+  const int G = u.G;
+  int64_t last = -1;  // the last tree entry any of these positions attends to
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = u.T - 1; m > last; --m)
+      if (u.mask[n * u.T + m]) {
+        last = m;
+        break;
+      }
+  const int64_t nbt = (last + W) / W;  // tree blocks scored
+  const int64_t nq = (n1 - n0) * G;  // query (n, g) is row (n - n0) G + g
+  w.qe.resize(static_cast<size_t>(nq * pairs));
+  w.qo.resize(static_cast<size_t>(nq * pairs));
+  for (int64_t r = 0; r < nq; ++r) {
+    const bf16* src = u.q + ((r % G) * u.N + n0 + r / G) * u.dh;
+    for (int64_t i = 0; i < pairs; ++i) {
+      w.qe[r * pairs + i] = static_cast<float>(src[2 * i]);
+      w.qo[r * pairs + i] = static_cast<float>(src[2 * i + 1]);
+    }
   }
+  // a score row: the committed keys' (W a block), then the tree entries' the mask keeps
+  const int64_t R = nbc * W + u.T, RT = std::max<int64_t>(nbt, 1) * W;
+  w.s.resize(static_cast<size_t>(nq * R));
+  w.ts.resize(static_cast<size_t>(nq * RT));
+  if (u.kept > 0)
+    score_queries(w.qe.data(), w.qo.data(), nq, pairs, u.blocks, u.kept, u.scale, w.s.data(), R);
+  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kc.data(), nbc - u.kept, u.scale,
+                w.s.data() + W * u.kept, R);
+  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kt.data(), nbt, u.scale, w.ts.data(), RT);
+  // per query position: its heads' scores, the tree entries its mask keeps appended; softmax
+  w.total.resize(static_cast<size_t>(nq));
+  w.tree.resize(static_cast<size_t>((n1 - n0) * std::max<int64_t>(u.T, 1)));
+  w.counts.resize(static_cast<size_t>(n1 - n0));
   for (int64_t n = n0; n < n1; ++n) {
     const bool* row = u.mask + n * u.T;
-    w.keys.resize(static_cast<size_t>(u.len));  // the previous position's tree entries dropped
-    w.values.resize(static_cast<size_t>(u.len));
+    const bf16** tree = w.tree.data() + (n - n0) * u.T;
+    int64_t count = 0;
     for (int64_t m = 0; m < u.T; ++m)
-      if (row[m]) {
-        w.keys.push_back(u.k + (u.len + m) * u.ks);
-        w.values.push_back(u.v + (u.len + m) * u.vs);
-      }
-    const int64_t L = static_cast<int64_t>(w.keys.size());
-    w.s.resize(static_cast<size_t>(u.G * std::max<int64_t>(L, 1)));
-    const bf16* qs[kMaxG];
-    bf16* os[kMaxG];
-    for (int g = 0; g < u.G; ++g) {
-      qs[g] = u.q + (g * u.N + n) * u.dh;
-      os[g] = u.out + n * u.out_stride + g * u.dh;
+      if (row[m]) tree[count++] = u.v + (u.len + m) * u.vs;
+    w.counts[n - n0] = count;
+    for (int g = 0; g < G; ++g) {
+      const int64_t r = (n - n0) * G + g;
+      float* s = w.s.data() + r * R;
+      const float* t = w.ts.data() + r * RT;
+      for (int64_t m = 0, k = u.len; m < u.T; ++m)
+        if (row[m]) s[k++] = t[m];
+      w.total[r] = softmax_numerators(s, u.len + count);
     }
-    attend(qs, u.G, w.keys.data(), w.values.data(), L, u.dh, u.scale, w.s.data(), os);
+  }
+  // the weighted sums: the committed values (shared) for several rows at once, then each
+  // row's own tree entries, continuing the same sums in order
+  w.sums.assign(static_cast<size_t>(nq * 2 * W * CH), 0.0f);
+  constexpr int NR = kValueRows<CH>;
+  const float* p[NR];
+  float* sums[NR];
+  for (int64_t r0 = 0; r0 < nq; r0 += NR) {
+    const int count = static_cast<int>(std::min<int64_t>(NR, nq - r0));
+    for (int i = 0; i < count; ++i) {
+      p[i] = w.s.data() + (r0 + i) * R;
+      sums[i] = w.sums.data() + (r0 + i) * 2 * W * CH;
+    }
+    value_sums_of<CH>(p, count, w.values.data(), u.len, u.dh, sums);
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t n = n0 + r / G;
+    const float* pr = w.s.data() + r * R + u.len;
+    float* sr = w.sums.data() + r * 2 * W * CH;
+    value_sums<CH, 1>(&pr, w.tree.data() + (n - n0) * u.T, w.counts[n - n0], u.dh, &sr);
+    store_values<CH>(sr, w.total[r], u.dh, u.out + n * u.out_stride + (r % G) * u.dh);
   }
 }
 
-#endif
+// Queries n0 <= n < n1 of one unit (`Unit`), each with its G heads: every committed key and
+// tree entry transposed once (committed blocks kept from earlier calls are read where they
+// are), then in chunks of positions (`attend_chunk`) the scores of all their queries (each
+// query's own keys picked out), per position the softmax and the weighted sum of its values
+// (committed, then the tree entries its mask keeps, in order). Each query's result is a
+// function of it and its keys only.
+template <int CH>
+void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
+  const int64_t pairs = u.dh / 2, nbc = (u.len + W - 1) / W, nbt = (u.T + W - 1) / W;
+  const bf16* rows[W];
+  w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc - u.kept, 1) * pairs * W));
+  w.kt.resize(static_cast<size_t>(std::max<int64_t>(nbt, 1) * pairs * W));
+  for (int64_t blk = u.kept; blk < nbc; ++blk) {
+    const int count = static_cast<int>(std::min<int64_t>(W, u.len - W * blk));
+    for (int l = 0; l < count; ++l) rows[l] = u.k + (W * blk + l) * u.ks;
+    V::transpose(rows, count, pairs, w.kc.data() + (blk - u.kept) * pairs * W);
+  }
+  for (int64_t blk = 0; blk < nbt; ++blk) {
+    const int count = static_cast<int>(std::min<int64_t>(W, u.T - W * blk));
+    for (int l = 0; l < count; ++l) rows[l] = u.k + (u.len + W * blk + l) * u.ks;
+    V::transpose(rows, count, pairs, w.kt.data() + blk * pairs * W);
+  }
+  w.values.resize(static_cast<size_t>(u.len));
+  for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
+  for (int64_t c0 = n0; c0 < n1; c0 += kQueryChunk)
+    attend_chunk<CH>(u, c0, std::min(n1, c0 + kQueryChunk), nbc, w);
+}
+
+// The full blocks of W committed keys of one (slot, KV head) in its kept key blocks
+// (`attention`'s key_blocks: [dh / 2][W] uint32 a block, from blocks): those before *valid
+// were transposed by an earlier call and are still right, since a call at base b writes keys
+// at b and after only (and `KVCache.copy_slot`, the one other writer, resets the count). The
+// blocks from *valid to base / W are transposed and the count set to base / W (also when it
+// was larger: a rewound request rewrites the keys after its base).
+void update_key_blocks(const bf16* k, int64_t ks, int64_t base, int64_t dh, uint32_t* blocks,
+                       int32_t* valid) {
+  const int64_t pairs = dh / 2, full = base / W;
+  const bf16* rows[W];
+  for (int64_t blk = *valid; blk < full; ++blk) {
+    for (int l = 0; l < W; ++l) rows[l] = k + (W * blk + l) * ks;
+    V::transpose(rows, W, pairs, blocks + blk * pairs * W);
+  }
+  *valid = static_cast<int32_t>(full);
+}
+
+void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
+  if (u.dh <= 2 * W) {
+    attend_unit_ch<1>(u, n0, n1, w);
+  } else if (u.dh <= 4 * W) {
+    attend_unit_ch<2>(u, n0, n1, w);
+  } else if (u.dh <= 8 * W) {
+    attend_unit_ch<4>(u, n0, n1, w);
+  } else {
+    attend_unit_ch<8>(u, n0, n1, w);
+  }
+}
+
 
 }  // namespace
 
@@ -767,10 +758,11 @@ void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
 // one layer's cache_k [slots, KVH, S, Dh], cache_v [slots, KVH, S, >= Dh] (this step's
 // entries written); -> [B, N, Hq Dh], what o_proj reads.
 //
-// key_blocks, key_blocks_valid (AVX-512 build, optional, both or neither): the layer's
-// committed keys kept transposed from call to call, [slots, KVH, NB >= S / 16, Dh / 2 * 16]
-// int32 (the bf16 pairs of blocks of 16 keys, as `transpose_keys` lays them out) and
-// [slots, KVH] int32, the blocks of each still valid (zeros: none). Each call brings the
+// key_blocks, key_blocks_valid (optional, both or neither): the layer's committed keys kept
+// transposed from call to call, [slots, KVH, ceil(S / 16), Dh / 2 * 16] int32 (per slot and
+// KV head, the bf16 pairs of blocks of W keys, W = 16 with AVX-512, 8 with AVX2, as
+// `Lanes::transpose` lays them out) and [slots, KVH] int32, the blocks of each still valid
+// (zeros: none). Each call brings the
 // blocks before base up to date (`update_key_blocks`) and scores the committed keys from
 // them: the same scores as without (a score does not depend on where its key block lies),
 // without transposing every committed key again at every call.
@@ -811,32 +803,29 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
               "key_blocks and key_blocks_valid go together");
   uint32_t* kbp = nullptr;
   int32_t* kvp = nullptr;
-  const int64_t block_len = dh / 2 * 16;
-  int64_t num_blocks = 0;
+  int64_t unit_stride = 0;  // uint32s of key blocks per (slot, KV head)
   if (key_blocks.has_value()) {
-#ifdef EAGLE2_AVX512
     const auto& kb = *key_blocks;
     const auto& kv = *key_blocks_valid;
+    const int64_t blocks = (cache_k.size(2) + W - 1) / W;
     TORCH_CHECK(kb.scalar_type() == at::kInt && kb.is_contiguous() && kb.dim() == 4 &&
                     kb.size(0) == cache_k.size(0) && kb.size(1) == KVH &&
-                    kb.size(2) * 16 >= cache_k.size(2) && kb.size(3) == block_len,
-                "key_blocks must be a contiguous int32 [slots, KVH, >= S / 16, Dh / 2 * 16]");
+                    kb.size(2) * kb.size(3) >= blocks * W * (dh / 2),
+                "key_blocks must be a contiguous int32 [slots, KVH, ...] of at least S Dh / 2 "
+                "per (slot, KV head), S rounded up to a block");
     TORCH_CHECK(kv.scalar_type() == at::kInt && kv.is_contiguous() &&
                     kv.sizes() == at::IntArrayRef({cache_k.size(0), KVH}),
                 "key_blocks_valid must be a contiguous int32 [slots, KVH]");
     kbp = reinterpret_cast<uint32_t*>(kb.data_ptr<int32_t>());
     kvp = kv.data_ptr<int32_t>();
-    num_blocks = kb.size(2);
+    unit_stride = kb.size(2) * kb.size(3);
     at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / KVH, h = t % KVH, unit = slp[b] * KVH + h;
         update_key_blocks(kp + slp[b] * ks[0] + h * ks[1], ks[2], bp[b], dh,
-                          kbp + unit * num_blocks * block_len, kvp + unit);
+                          kbp + unit * unit_stride, kvp + unit);
       }
     });
-#else
-    TORCH_CHECK(false, "key_blocks need the AVX-512 build (this one is AVX2)");
-#endif
   }
   // one unit per (request, KV head); with several threads and few units, the queries of a
   // unit split in parts (each transposes the unit's keys again)
@@ -855,8 +844,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
              op + b * N * Hq * dh + h * G * dh, Hq * dh, static_cast<int>(G), dh,
              static_cast<float>(scale)};
       if (kbp != nullptr) {
-        u.blocks = kbp + (slp[b] * KVH + h) * num_blocks * block_len;
-        u.kept = bp[b] / 16;
+        u.blocks = kbp + (slp[b] * KVH + h) * unit_stride;
+        u.kept = bp[b] / W;
       }
       attend_unit(u, N * part / parts, N * (part + 1) / parts, w);
     }
