@@ -13,7 +13,9 @@ as large as the differences measured here); the JSON then has both builds' cells
 outputs differ:
 
     .venv/bin/python benchmarks/attention_bench.py OUT.json \
-        --against /tmp/old/eagle2/csrc/cpu_ops.cpp
+        --against /tmp/old/eagle2/csrc/cpu_ops.cpp [--march haswell]
+
+(--march haswell: both sources built for AVX2, the kernels an AVX2 machine runs.)
 
 A build whose operator keeps the committed keys transposed from call to call (`key_blocks`)
 is timed that way, as decoding runs it: the blocks are brought up to date by the warm-up calls,
@@ -32,9 +34,9 @@ import torch
 from eagle2.native import build_key, cpu_ops, load_variant
 
 
-def load_other(source: Path):
+def load_other(source: Path, march: str = "native"):
     """`source` built as torch.ops.eagle2_cpu_other (its operators renamed)."""
-    return load_variant("eagle2_cpu_other", source)
+    return load_variant("eagle2_cpu_other", source, march)
 
 
 def inputs(num_n: int, length: int):
@@ -78,13 +80,19 @@ def main() -> None:
                     help="another cpu_ops.cpp, timed in turn with this checkout's")
     ap.add_argument("--fresh", action="store_true",
                     help="this checkout's build without kept key blocks")
+    ap.add_argument("--march", default=None,
+                    help="build both sources for this -march instead (e.g. haswell: the AVX2 "
+                         "kernels on an AVX-512 machine)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    builds = {"this": cpu_ops()}
+    if args.march:
+        builds = {"this": load_variant("eagle2_cpu_this", march=args.march)}
+    else:
+        builds = {"this": cpu_ops()}
     if builds["this"] is None:
         raise SystemExit("the fused CPU operations are not available here")
     if args.against is not None:
-        builds["other"] = load_other(args.against)
+        builds["other"] = load_other(args.against, args.march or "native")
     cases = [(n, length) for length in map(int, args.lengths.split(","))
              for n in map(int, args.nodes.split(","))]
     kept = {name: keeps_blocks(ops) and not (args.fresh and name == "this")
@@ -120,7 +128,9 @@ def main() -> None:
         cells.append(cell)
         print(line, flush=True)
     with open(args.out, "w") as f:
-        json.dump({"build": build_key(), "against": str(args.against) if args.against else None,
+        json.dump({"build": build_key(), "march": args.march or "native",
+                   "isa": {name: ops.isa() for name, ops in builds.items()},
+                   "against": str(args.against) if args.against else None,
                    "kept_key_blocks": kept, "rounds": args.rounds, "cells": cells}, f, indent=1)
     if args.outputs:
         torch.save({f"{n}x{length}": outputs[("this", (n, length))] for n, length in cases},
