@@ -15,7 +15,8 @@ vanilla-logits and shipped-logits (greedy tokens as the argmax of the lm_head's 
 through `kernels.GreedyArgmax`), grid-costs (the budget prices greedy batches as the cost
 grid's forwards, logits included, not as `CostModel.greedy`), no-lookup-veto (lookup chains on
 steps without a draft call taken even where such steps delivered less than plain steps
-lately: `Engine._lookup_vetoed`).
+lately: `Engine._lookup_vetoed`), no-chain-scale (those chains valued as the lookup table and
+the n-gram store say, not scaled by what the request's chains got lately: `Engine._chain_scale`).
 Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
@@ -35,7 +36,7 @@ from eagle2.config import TreeConfig
 from eagle2.engine import EngineStats
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
-            "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto")
+            "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale")
 
 
 class _OpenGates(dict):
@@ -65,6 +66,8 @@ def build(variant: str, max_batch: int = 8) -> Eagle2:
         llm.engine._forward_costs = lambda costs: costs
     if variant == "no-lookup-veto":
         llm.engine._lookup_vetoed = lambda: False
+    if variant == "no-chain-scale":
+        llm.engine._chain_scale = lambda s: 1.0
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
     return llm
