@@ -756,10 +756,12 @@ class Engine:
             elif s.auto:  # a plain step: the evidence fades, so a text that changes is retried
                 s.promised *= self.ACCEPTANCE_DECAY
                 s.got *= self.ACCEPTANCE_DECAY
-                # ... its lookup chain's promise and what was accepted of it (none, none where
-                # it had no chain: then the evidence fades too)
+                # ... its lookup chain's promise and what was accepted of it: none where the
+                # step verified no chain cut for it alone (`_lookup_trees`; in a step with
+                # drafted requests the budget weighs it with their trees), the evidence fading
+                got = n - 1 if s.chain_value > 0 else 0
                 s.chain_promised = self.ACCEPTANCE_DECAY * s.chain_promised + s.chain_value
-                s.chain_got = self.ACCEPTANCE_DECAY * s.chain_got + (n - 1)
+                s.chain_got = self.ACCEPTANCE_DECAY * s.chain_got + got
             s.chain_value = 0.0
             s.num_steps += 1
             s.accepted_at_depth[n - 1] += 1
