@@ -257,13 +257,8 @@ inline __mmask32 chunk_mask(int64_t left) {
 
 
 
-// Scores (AVX-512) by fp32 FMAs over keys transposed in blocks of 16: a block is [dh / 2][16]
-// uint32, row i lane l the bf16 pair (key_l[2i], key_l[2i + 1]) (`transpose_keys`). The score
-// of query q and key k: two fp32 sums from zero, e += q[2i] k[2i] and o += q[2i + 1] k[2i + 1]
-// by FMAs in order i = 0, 1, ..., then scale * (e + o): a function of q and that key alone,
-// whatever block, lane or other queries it is computed with. One widened key row serves every
-// query of a (request, KV head), so a tree's queries cost FMAs only (`vdpbf16ps`, which
-// summed one query's pairs before, runs at under half the FMAs' rate on the Xeon without AMX).
+// The attention's key blocks at 16 lanes (`Lanes` below; the scores they serve are defined
+// after its #endif).
 
 // 16 bf16 pairs (uint32 lanes, first element in the low half) -> the first elements and the
 // second ones as floats (exact: a bf16 is the top half of an fp32): a shift and a mask
