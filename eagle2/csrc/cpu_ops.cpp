@@ -394,7 +394,9 @@ struct Lanes {
     const __m256i m = tail_mask8(n);
     return _mm256_blendv_ps(fill, _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
   }
-  static F keep_first(F v, int64_t n) { return _mm256_and_ps(_mm256_castsi256_ps(tail_mask8(n)), v); }
+  static F keep_first(F v, int64_t n) {
+    return _mm256_and_ps(_mm256_castsi256_ps(tail_mask8(n)), v);
+  }
   static void store_first(float* p, F v, int64_t n) { _mm256_maskstore_ps(p, tail_mask8(n), v); }
   static void split(__m256i raw, F* a, F* b) {
     *a = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
@@ -482,7 +484,8 @@ inline void score_blocks(const float* qe, const float* qo, int64_t pairs, const 
   }
   const V::F sc = V::set1(scale);
   for (int q = 0; q < QN; ++q)
-    for (int b = 0; b < NB; ++b) V::store(s + q * stride + W * b, V::mul(V::add(e[q][b], o[q][b]), sc));
+    for (int b = 0; b < NB; ++b)
+      V::store(s + q * stride + W * b, V::mul(V::add(e[q][b], o[q][b]), sc));
 }
 
 // QN queries against nblk blocks: NB blocks at a time, then one
@@ -502,7 +505,8 @@ template <int QN = V::kScoreQueries>
 void score_group_of(int count, const float* qe, const float* qo, int64_t pairs,
                     const uint32_t* blk, int64_t nblk, float scale, float* s, int64_t stride) {
   if constexpr (QN > 1) {
-    if (count < QN) return score_group_of<QN - 1>(count, qe, qo, pairs, blk, nblk, scale, s, stride);
+    if (count < QN)
+      return score_group_of<QN - 1>(count, qe, qo, pairs, blk, nblk, scale, s, stride);
   }
   score_group<QN>(qe, qo, pairs, blk, nblk, scale, s, stride);
 }
@@ -686,6 +690,18 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
   }
 }
 
+// Blocks b0 <= b < b1 of n keys (key j at k + j ks) -> consecutive blocks from dst (lanes
+// past key n - 1 zeros)
+void transpose_blocks(const bf16* k, int64_t ks, int64_t n, int64_t b0, int64_t b1,
+                      int64_t pairs, uint32_t* dst) {
+  const bf16* rows[W];
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int count = static_cast<int>(std::min<int64_t>(W, n - W * blk));
+    for (int l = 0; l < count; ++l) rows[l] = k + (W * blk + l) * ks;
+    V::transpose(rows, count, pairs, dst + (blk - b0) * pairs * W);
+  }
+}
+
 // Queries n0 <= n < n1 of one unit (`Unit`), each with its G heads: every committed key and
 // tree entry transposed once (committed blocks kept from earlier calls are read where they
 // are), then in chunks of positions (`attend_chunk`) the scores of all their queries (each
@@ -695,19 +711,10 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
 template <int CH>
 void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
   const int64_t pairs = u.dh / 2, nbc = (u.len + W - 1) / W, nbt = (u.T + W - 1) / W;
-  const bf16* rows[W];
   w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc - u.kept, 1) * pairs * W));
   w.kt.resize(static_cast<size_t>(std::max<int64_t>(nbt, 1) * pairs * W));
-  for (int64_t blk = u.kept; blk < nbc; ++blk) {
-    const int count = static_cast<int>(std::min<int64_t>(W, u.len - W * blk));
-    for (int l = 0; l < count; ++l) rows[l] = u.k + (W * blk + l) * u.ks;
-    V::transpose(rows, count, pairs, w.kc.data() + (blk - u.kept) * pairs * W);
-  }
-  for (int64_t blk = 0; blk < nbt; ++blk) {
-    const int count = static_cast<int>(std::min<int64_t>(W, u.T - W * blk));
-    for (int l = 0; l < count; ++l) rows[l] = u.k + (u.len + W * blk + l) * u.ks;
-    V::transpose(rows, count, pairs, w.kt.data() + blk * pairs * W);
-  }
+  transpose_blocks(u.k, u.ks, u.len, u.kept, nbc, pairs, w.kc.data());
+  transpose_blocks(u.k + u.len * u.ks, u.ks, u.T, 0, nbt, pairs, w.kt.data());
   w.values.resize(static_cast<size_t>(u.len));
   for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
   for (int64_t c0 = n0; c0 < n1; c0 += kQueryChunk)
@@ -723,11 +730,7 @@ void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
 void update_key_blocks(const bf16* k, int64_t ks, int64_t base, int64_t dh, uint32_t* blocks,
                        int32_t* valid) {
   const int64_t pairs = dh / 2, full = base / W;
-  const bf16* rows[W];
-  for (int64_t blk = *valid; blk < full; ++blk) {
-    for (int l = 0; l < W; ++l) rows[l] = k + (W * blk + l) * ks;
-    V::transpose(rows, W, pairs, blocks + blk * pairs * W);
-  }
+  transpose_blocks(k, ks, base, *valid, full, pairs, blocks + *valid * pairs * W);
   *valid = static_cast<int32_t>(full);
 }
 
