@@ -31,6 +31,7 @@ from pathlib import Path
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
 import torch
 
+from eagle2.attention import empty_key_blocks
 from eagle2.native import build_key, cpu_ops, load_variant
 
 
@@ -58,8 +59,7 @@ def keeps_blocks(ops) -> bool:
 def key_blocks(cache_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(key_blocks, key_blocks_valid) for one layer's K cache [slots, KVH, S, Dh], none valid."""
     slots, kv_heads, size, dh = cache_k.shape
-    return (torch.empty(slots, kv_heads, -(-size // 16), dh // 2 * 16, dtype=torch.int32),
-            torch.zeros(slots, kv_heads, dtype=torch.int32))
+    return empty_key_blocks((slots, kv_heads), size, dh)
 
 
 def time_round(ops, args: tuple, reps: int) -> tuple[float, torch.Tensor]:

@@ -53,9 +53,8 @@ class KVCache:
         cache = cls(torch.zeros(shape, dtype=dtype, device=device), v,
                     torch.zeros(num_slots, dtype=torch.long, device=device))
         if key_blocks:
-            cache.key_blocks = torch.empty(*shape[:3], -(-max_len // 16), head_dim // 2 * 16,
-                                           dtype=torch.int32, device=device)
-            cache.key_blocks_valid = torch.zeros(shape[:3], dtype=torch.int32, device=device)
+            cache.key_blocks, cache.key_blocks_valid = empty_key_blocks(shape[:3], max_len,
+                                                                        head_dim, device)
         return cache
 
     def layer_key_blocks(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -104,6 +103,16 @@ class KVCache:
         self.lengths[dst] = n
         if self.key_blocks_valid is not None:  # dst's blocks were another request's keys
             self.key_blocks_valid[:, dst] = 0
+
+
+def empty_key_blocks(leading: tuple[int, ...], max_len: int, head_dim: int,
+                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_blocks, key_blocks_valid) for K caches [*leading, max_len, head_dim], no block
+    valid: [*leading, ceil(max_len / 16), head_dim / 2 * 16] int32 (room for blocks of 16
+    keys, or of 8 with AVX2) and [*leading] int32 (`KVCache.key_blocks`)."""
+    blocks = torch.empty(*leading, -(-max_len // 16), head_dim // 2 * 16, dtype=torch.int32,
+                         device=device)
+    return blocks, torch.zeros(leading, dtype=torch.int32, device=device)
 
 
 @dataclass

@@ -529,8 +529,11 @@ class Engine:
         request whose drafts are accepted less often than the values promise gets smaller
         trees (or none), one whose drafts do better gets bigger ones. It depends only on the
         request's own accepted lengths, so seeded runs stay reproducible."""
-        prior = self.ACCEPTANCE_PRIOR
-        return (s.got + prior) / (s.promised + prior)
+        return self._scale(s.got, s.promised)
+
+    def _scale(self, got: float, promised: float) -> float:
+        """Accepted / promised draft tokens, pulled toward 1 by ACCEPTANCE_PRIOR tokens."""
+        return (got + self.ACCEPTANCE_PRIOR) / (promised + self.ACCEPTANCE_PRIOR)
 
     def _count_lookup(self, tree: DraftTree, verified: Verified) -> None:
         if not bool(tree.lookup.any()):
@@ -568,8 +571,8 @@ class Engine:
         proposed = [self._propose(s) for s in seqs] if self.lookup_alone else []
         if not any(toks for toks, _, _ in proposed):
             return root_only(torch.tensor(roots))
-        chains = [(toks, [min(v * scale, 1.0) for v in values]) for (toks, values, _), scale
-                  in zip(proposed, map(self._chain_scale, seqs), strict=True)]
+        chains = [(toks, self._chain_values(s, values))
+                  for s, (toks, values, _) in zip(seqs, proposed, strict=True)]
         if len(idx) == len(self.seqs):
             # values are non-increasing in depth, so a node is worth at most its parent
             length = self._lookup_length([v for _, v in chains])[0]
@@ -616,8 +619,12 @@ class Engine:
         reproducible."""
         if s.req.params.greedy:
             return 1.0
-        prior = self.ACCEPTANCE_PRIOR
-        return (s.chain_got + prior) / (s.chain_promised + prior)
+        return self._scale(s.chain_got, s.chain_promised)
+
+    def _chain_values(self, s: _Seq, values: list[float]) -> list[float]:
+        """A chain's values as the budget weighs them: times s's `_chain_scale`, at most 1."""
+        scale = self._chain_scale(s)
+        return [min(v * scale, 1.0) for v in values]
 
     def _lookup_length(self, values: list[list[float]]) -> tuple[int, float]:
         """The chain length (0: none) that maximises predicted tokens per second over the
@@ -648,8 +655,8 @@ class Engine:
             return None
         if self._lookup_vetoed():  # they would not be verified: a plain step
             return self._lookup_length([])[1]
-        return self._lookup_length([[min(v * self._chain_scale(s), 1.0)
-                                     for v in self._propose(s)[1]] for s in self.seqs])[1]
+        return self._lookup_length([self._chain_values(s, self._propose(s)[1])
+                                    for s in self.seqs])[1]
 
     def _lookup_vetoed(self) -> bool:
         """Whether steps without a draft call should leave lookup chains out (and not propose

@@ -253,12 +253,17 @@ class TargetModel:
         proj = self.layers[0].self_attn.k_proj
         return proj.weight.shape[0] // self.head_dim
 
+    @property
+    def native_attention(self) -> ModuleType | None:
+        """The fused CPU operations where the layers run them with their exact attention
+        (bf16, fused layers, `eagle2.native` built), else None."""
+        return self.native if self.canonical and self.fused is not None else None
+
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
-        native = self.native if self.canonical and self.fused is not None else None
         return KVCache.allocate(self.num_layers, num_slots, self.local_kv_heads(), max_len,
                                 self.head_dim, self.dtype, self.device,
                                 ones_column=self.canonical,
-                                key_blocks=native is not None)
+                                key_blocks=self.native_attention is not None)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
@@ -270,7 +275,7 @@ class TargetModel:
         """
         x = self.embed(tokens)  # [B, N, H]
         # exact bf16 attention: the fused CPU operations' own kernel, else canonical_attention
-        native = self.native if self.canonical and self.fused is not None else None
+        native = self.native_attention
         inp = step_inputs(cache, slots, tree_mask, positions, self.rotary, x,
                           canonical=self.canonical and native is None)
         keep = self.feature_layers or ()
