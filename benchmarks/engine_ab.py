@@ -16,7 +16,9 @@ through `kernels.GreedyArgmax`), grid-costs (the budget prices greedy batches as
 grid's forwards, logits included, not as `CostModel.greedy`), no-lookup-veto (lookup chains on
 steps without a draft call taken even where such steps delivered less than plain steps
 lately: `Engine._lookup_vetoed`), no-chain-scale (those chains valued as the lookup table and
-the n-gram store say, not scaled by what the request's chains got lately: `Engine._chain_scale`).
+the n-gram store say, not scaled by what the request's chains got lately: `Engine._chain_scale`),
+python-chains (the n-gram store's chains walked in Python, context by context, not by
+csrc/ngram.cpp for the whole batch: `NgramStore.propose_many`).
 Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
@@ -36,7 +38,8 @@ from eagle2.config import TreeConfig
 from eagle2.engine import EngineStats
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
-            "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale")
+            "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
+            "python-chains")
 
 
 class _OpenGates(dict):
@@ -68,6 +71,11 @@ def build(variant: str, max_batch: int = 8) -> Eagle2:
         llm.engine._lookup_vetoed = lambda: False
     if variant == "no-chain-scale":
         llm.engine._chain_scale = lambda s: 1.0
+    if variant == "python-chains":
+        store = llm.engine.ngram.with_rates(llm.engine.ngram.rates)  # its own instance
+        object.__setattr__(store, "propose_many", lambda contexts, depth: [
+            store.propose(c, depth) for c in contexts])
+        llm.engine.ngram = llm.engine.drafter.ngram = store
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
     return llm

@@ -29,7 +29,7 @@ from eagle2.kernels import (
     small_rows_plan,
     weights_stamp,
 )
-from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains, propose_chain
+from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains, propose_chains
 from eagle2.native import cpu_ops
 from eagle2.ngram import NgramStore
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
@@ -259,8 +259,9 @@ class Drafter:
             return self._expand_static(slots, root, last, config)
         if config.mode == "chain":  # one child per level: a chain of depth + 1 drafts
             return self._expand_dynamic(slots, root, last, replace(config, top_k=1), min_gain)
-        chains = [propose_chain(self.histories[s], config.lookup, self.lookup_table, self.ngram)
-                  for s in seq_ids] if config.lookup else None
+        chains = propose_chains([self.histories[s] for s in seq_ids],
+                                [config.lookup] * len(seq_ids), self.lookup_table,
+                                self.ngram) if config.lookup else None
         tree = self._expand_dynamic(slots, root, last, config, min_gain, chains)
         if self.lookup_log is not None and chains:
             self._log_chains(seq_ids, chains)

@@ -37,7 +37,7 @@ from eagle2.budget import (
     probe_backoff,
 )
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.lookup import LookupTable, TokenHistory, propose_chain
+from eagle2.lookup import LookupTable, TokenHistory, propose_chains
 from eagle2.ngram import NgramStore
 from eagle2.runner import TargetRunner
 from eagle2.tree import DraftTree, prune_tree, root_only, tree_from_rows
@@ -568,7 +568,7 @@ class Engine:
         if len(idx) == len(self.seqs) and self._lookup_vetoed():
             self.stats.lookup_vetoes += 1
             return root_only(torch.tensor(roots))
-        proposed = [self._propose(s) for s in seqs] if self.lookup_alone else []
+        proposed = self._proposals(seqs) if self.lookup_alone else []
         if not any(toks for toks, _, _ in proposed):
             return root_only(torch.tensor(roots))
         chains = [(toks, self._chain_values(s, values))
@@ -589,23 +589,29 @@ class Engine:
                                 [False] + [True] * len(toks))
                                for root, (toks, rates) in zip(roots, chains, strict=True)])
 
-    def _propose(self, s: _Seq) -> tuple[list[int], list[float], bool]:
-        """The lookup chain after s's last token (at most its tree's lookup length and draft
-        nodes: prompt lookup's or the n-gram store's, `lookup.propose_chain`), its values and
-        whether the store proposed it; ([], [], False) for requests that take none. The
-        history catches up on s's new tokens first."""
-        tree = s.req.tree
-        if not (s.auto and tree.mode == "eagle2" and tree.lookup > 0):
-            return [], [], False
-        if s.history is None:
-            s.history = TokenHistory()
-            s.history.extend(list(s.req.prompt_ids))
-        known = len(s.history) - len(s.req.prompt_ids)
-        if known < len(s.output):
-            s.history.extend(s.output[known:])
-        toks, values, match = propose_chain(s.history, min(tree.lookup, tree.num_nodes - 1),
-                                            self.lookup_table, self.ngram)
-        return toks, values, bool(toks) and match == 0
+    def _proposals(self, seqs: list[_Seq]) -> list[tuple[list[int], list[float], bool]]:
+        """Per request, the lookup chain after its last token (at most its tree's lookup
+        length and draft nodes: prompt lookup's or the n-gram store's,
+        `lookup.propose_chains`, the store's for all of them in one call), its values and
+        whether the store proposed it; ([], [], False) for requests that take none. Histories
+        catch up on their requests' new tokens first."""
+        takes = [s.auto and s.req.tree.mode == "eagle2" and s.req.tree.lookup > 0 for s in seqs]
+        takers = [s for s, t in zip(seqs, takes, strict=True) if t]
+        for s in takers:
+            if s.history is None:
+                s.history = TokenHistory()
+                s.history.extend(list(s.req.prompt_ids))
+            known = len(s.history) - len(s.req.prompt_ids)
+            if known < len(s.output):
+                s.history.extend(s.output[known:])
+        chains = iter(propose_chains([s.history for s in takers],
+                                     [min(s.req.tree.lookup, s.req.tree.num_nodes - 1)
+                                      for s in takers], self.lookup_table, self.ngram))
+        out = []
+        for t in takes:
+            toks, values, match = next(chains) if t else ([], [], 0)
+            out.append((toks, values, bool(toks) and match == 0))
+        return out
 
     def _chain_scale(self, s: _Seq) -> float:
         """How a sampled request's lookup chains on steps without a draft call fare against
@@ -655,8 +661,8 @@ class Engine:
             return None
         if self._lookup_vetoed():  # they would not be verified: a plain step
             return self._lookup_length([])[1]
-        return self._lookup_length([self._chain_values(s, self._propose(s)[1])
-                                    for s in self.seqs])[1]
+        return self._lookup_length([self._chain_values(s, values) for s, (_, values, _)
+                                    in zip(self.seqs, self._proposals(self.seqs), strict=True)])[1]
 
     def _lookup_vetoed(self) -> bool:
         """Whether steps without a draft call should leave lookup chains out (and not propose

@@ -19,6 +19,8 @@ the head ships one) and keeps the one expected to be accepted further.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING
@@ -109,6 +111,19 @@ class LookupTable:
             return row[depth - 1]
         return row[-1] * self.decay ** (depth - len(row))
 
+    VALUES_KEPT = 64  # depths per match length `values` keeps computed
+
+    @functools.cached_property
+    def _value_rows(self) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(self.value(m, d) for d in range(1, self.VALUES_KEPT + 1))
+                     for m in range(1, len(self.rates) + 1))
+
+    def values(self, match_len: int, num: int) -> list[float]:
+        """[value(match_len, d) for d in 1..num] (read from rows computed once)."""
+        if num > self.VALUES_KEPT:
+            return [self.value(match_len, d) for d in range(1, num + 1)]
+        return list(self._value_rows[min(max(match_len, 1), len(self.rates)) - 1][:num])
+
     def to_json(self) -> dict:
         return {"rates": [list(r) for r in self.rates], "decay": self.decay,
                 "num_samples": self.num_samples}
@@ -145,13 +160,27 @@ def propose_chain(history: TokenHistory, depth: int, table: LookupTable,
     length). -> (tokens, values, match length; 0 for the store's chain or none).
     E.g. a match of one token (rate ~0.2) loses to a 4-token context the target's answers
     continued with one token 9 times in 10 (~0.8)."""
-    toks, match = history.propose(depth)
-    values = [table.value(match, d) for d in range(1, len(toks) + 1)]
-    if store is not None and depth > 0:
-        other, other_values = store.propose(history.tokens, depth)
-        if sum(other_values) > sum(values):
-            return other, other_values, 0
-    return toks, values, match
+    return propose_chains([history], [depth], table, store)[0]
+
+
+def propose_chains(histories: Sequence[TokenHistory], depths: Sequence[int], table: LookupTable,
+                   store: NgramStore | None = None) -> list[tuple[list[int], list[float], int]]:
+    """`propose_chain` for a batch of sequences, the store's chains in one call
+    (`NgramStore.propose_many`; a chain's first d tokens are its chain of depth d)."""
+    most = max(depths, default=0)
+    others = (store.propose_many([h.tokens for h in histories], most)
+              if store is not None and most > 0 else None)
+    out = []
+    for b, (history, depth) in enumerate(zip(histories, depths, strict=True)):
+        toks, match = history.propose(depth)
+        values = table.values(match, len(toks))
+        if others is not None and depth > 0:
+            other, other_values = others[b][0][:depth], others[b][1][:depth]
+            if sum(other_values) > sum(values):
+                out.append((other, other_values, 0))
+                continue
+        out.append((toks, values, match))
+    return out
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,33 @@ def cpu_ops() -> ModuleType | None:
         return None
 
 
+NGRAM_SOURCE = Path(__file__).parent / "csrc" / "ngram.cpp"
+
+
+@functools.cache
+def ngram_ops() -> ModuleType | None:
+    """`torch.ops.eagle2_ngram` (csrc/ngram.cpp: the n-gram store's chains for a batch,
+    `NgramStore.propose_many`), built on first use into the eagle2 cache, keyed by the source
+    and torch (portable code: no -march); None where it cannot be built or EAGLE2_NATIVE=0
+    (the store then walks its chains in Python, to the same tokens and values)."""
+    from eagle2.target import cache_root
+
+    if os.environ.get("EAGLE2_NATIVE", "1") == "0":
+        return None
+    flags = ("-O2",)
+    key = hashlib.sha256("|".join([NGRAM_SOURCE.read_text(), " ".join(flags),
+                                   torch.__version__]).encode()).hexdigest()[:16]
+    build = cache_root() / "ext" / f"ngram-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        _build("eagle2_ngram_ops", NGRAM_SOURCE, build, flags)
+        return torch.ops.eagle2_ngram
+    except (OSError, RuntimeError, ImportError) as e:
+        log.warning("eagle2's n-gram chains could not be built (%s); walking them in Python "
+                    "(slower)", e)
+        return None
+
+
 def load_variant(namespace: str, source: Path = SOURCE, march: str = "native") -> ModuleType:
     """`source` built with its operators as torch.ops.<namespace> beside this build's: another
     commit's source (a benchmark's baseline), or this one for another instruction set (march

@@ -22,12 +22,16 @@ Stored beside the head as `ngram.npz` (it belongs to the target, as the head doe
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from eagle2.native import ngram_ops
 
 FILE_NAME = "ngram.npz"
 MAX_ORDER = 4
@@ -161,6 +165,33 @@ class NgramStore:
             values.append(value)
             ctx = [*ctx[1:], nxt[0]] if len(ctx) >= self.max_order else [*ctx, nxt[0]]
         return out, values
+
+    @functools.cached_property
+    def _native(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What csrc/ngram.cpp reads: the keys' bits as int64, the tokens, each key's rate."""
+        return (torch.from_numpy(np.ascontiguousarray(self.keys, np.uint64).view(np.int64)),
+                torch.from_numpy(np.ascontiguousarray(self.tokens, np.int32)),
+                torch.from_numpy(np.ascontiguousarray(self.rates[self.cells], np.float64)))
+
+    def propose_many(self, contexts: Sequence[Sequence[int]], depth: int
+                     ) -> list[tuple[list[int], list[float]]]:
+        """`propose` for each context, in one native call where csrc/ngram.cpp is built (the
+        same tokens and values: a test compares them; at batch 8 the Python walk cost ~0.65 ms
+        a step)."""
+        ops = ngram_ops()
+        if ops is None or not contexts or depth <= 0:
+            return [self.propose(c, depth) for c in contexts]
+        rows = []
+        for c in contexts:
+            tail = [int(t) for t in c[-self.max_order:]] if len(c) else []
+            rows.append([-1] * (self.max_order - len(tail)) + tail)
+        toks, values = ops.ngram_chains(*self._native, torch.tensor(rows, dtype=torch.long),
+                                        depth, MIN_VALUE, self.max_order)
+        out = []
+        for row_toks, row_values in zip(toks.tolist(), values.tolist(), strict=True):
+            n = row_toks.index(-1) if -1 in row_toks else depth
+            out.append((row_toks[:n], row_values[:n]))
+        return out
 
     def check_vocab(self, vocab_size: int) -> None:
         """A store built from another tokenizer's answers would propose ids the target has no

@@ -406,9 +406,9 @@ def test_lookup_chains_left_out_where_they_lost_lately():
                 for chains in [True] * 8 + [False] * 8:
                     record.observe(chains, 2 if chains else 1, 0.04 if chains else 0.01)
         proposed = []
-        propose = engine._propose
-        engine._propose = lambda s, propose=propose, proposed=proposed: (
-            proposed.append(1) or propose(s))
+        propose = engine._proposals
+        engine._proposals = lambda seqs, propose=propose, proposed=proposed: (
+            proposed.append(1) or propose(seqs))
         assert run(engine, prompts, GREEDY, TREES["eagle2-auto"]) == vanilla
         stats = engine.stats
         if losing:

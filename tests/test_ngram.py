@@ -19,7 +19,8 @@ from test_lossless_sampling import NUM_SAMPLES, chi_square_pvalue, exact_joint
 
 from eagle2.budget import SpeculationGate
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.lookup import LookupTable, TokenHistory, propose_chain
+from eagle2.lookup import LookupTable, TokenHistory, propose_chain, propose_chains
+from eagle2.native import ngram_ops
 from eagle2.ngram import (
     FILE_NAME,
     MAX_ORDER,
@@ -94,6 +95,31 @@ def test_chain_examples():
         NgramStore.build([([1], [])])
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_batch_of_chains_equals_the_walk_context_by_context(seed, monkeypatch):
+    """`propose_many` (csrc/ngram.cpp: one call for a batch) gives each context the tokens and
+    values of `propose`'s Python walk, bit for bit: contexts shorter than the longest order,
+    empty, unknown; chains cut by depth and by MIN_VALUE (rates from 0.05 to 1). Without the
+    native operators it walks in Python, to the same."""
+    assert ngram_ops() is not None  # built here: a C++ compiler is part of the set-up
+    rng = random.Random(seed)
+    vocab = 12
+    answers = [([rng.randrange(vocab) for _ in range(rng.randrange(0, 4))],
+                 [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]) for _ in range(60)]
+    store = NgramStore.build(answers, min_total=1,
+                             rates=np.random.default_rng(seed).uniform(0.05, 1.0, NUM_CELLS))
+    contexts = [[rng.randrange(vocab + 3) for _ in range(rng.randrange(0, 9))]
+                for _ in range(300)]
+    long_chains = 0
+    for depth in (0, 1, 3, 12):
+        want = [store.propose(c, depth) for c in contexts]
+        assert store.propose_many(contexts, depth) == want, depth
+        long_chains += sum(len(t) >= 3 for t, _ in want)
+    assert long_chains > 50  # the chains walk several contexts
+    monkeypatch.setattr("eagle2.ngram.ngram_ops", lambda: None)
+    assert store.propose_many(contexts, 12) == [store.propose(c, 12) for c in contexts]
+
+
 def test_fit_rates_cells_fallbacks_and_monotone_shares():
     cells, hits = [], []
     share_cells = [cell_of(2, s / 10 + 0.05, 10) for s in range(SHARE_BINS)]
@@ -139,6 +165,13 @@ def test_propose_chain_keeps_the_chain_expected_to_go_further():
     weak = store.with_rates(np.full(NUM_CELLS, 0.03))  # 0.03 + 0.0009 < 0.35
     assert propose_chain(history, 3, table, weak) == ([7, 8, 6], [0.2, 0.1, 0.05], 1)
     assert propose_chain(history, 0, table, store)[:2] == ([], [])
+    # a batch: each history's chain as alone, whatever the others' depths
+    other = TokenHistory()
+    other.extend([1, 2, 3, 1, 2])
+    batch = propose_chains([history, other, history], [3, 4, 0], table, store)
+    assert batch == [propose_chain(history, 3, table, store), propose_chain(other, 4, table, store),
+                     propose_chain(history, 0, table, store)]
+    assert batch[1] == ([3, 1, 2, 3], [0.2, 0.1, 0.05, 0.05 * 0.85], 2)
 
 
 # ----- in the engine ----------------------------------------------------------------------------
@@ -222,9 +255,9 @@ def test_sampled_ngram_chains_without_draft_calls_match_target_distribution(monk
     store = NgramStore.build([(REPEATING[-MAX_ORDER:], greedy)], min_total=1,
                              rates=np.full(NUM_CELLS, 0.95))
     proposed = []
-    real = NgramStore.propose
-    monkeypatch.setattr(NgramStore, "propose", lambda self, toks, depth: (
-        proposed.append(1) or real(self, toks, depth)))
+    real = NgramStore.propose_many
+    monkeypatch.setattr(NgramStore, "propose_many", lambda self, contexts, depth: (
+        proposed.append(1) or real(self, contexts, depth)))
     engine = make_engine(target, head_seed=0, max_batch=500, max_context=64)
     engine.ngram = store
     engine._costs = shut_gate_costs(0.0)
