@@ -167,9 +167,16 @@ class NgramStore:
         return out, values
 
     @functools.cached_property
-    def _native(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What csrc/ngram.cpp reads: the keys' bits as int64, the tokens, each key's rate."""
-        return (torch.from_numpy(np.ascontiguousarray(self.keys, np.uint64).view(np.int64)),
+    def _native(self) -> tuple[torch.Tensor, ...]:
+        """What csrc/ngram.cpp reads: the keys' bits as int64; a radix index of them (where
+        the keys whose top `bits` bits are b begin, about one key a bucket); the tokens; each
+        key's rate."""
+        keys = np.ascontiguousarray(self.keys, np.uint64)
+        bits = max(1, min(24, int(len(keys)).bit_length()))
+        tops = np.arange(2 ** bits + 1, dtype=np.uint64) << np.uint64(64 - bits)
+        starts = np.searchsorted(keys, tops).astype(np.int64)
+        starts[-1] = len(keys)  # (the last top wraps to 0)
+        return (torch.from_numpy(keys.view(np.int64)), torch.from_numpy(starts),
                 torch.from_numpy(np.ascontiguousarray(self.tokens, np.int32)),
                 torch.from_numpy(np.ascontiguousarray(self.rates[self.cells], np.float64)))
 
