@@ -17,7 +17,8 @@ valuing the d-th token at the product of the first d rates. Contexts are keys of
 hash (`_context_keys`): a collision proposes a wrong token, which verification rejects.
 
 Stored beside the head as `ngram.npz` (it belongs to the target, as the head does); built by
-`eagle2 build-ngram` from the head's training conversations.
+`eagle2 build-ngram` from the head's training conversations. A batch's chains are walked in
+one native call (`propose_many`, csrc/ngram.cpp; the Python walk where it cannot be built).
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class NgramStore:
         the keys whose top `bits` bits are b begin, about one key a bucket); the tokens; each
         key's rate."""
         keys = np.ascontiguousarray(self.keys, np.uint64)
-        bits = max(1, min(24, int(len(keys)).bit_length()))
+        bits = max(1, min(24, len(keys).bit_length()))
         tops = np.arange(2 ** bits + 1, dtype=np.uint64) << np.uint64(64 - bits)
         starts = np.searchsorted(keys, tops).astype(np.int64)
         starts[-1] = len(keys)  # (the last top wraps to 0)
@@ -185,7 +186,7 @@ class NgramStore:
         """`propose` for each context, in one native call where csrc/ngram.cpp is built (the
         same tokens and values: a test compares them; at batch 8 the Python walk cost ~0.65 ms
         a step)."""
-        ops = ngram_ops()
+        ops = ngram_ops()  # (cached)
         if ops is None or not contexts or depth <= 0:
             return [self.propose(c, depth) for c in contexts]
         rows = []
@@ -246,6 +247,7 @@ class NgramStore:
             raise ValueError(f"{path}: {len(store.rates)} rates, expected {NUM_CELLS}")
         if np.any(store.keys[1:] <= store.keys[:-1]):
             raise ValueError(f"{path}: context keys are not sorted and unique")
+        ngram_ops()  # built (once per machine, ~15 s) as the store loads, not at a first request
         return store
 
     @classmethod
