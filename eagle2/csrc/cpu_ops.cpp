@@ -1086,36 +1086,52 @@ inline void fma_tile(const float* x, int64_t K2, const uint32_t* w, bf16* y, int
       }
 }
 
-// rows [0, M) of x (fp32) against B consecutive blocks at w: up to 24 accumulators a tile
-// (after: the block that follows them, which the AVX2 kernel prefetches; prefetch_block does
-// it here, per input pair)
-template <int B>
-inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int64_t N,
-                     int64_t n0, int64_t M, const uint32_t* /*after*/) {
+// M rows against `blocks` (4, or 1 at a weight's end) consecutive blocks, one pass over their
+// weights: up to 3 rows read four blocks at once (four streams), up to 6 two at a time, more
+// one at a time (at most 24 accumulators a tile)
+template <int M>
+inline void fma_pass(const float* x, int64_t K2, const uint32_t* w, bf16* y, int64_t N,
+                     int64_t n0, int64_t blocks) {
   const int64_t bs = K2 * kBlockN;
-  for (int64_t m = 0; m < M;) {
+  if constexpr (M <= 3) {
+    if (blocks == 4) return fma_tile<M, 4>(x, K2, w, y, N, n0, N);
+  } else if constexpr (M <= 6) {
+    if (blocks == 4) {
+      for (int64_t b = 0; b < 4; b += 2)
+        fma_tile<M, 2>(x, K2, w + b * bs, y, N, n0 + b * kBlockN, N);
+      return;
+    }
+  }
+  for (int64_t b = 0; b < blocks; ++b)
+    fma_tile<M, 1>(x, K2, w + b * bs, y, N, n0 + b * kBlockN, N);
+}
+
+// rows [0, M) of x (fp32) against `blocks` consecutive blocks at w. Up to 12 rows take one
+// pass over the weights, every row count its own tile (read as 4 + 1 and 6 + 1 rows, 5 and 7
+// rows had cost a second pass from L2: a tree of 5 tokens more than one of 6); more rows are
+// split into near-equal passes of at most 12, the later ones from L2.
+inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int64_t N,
+                     int64_t n0, int64_t M, int64_t blocks) {
+  const int64_t passes = (M + 11) / 12;
+  for (int64_t m = 0, p = 0; m < M; ++p) {
+    const int64_t take = (M - m) / (passes - p);  // near-equal passes
     const float* xm = x + m * 2 * K2;
     bf16* ym = y + m * N;
-    const int64_t left = M - m;
-    if (left >= 8) {
-      for (int b = 0; b < B; ++b) fma_tile<8, 1>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
-      m += 8;
-    } else if (left >= 6 && B % 2 == 0) {
-      for (int b = 0; b < B; b += 2) fma_tile<6, 2>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
-      m += 6;
-    } else if (left >= 4 && B % 2 == 0) {
-      for (int b = 0; b < B; b += 2) fma_tile<4, 2>(xm, K2, w + b * bs, ym, N, n0 + b * kBlockN, N);
-      m += 4;
-    } else if (left >= 3) {
-      fma_tile<3, B>(xm, K2, w, ym, N, n0, N);
-      m += 3;
-    } else if (left >= 2) {
-      fma_tile<2, B>(xm, K2, w, ym, N, n0, N);
-      m += 2;
-    } else {
-      fma_tile<1, B>(xm, K2, w, ym, N, n0, N);
-      m += 1;
+    switch (take) {
+      case 1: fma_pass<1>(xm, K2, w, ym, N, n0, blocks); break;
+      case 2: fma_pass<2>(xm, K2, w, ym, N, n0, blocks); break;
+      case 3: fma_pass<3>(xm, K2, w, ym, N, n0, blocks); break;
+      case 4: fma_pass<4>(xm, K2, w, ym, N, n0, blocks); break;
+      case 5: fma_pass<5>(xm, K2, w, ym, N, n0, blocks); break;
+      case 6: fma_pass<6>(xm, K2, w, ym, N, n0, blocks); break;
+      case 7: fma_pass<7>(xm, K2, w, ym, N, n0, blocks); break;
+      case 8: fma_pass<8>(xm, K2, w, ym, N, n0, blocks); break;
+      case 9: fma_pass<9>(xm, K2, w, ym, N, n0, blocks); break;
+      case 10: fma_pass<10>(xm, K2, w, ym, N, n0, blocks); break;
+      case 11: fma_pass<11>(xm, K2, w, ym, N, n0, blocks); break;
+      default: fma_pass<12>(xm, K2, w, ym, N, n0, blocks); break;
     }
+    m += take;
   }
 }
 
@@ -1309,12 +1325,20 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t blk = 4 * u;
       const auto at = [&](int64_t b) { return b < blocks ? wp + b * K2 * kBlockN : nullptr; };
+#ifdef EAGLE2_AVX512
+      if (blk + 4 <= blocks) {
+        fma_rows(xp, at(blk), K2, yp, N, blk * kBlockN, M, 4);
+      } else {
+        for (int64_t b = blk; b < blocks; ++b) fma_rows(xp, at(b), K2, yp, N, b * kBlockN, M, 1);
+      }
+#else
       if (blk + 4 <= blocks) {
         fma_rows<4>(xp, at(blk), K2, yp, N, blk * kBlockN, M, at(blk + 4));
       } else {
         for (int64_t b = blk; b < blocks; ++b)
           fma_rows<1>(xp, at(b), K2, yp, N, b * kBlockN, M, at(b + 1));
       }
+#endif
     }
   });
   return y;
