@@ -18,16 +18,21 @@ steps without a draft call taken even where such steps delivered less than plain
 lately: `Engine._lookup_vetoed`), no-chain-scale (those chains valued as the lookup table and
 the n-gram store say, not scaled by what the request's chains got lately: `Engine._chain_scale`),
 python-chains (the n-gram store's chains walked in Python, context by context, not by
-csrc/ngram.cpp for the whole batch: `NgramStore.propose_many`).
+csrc/ngram.cpp for the whole batch: `NgramStore.propose_many`), base-kernels (the shipped
+engine whose target layers run the operators of `--base-source`, another commit's
+csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
+step: a kernel change A/B'd in one process; the lm_head and the head keep this build's).
 Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
 """
 
 import argparse
+import hashlib
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
 
@@ -39,7 +44,7 @@ from eagle2.engine import EngineStats
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
-            "python-chains")
+            "python-chains", "base-kernels")
 
 
 class _OpenGates(dict):
@@ -54,7 +59,7 @@ class _OpenGates(dict):
         return gate
 
 
-def build(variant: str, max_batch: int = 8) -> Eagle2:
+def build(variant: str, max_batch: int = 8, base_source: str | None = None) -> Eagle2:
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     mode = "vanilla" if variant.startswith("vanilla") else "eagle2"
@@ -76,6 +81,16 @@ def build(variant: str, max_batch: int = 8) -> Eagle2:
         object.__setattr__(store, "propose_many", lambda contexts, depth: [
             store.propose(c, depth) for c in contexts])
         llm.engine.ngram = llm.engine.drafter.ngram = store
+    if variant == "base-kernels":
+        if not base_source:
+            raise SystemExit("base-kernels needs --base-source OTHER/eagle2/csrc/cpu_ops.cpp")
+        from eagle2.native import load_variant
+        from eagle2.target import cost_cache_path
+
+        llm.target.native = load_variant("eagle2_ab_base", Path(base_source))
+        path = cost_cache_path(llm.target)  # (keyed by this build: one per base source beside)
+        tag = hashlib.sha256(Path(base_source).read_bytes()).hexdigest()[:12]
+        llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-ab-{tag}.json")
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
     return llm
@@ -89,10 +104,11 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--batch", type=int, default=1,
                     help="prompts decoded together (groups of one suite's consecutive prompts)")
+    ap.add_argument("--base-source", default=None, help="for base-kernels")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = args.variants.split(",")
-    llms = {v: build(v, max(8, args.batch)) for v in variants}
+    llms = {v: build(v, max(8, args.batch), args.base_source) for v in variants}
     suites = [load_suite(s, args.num_prompts) for s in ("mt_bench", "humaneval")]
     groups = [ps[i: i + args.batch] for ps in suites for i in range(0, len(ps), args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)

@@ -178,9 +178,9 @@ def test_native_bf16_linear_equals_the_packed_kernel_for_any_row_count(native_li
 @pytest.mark.parametrize("shape", [(576, 1536), (3072, 576), (1000, 64), (130, 1000)])
 def test_fma_linear_rows_do_not_depend_on_the_row_count(shape, threads):
     """The FMA variant: each row bitwise what it gives alone, for every row count and tile
-    shape (1-12 rows in one pass, each count its own tile; more in near-equal passes of at
-    most 12; 12+ rows on two threads), flat and batched and strided inputs, outputs that are
-    not a multiple of 32; and within bf16 rounding of an fp64 product."""
+    shape (1-11 rows in one pass, each count its own tile; more 8 at a time, then the rest;
+    12+ rows on two threads), flat and batched and strided inputs, outputs that are not a
+    multiple of 32; and within bf16 rounding of an fp64 product."""
     if fma_linear_ops() is None:
         pytest.skip("no native FMA linear here (needs AVX2 and FMA, and a C++ compiler)")
     torch.manual_seed(3)

@@ -1106,15 +1106,16 @@ inline void fma_pass(const float* x, int64_t K2, const uint32_t* w, bf16* y, int
     fma_tile<M, 1>(x, K2, w + b * bs, y, N, n0 + b * kBlockN, N);
 }
 
-// rows [0, M) of x (fp32) against `blocks` consecutive blocks at w. Up to 12 rows take one
-// pass over the weights, every row count its own tile (read as 4 + 1 and 6 + 1 rows, 5 and 7
-// rows had cost a second pass from L2: a tree of 5 tokens more than one of 6); more rows are
-// split into near-equal passes of at most 12, the later ones from L2.
+// rows [0, M) of x (fp32) against `blocks` consecutive blocks at w. Up to 11 rows take one
+// pass over the weights, every row count its own tile (read as 4 + 1, 6 + 1 and 8 + 1-3 rows,
+// 5, 7 and 9-11 rows had cost a second pass from L2, of nearly a memory pass's time for one
+// row: a tree of 5 tokens cost more than one of 6). More rows go 8 at a time and then the
+// rest in one pass, the later passes from L2, where they are compute-bound and a wide tile
+// computes slower (passes of 11-12 rows there cost a prefill's linears 8-30% more).
 inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int64_t N,
                      int64_t n0, int64_t M, int64_t blocks) {
-  const int64_t passes = (M + 11) / 12;
-  for (int64_t m = 0, p = 0; m < M; ++p) {
-    const int64_t take = (M - m) / (passes - p);  // near-equal passes
+  for (int64_t m = 0; m < M;) {
+    const int64_t take = M <= 11 ? M : std::min<int64_t>(M - m, 8);
     const float* xm = x + m * 2 * K2;
     bf16* ym = y + m * N;
     switch (take) {
@@ -1128,8 +1129,7 @@ inline void fma_rows(const float* x, const uint32_t* w, int64_t K2, bf16* y, int
       case 8: fma_pass<8>(xm, K2, w, ym, N, n0, blocks); break;
       case 9: fma_pass<9>(xm, K2, w, ym, N, n0, blocks); break;
       case 10: fma_pass<10>(xm, K2, w, ym, N, n0, blocks); break;
-      case 11: fma_pass<11>(xm, K2, w, ym, N, n0, blocks); break;
-      default: fma_pass<12>(xm, K2, w, ym, N, n0, blocks); break;
+      default: fma_pass<11>(xm, K2, w, ym, N, n0, blocks); break;
     }
     m += take;
   }
