@@ -21,7 +21,9 @@ python-chains (the n-gram store's chains walked in Python, context by context, n
 csrc/ngram.cpp for the whole batch: `NgramStore.propose_many`), base-kernels (the shipped
 engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
-step: a kernel change A/B'd in one process; the lm_head and the head keep this build's).
+step: a kernel change A/B'd in one process; the lm_head and the head keep this build's),
+multinomial-draw, vanilla-multinomial-draw (sampled tokens drawn by `torch.multinomial`, V
+exponentials a token, not by `verify.draw`, during that variant's calls).
 Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
@@ -35,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
+import torch
 
 from eagle2 import Eagle2, SamplingParams
 from eagle2.bench.prompts import load_suite
@@ -44,7 +47,7 @@ from eagle2.engine import EngineStats
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
-            "python-chains", "base-kernels")
+            "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw")
 
 
 class _OpenGates(dict):
@@ -91,6 +94,21 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None) -> E
         path = cost_cache_path(llm.target)  # (keyed by this build: one per base source beside)
         tag = hashlib.sha256(Path(base_source).read_bytes()).hexdigest()[:12]
         llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-ab-{tag}.json")
+    if variant.endswith("multinomial-draw"):
+        import eagle2.verify
+
+        def multinomial(p, generator):
+            return int(torch.multinomial(p / p.sum(), 1, generator=generator))
+
+        generate = llm.generate
+
+        def with_multinomial(*a, **k):
+            draw, eagle2.verify.draw = eagle2.verify.draw, multinomial
+            try:
+                return generate(*a, **k)
+            finally:
+                eagle2.verify.draw = draw
+        llm.generate = with_multinomial
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
     return llm

@@ -19,7 +19,7 @@ from conftest import make_engine, run, tiny_target
 
 import eagle2.verify
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.verify import verify_sampling
+from eagle2.verify import draw, verify_sampling
 
 VOCAB = 8
 PROMPT = [1, 4, 6, 2]
@@ -83,6 +83,25 @@ def sample_counts(target, params: SamplingParams,
         for o in outs:
             counts[tuple(o[:3])] = counts.get(tuple(o[:3]), 0) + 1
     return counts, engine.stats.batch_sizes
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero(monkeypatch):
+    """`draw` (one uniform through the inverse cumulative sum) against the exact frequencies of
+    an unnormalised p with zeros inside and at both ends; where u x total rounds up to the
+    total it takes the last token of positive p."""
+    from scipy.stats import chisquare
+
+    p = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 1e-3, 2.5, 0.0, 0.0], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    counts = np.bincount([draw(p, gen) for _ in range(20000)], minlength=len(p))
+    assert counts[p.numpy() == 0].sum() == 0
+    keep = p.numpy() > 0
+    expected = p.numpy()[keep] / p.sum().item() * counts.sum()
+    assert chisquare(counts[keep], expected).pvalue > 1e-3
+    assert draw(torch.tensor([0.0, 0.0, 2.0, 0.0], dtype=torch.float64), gen) == 2
+    # u = 1 (beyond torch.rand's range): as if u x total had rounded up to the total
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(p, gen) == 6  # the last token of positive p, not the zeros after it
 
 
 @pytest.fixture(scope="module")
