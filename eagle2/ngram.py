@@ -184,8 +184,8 @@ class NgramStore:
     def propose_many(self, contexts: Sequence[Sequence[int]], depth: int
                      ) -> list[tuple[list[int], list[float]]]:
         """`propose` for each context, in one native call where csrc/ngram.cpp is built (the
-        same tokens and values: a test compares them; at batch 8 the Python walk cost ~0.65 ms
-        a step)."""
+        same tokens and values: a test compares them; inside the engine at batch 8 the Python
+        walk cost ~0.5 ms a step, this ~0.16)."""
         ops = ngram_ops()  # (cached)
         if ops is None or not contexts or depth <= 0:
             return [self.propose(c, depth) for c in contexts]
