@@ -10,7 +10,8 @@ and writes JSON.
 
 Variants: vanilla (plain decoding), shipped (the default engine), no-lookup-alone (no prompt
 lookup chains on steps without a draft call: `Engine(lookup_alone=False)`), always-draft (the
-speculation gate never shut), no-ngram (prompt lookup without the n-gram store's chains),
+speculation gate never shut), never-draft (the gate always shut and no newcomer probes:
+the lookup chains alone), no-ngram (prompt lookup without the n-gram store's chains),
 vanilla-logits and shipped-logits (greedy tokens as the argmax of the lm_head's logits, not
 through `kernels.GreedyArgmax`), grid-costs (the budget prices greedy batches as the cost
 grid's forwards, logits included, not as `CostModel.greedy`), no-lookup-veto (lookup chains on
@@ -47,18 +48,23 @@ from eagle2.engine import EngineStats
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
-            "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw")
+            "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
+            "never-draft")
 
 
 class _OpenGates(dict):
-    """Engine.gates whose gate for every batch size always drafts."""
+    """Engine.gates whose gate for every batch size always drafts (never, if not `open`)."""
+
+    def __init__(self, open_: bool = True):
+        super().__init__()
+        self.open = open_
 
     def __contains__(self, size) -> bool:
         return True
 
     def __getitem__(self, size) -> SpeculationGate:
         gate = SpeculationGate()
-        gate.should_draft = lambda: True
+        gate.should_draft = lambda: self.open
         return gate
 
 
@@ -73,6 +79,9 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None) -> E
         llm.engine.lookup_alone = False
     if variant == "always-draft":
         llm.engine.gates = _OpenGates()
+    if variant == "never-draft":
+        llm.engine.gates = _OpenGates(open_=False)
+        llm.engine._could_pay = lambda drafting: False  # no newcomer probes either
     if variant == "grid-costs":
         llm.engine._forward_costs = lambda costs: costs
     if variant == "no-lookup-veto":
