@@ -79,15 +79,10 @@ def ngram_ops() -> ModuleType | None:
     `NgramStore.propose_many`), built on first use into the eagle2 cache, keyed by the source
     and torch (portable code: no -march); None where it cannot be built or EAGLE2_NATIVE=0
     (the store then walks its chains in Python, to the same tokens and values)."""
-    from eagle2.target import cache_root
-
     if os.environ.get("EAGLE2_NATIVE", "1") == "0":
         return None
     flags = ("-O2",)
-    key = hashlib.sha256("|".join([NGRAM_SOURCE.read_text(), " ".join(flags),
-                                   torch.__version__]).encode()).hexdigest()[:16]
-    build = cache_root() / "ext" / f"ngram-{key}"
-    build.mkdir(parents=True, exist_ok=True)
+    build = _keyed_dir("ngram", NGRAM_SOURCE.read_text(), flags)
     try:
         _build("eagle2_ngram_ops", NGRAM_SOURCE, build, flags)
         return torch.ops.eagle2_ngram
@@ -103,19 +98,26 @@ def load_variant(namespace: str, source: Path = SOURCE, march: str = "native") -
     "haswell": the AVX2 build, which the tests run on an AVX-512 machine too). Built into the
     eagle2 cache once per source, flags, torch and CPU; raises where it cannot be built."""
     from eagle2.kernels import cpu_info
-    from eagle2.target import cache_root
 
     text = source.read_text().replace("(eagle2_cpu,", f"({namespace},")
     flags = tuple(f for f in CFLAGS if not f.startswith("-march")) + (f"-march={march}",)
-    key = hashlib.sha256("|".join([text, " ".join(flags), torch.__version__,
-                                   str(cpu_info())]).encode()).hexdigest()[:16]
-    build = cache_root() / "ext" / f"{namespace}-{key}"
-    build.mkdir(parents=True, exist_ok=True)
+    build = _keyed_dir(namespace, text, flags, str(cpu_info()))
     copy = build / f"{namespace}.cpp"
     if not copy.exists() or copy.read_text() != text:
         copy.write_text(text)
     _build(f"{namespace}_ops", copy, build, flags)
     return getattr(torch.ops, namespace)
+
+
+def _keyed_dir(prefix: str, text: str, flags: tuple[str, ...], *more: str) -> Path:
+    """The eagle2 cache's build directory of a source text built with `flags` under this
+    torch (and whatever else `more` names), made if missing: ext/<prefix>-<hash>."""
+    from eagle2.target import cache_root
+
+    key = hashlib.sha256("|".join([text, " ".join(flags), torch.__version__, *more]).encode())
+    build = cache_root() / "ext" / f"{prefix}-{key.hexdigest()[:16]}"
+    build.mkdir(parents=True, exist_ok=True)
+    return build
 
 
 def _build(name: str, source: Path, build: Path, flags: tuple[str, ...]) -> None:

@@ -191,7 +191,7 @@ class NgramStore:
             return [self.propose(c, depth) for c in contexts]
         rows = []
         for c in contexts:
-            tail = [int(t) for t in c[-self.max_order:]] if len(c) else []
+            tail = [int(t) for t in c[-self.max_order:]]
             rows.append([-1] * (self.max_order - len(tail)) + tail)
         toks, values = ops.ngram_chains(*self._native, torch.tensor(rows, dtype=torch.long),
                                         depth, MIN_VALUE, self.max_order)
