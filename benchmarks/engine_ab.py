@@ -22,7 +22,9 @@ python-chains (the n-gram store's chains walked in Python, context by context, n
 csrc/ngram.cpp for the whole batch: `NgramStore.propose_many`), base-kernels (the shipped
 engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
-step: a kernel change A/B'd in one process; the lm_head and the head keep this build's),
+step: a kernel change A/B'd in one process; greedy tokens through its greedy_argmax too, with
+its own int8 pack; the lm_head's logits and the head keep this build's), vanilla-base-kernels
+(plain decoding on them),
 multinomial-draw, vanilla-multinomial-draw (sampled tokens drawn by `torch.multinomial`, V
 exponentials a token, not by `verify.draw`, during that variant's calls).
 Greedy runs check that every variant's output equals the
@@ -49,7 +51,7 @@ from eagle2.engine import EngineStats
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
             "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
-            "never-draft")
+            "never-draft", "vanilla-base-kernels")
 
 
 class _OpenGates(dict):
@@ -93,13 +95,16 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None) -> E
         object.__setattr__(store, "propose_many", lambda contexts, depth: [
             store.propose(c, depth) for c in contexts])
         llm.engine.ngram = llm.engine.drafter.ngram = store
-    if variant == "base-kernels":
+    if variant.endswith("base-kernels"):
         if not base_source:
             raise SystemExit("base-kernels needs --base-source OTHER/eagle2/csrc/cpu_ops.cpp")
+        from eagle2.kernels import GreedyArgmax
         from eagle2.native import load_variant
         from eagle2.target import cost_cache_path
 
-        llm.target.native = load_variant("eagle2_ab_base", Path(base_source))
+        llm.target.native = base = load_variant("eagle2_ab_base", Path(base_source))
+        if llm.target.greedy_head is not None:
+            llm.target.greedy_head = GreedyArgmax(llm.target.greedy_head.proj, base)
         path = cost_cache_path(llm.target)  # (keyed by this build: one per base source beside)
         tag = hashlib.sha256(Path(base_source).read_bytes()).hexdigest()[:12]
         llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-ab-{tag}.json")

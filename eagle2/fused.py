@@ -84,6 +84,19 @@ class FusedLayer:
     def weights(self) -> list[torch.Tensor]:
         return [w.weight for w in (self.qkv, self.o, self.gate_up, self.down)]
 
+    @property
+    def linears(self) -> tuple[BlockedWeight, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+    def fma_arguments(self) -> tuple:
+        """(packed weight, out features) of q|k|v, o, gate|up and down, as `decoder_layer`
+        takes them: built on first use and kept (the packed weights are kept too)."""
+        args = self.__dict__.get("_fma_arguments")
+        if args is None:
+            args = self.__dict__["_fma_arguments"] = tuple(
+                a for w in self.linears for a in (w.fma_packed(), w.weight.shape[0]))
+        return args
+
 
 def is_silu(act: nn.Module) -> bool:
     """The activation is SiLU (the native path fuses it with the multiply by up)."""
@@ -127,21 +140,20 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
     (bf16 CPU): norm -> qkv -> RoPE + K/V writes -> attention -> o -> residual add + norm ->
     MLP."""
     assert inp.base is not None and inp.tree_mask is not None
-    layer_k, layer_v = cache.k[layer_idx], cache.v[layer_idx]
+    layer_k, layer_v, key_blocks, valid = cache.layer_views(layer_idx)
     rows = x.numel() // x.shape[-1]
-    linears = (lw.qkv, lw.o, lw.gate_up, lw.down)
+    linears = lw.linears
     if lw.silu and NATIVE_LAYER and all(w.plan.for_rows(rows) == FMA for w in linears):
         # the same calls in one operator (`decoder_layer`: bitwise this function's result)
         return ops.decoder_layer(
-            x, lw.input_norm, lw.post_norm, lw.eps, *(a for w in linears for a in (
-                w.fma_packed(), w.weight.shape[0])), inp.cos, inp.sin, num_q_heads,
-            layer_k.shape[1], layer_k, layer_v, inp.slots, inp.write_pos, inp.base,
-            inp.tree_mask, layer_k.shape[-1] ** -0.5, *cache.layer_key_blocks(layer_idx))
+            x, lw.input_norm, lw.post_norm, lw.eps, *lw.fma_arguments(), inp.cos, inp.sin,
+            num_q_heads, layer_k.shape[1], layer_k, layer_v, inp.slots, inp.write_pos, inp.base,
+            inp.tree_mask, layer_k.shape[-1] ** -0.5, key_blocks, valid)
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
     q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
                            layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
     out = ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
-                        q.shape[-1] ** -0.5, *cache.layer_key_blocks(layer_idx))  # [B, N, Hq Dh]
+                        q.shape[-1] ** -0.5, key_blocks, valid)  # [B, N, Hq Dh]
     x, h = ops.add_rms_norm(x, lw.o(out), lw.post_norm, lw.eps)
     if lw.silu:
         return x + lw.down(ops.silu_mul(lw.gate_up(h)))

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -1431,8 +1432,14 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 
 constexpr int64_t kArgBlock = 32;  // outputs per block of the int8 weight (4 groups of 8 lanes)
 
-// weight [V, K] bf16 -> (int8 weight [blocks, K / 2, 32 outputs, 2], per output (s, |w - sQ|_2,
-// |Q|_2, |w|_2) as double [V, 4]); the padding outputs of the last block are zero
+// the fp32 FMA sum of K products: |f - exact| <= gamma |w|_2 |x|_2, gamma = 1.01 K 2^-24
+inline double fma_sum_gamma(int64_t K) { return 1.01 * static_cast<double>(K) * std::ldexp(1.0, -24); }
+
+// weight [V, K] bf16 -> (int8 weight [blocks, K / 2, 32 outputs, 2], per output the float
+// coefficients greedy_argmax's bounds read [3, V]: its scale s, the coefficient of |x|_2
+// (|w - sQ|_2 + gamma |w|_2) and that of |x - s_x X|_2 (s |Q|_2), each rounded up by more than
+// its roundings). Computed here once, not per call (49,152 outputs' doubles had cost ~0.3 ms
+// a greedy step). The padding outputs of the last block are zero
 std::tuple<torch::Tensor, torch::Tensor> pack_argmax(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
                   weight.device().is_cpu() && weight.size(1) % 2 == 0,
@@ -1441,10 +1448,11 @@ std::tuple<torch::Tensor, torch::Tensor> pack_argmax(const torch::Tensor& weight
   const int64_t V = w.size(0), K = w.size(1), K2 = K / 2;
   const int64_t blocks = (V + kArgBlock - 1) / kArgBlock;
   auto q = torch::zeros({blocks, K2, kArgBlock, 2}, torch::dtype(torch::kInt8));
-  auto stats = torch::zeros({V, 4}, torch::dtype(torch::kFloat64));
+  auto stats = torch::zeros({3, V}, torch::dtype(torch::kFloat32));
   const bf16* wp = w.data_ptr<bf16>();
   int8_t* qp = q.data_ptr<int8_t>();
-  double* sp = stats.data_ptr<double>();
+  float* sp = stats.data_ptr<float>();
+  const double gamma = fma_sum_gamma(K);
   at::parallel_for(0, V, 256, [&](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; ++v) {
       const bf16* row = wp + v * K;
@@ -1462,10 +1470,9 @@ std::tuple<torch::Tensor, torch::Tensor> pack_argmax(const torch::Tensor& weight
         qp[((v / kArgBlock) * K2 + k / 2) * kArgBlock * 2 + (v % kArgBlock) * 2 + k % 2] =
             static_cast<int8_t>(qv);
       }
-      sp[4 * v] = scale;
-      sp[4 * v + 1] = std::sqrt(r2);
-      sp[4 * v + 2] = std::sqrt(q2);
-      sp[4 * v + 3] = std::sqrt(w2);
+      sp[v] = static_cast<float>(scale);
+      sp[V + v] = static_cast<float>((std::sqrt(r2) + gamma * std::sqrt(w2)) * (1.0 + 1e-6));
+      sp[2 * V + v] = static_cast<float>(scale * std::sqrt(q2) * (1.0 + 1e-6));
     }
   });
   return {q, stats};
@@ -1572,7 +1579,8 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
               "greedy_argmax expects bf16 [R, K] on the CPU");
   const int64_t R = x.size(0), K = x.size(1), K2 = K / 2;
   TORCH_CHECK(q.dim() == 4 && q.size(1) == K2 && q.size(2) == kArgBlock &&
-                  q.size(0) * kArgBlock >= V && stats.size(0) == V && stats.size(1) == 4 &&
+                  q.size(0) * kArgBlock >= V && stats.dim() == 2 && stats.size(0) == 3 &&
+                  stats.size(1) == V && stats.scalar_type() == at::kFloat &&
                   packed.dim() == 3 && packed.size(1) == K2 &&
                   packed.size(0) * kBlockN >= V && K % 2 == 0,
               "greedy_argmax: the input's features or V do not match the packed weights");
@@ -1580,13 +1588,10 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   const auto st = stats.contiguous();
   const float* xp = xf.data();
   const int8_t* qp = q.data_ptr<int8_t>();
-  const double* sp = st.data_ptr<double>();
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   const int64_t blocks = q.size(0);
   // the input's int16 range: the int32 sums cannot overflow (127 x X x K < 2^31)
   const double xmax = std::min(16383.0, std::floor(2147483647.0 / (127.0 * K)));
-  // the fp32 FMA sum of K products: |f - exact| <= gamma |w|_2 |x|_2, gamma = 1.01 K 2^-24
-  const double gamma = 1.01 * static_cast<double>(K) * std::ldexp(1.0, -24);
   auto result = torch::full({R}, -1, torch::dtype(torch::kInt64));
   int64_t* rp = result.data_ptr<int64_t>();
   // per row: the int16 input (pairs in int32 lanes, vpmaddwd's operand), its scale s_x, |x|_2
@@ -1622,17 +1627,13 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
     en[r] = static_cast<float>(std::sqrt(e2) * (1.0 + 1e-6));
   }
   // per output: its scale and the bound's coefficients of |x|_2 and |x - s_x X|_2
-  std::vector<float> scale(V), coef_x(V), coef_e(V);
-  for (int64_t v = 0; v < V; ++v) {
-    const double* s = sp + 4 * v;
-    scale[v] = static_cast<float>(s[0]);
-    coef_x[v] = static_cast<float>((s[1] + gamma * s[3]) * (1.0 + 1e-6));
-    coef_e[v] = static_cast<float>(s[0] * s[2] * (1.0 + 1e-6));
-  }
+  const float* scale = st.data_ptr<float>();
+  const float* coef_x = scale + V;
+  const float* coef_e = scale + 2 * V;
   // pass 1: the int32 sums -> each output's upper bound, and each row's largest lower bound.
   // In float: each of the ~8 roundings is within 2^-24 of its result, and 1e-6 x (|estimate|
   // + bound) more covers them all
-  std::vector<float> upper(R * V);
+  std::unique_ptr<float[]> upper(new float[R * V]);  // every entry written in pass 1
   std::vector<float> best_lower(R, -INFINITY);
   alignas(64) int32_t sums[kArgRows * kArgBlock];
   const __m256 rel = _mm256_set1_ps(1e-6f), tiny = _mm256_set1_ps(1e-30f);
@@ -1667,9 +1668,9 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
           const int64_t v = v0 + j;
           const __m256i lanes = _mm256_cmpgt_epi32(
               _mm256_set1_epi32(static_cast<int>(n - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-          const __m256 sc = _mm256_maskload_ps(scale.data() + v, lanes);
-          const __m256 cx = _mm256_maskload_ps(coef_x.data() + v, lanes);
-          const __m256 ce = _mm256_maskload_ps(coef_e.data() + v, lanes);
+          const __m256 sc = _mm256_maskload_ps(scale + v, lanes);
+          const __m256 cx = _mm256_maskload_ps(coef_x + v, lanes);
+          const __m256 ce = _mm256_maskload_ps(coef_e + v, lanes);
           const __m256 estimate = _mm256_mul_ps(
               _mm256_cvtepi32_ps(_mm256_load_si256(
                   reinterpret_cast<const __m256i*>(sums + m * kArgBlock + j))),
@@ -1677,7 +1678,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
           const __m256 bound = _mm256_add_ps(_mm256_mul_ps(cx, vxn), _mm256_mul_ps(ce, ven));
           const __m256 margin = _mm256_add_ps(bound, _mm256_add_ps(_mm256_mul_ps(
               rel, _mm256_add_ps(_mm256_andnot_ps(sign, estimate), bound)), tiny));
-          _mm256_maskstore_ps(upper.data() + r * V + v, lanes, _mm256_add_ps(estimate, margin));
+          _mm256_maskstore_ps(upper.get() + r * V + v, lanes, _mm256_add_ps(estimate, margin));
           low[m] = _mm256_max_ps(low[m], _mm256_blendv_ps(none, _mm256_sub_ps(estimate, margin),
                                                            _mm256_castsi256_ps(lanes)));
         }
@@ -1698,7 +1699,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
     const float thr = floor_bf16 - std::fabs(floor_bf16) * (1.0f / 128.0f) - 1e-30f;
     const __m256 vthr = _mm256_set1_ps(thr);
     const float* row = xp + r * K;
-    const float* up = upper.data() + r * V;
+    const float* up = upper.get() + r * V;
     float best = -INFINITY;
     int64_t arg = -1;
     for (int64_t v8 = 0; v8 < V; v8 += 8) {
