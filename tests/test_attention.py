@@ -209,3 +209,22 @@ def test_window_depth_covers_every_tree_the_config_allows():
     assert MAX_DEPTH + 1 <= WINDOW_DEPTH and MAX_LOOKUP <= WINDOW_DEPTH
     with pytest.raises(ValueError, match="depth must be in"):
         TreeConfig("eagle2", depth=MAX_DEPTH + 1)
+
+
+def test_the_layer_views_of_a_cache_follow_its_tensors():
+    """`KVCache.layer_views`: each layer's K, V and kept key blocks (views made once), the
+    same storage as the cache's own tensors, and made again when one of them is replaced."""
+    from eagle2.attention import KVCache
+
+    cache = KVCache.allocate(3, 2, 1, 32, 8, torch.bfloat16, "cpu", key_blocks=True)
+    for i in range(3):
+        k, v, blocks, valid = cache.layer_views(i)
+        assert k.data_ptr() == cache.k[i].data_ptr() and v.data_ptr() == cache.v[i].data_ptr()
+        assert blocks.data_ptr() == cache.key_blocks[i].data_ptr()
+        assert valid.data_ptr() == cache.key_blocks_valid[i].data_ptr()
+    assert cache.layer_views(1)[0] is cache.layer_views(1)[0]  # kept, not made per call
+    cache.k = torch.ones_like(cache.k)
+    assert cache.layer_views(2)[0].data_ptr() == cache.k[2].data_ptr()
+    assert bool(cache.layer_views(2)[0].eq(1).all())
+    plain = KVCache.allocate(2, 1, 1, 16, 8, torch.float32, "cpu")
+    assert plain.layer_views(1)[2:] == (None, None)
