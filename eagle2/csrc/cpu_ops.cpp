@@ -1433,7 +1433,9 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 constexpr int64_t kArgBlock = 32;  // outputs per block of the int8 weight (4 groups of 8 lanes)
 
 // the fp32 FMA sum of K products: |f - exact| <= gamma |w|_2 |x|_2, gamma = 1.01 K 2^-24
-inline double fma_sum_gamma(int64_t K) { return 1.01 * static_cast<double>(K) * std::ldexp(1.0, -24); }
+inline double fma_sum_gamma(int64_t K) {
+  return 1.01 * static_cast<double>(K) * std::ldexp(1.0, -24);
+}
 
 // weight [V, K] bf16 -> (int8 weight [blocks, K / 2, 32 outputs, 2], per output the float
 // coefficients greedy_argmax's bounds read [3, V]: its scale s, the coefficient of |x|_2
