@@ -17,6 +17,7 @@ sharded or biased model) keeps the module path.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -82,20 +83,17 @@ class FusedLayer:
                    norm.variance_epsilon, mlp.act_fn, is_silu(mlp.act_fn))
 
     def weights(self) -> list[torch.Tensor]:
-        return [w.weight for w in (self.qkv, self.o, self.gate_up, self.down)]
+        return [w.weight for w in self.linears]
 
     @property
     def linears(self) -> tuple[BlockedWeight, ...]:
         return self.qkv, self.o, self.gate_up, self.down
 
+    @functools.cached_property
     def fma_arguments(self) -> tuple:
         """(packed weight, out features) of q|k|v, o, gate|up and down, as `decoder_layer`
         takes them: built on first use and kept (the packed weights are kept too)."""
-        args = self.__dict__.get("_fma_arguments")
-        if args is None:
-            args = self.__dict__["_fma_arguments"] = tuple(
-                a for w in self.linears for a in (w.fma_packed(), w.weight.shape[0]))
-        return args
+        return tuple(a for w in self.linears for a in (w.fma_packed(), w.weight.shape[0]))
 
 
 def is_silu(act: nn.Module) -> bool:
@@ -146,7 +144,7 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
     if lw.silu and NATIVE_LAYER and all(w.plan.for_rows(rows) == FMA for w in linears):
         # the same calls in one operator (`decoder_layer`: bitwise this function's result)
         return ops.decoder_layer(
-            x, lw.input_norm, lw.post_norm, lw.eps, *lw.fma_arguments(), inp.cos, inp.sin,
+            x, lw.input_norm, lw.post_norm, lw.eps, *lw.fma_arguments, inp.cos, inp.sin,
             num_q_heads, layer_k.shape[1], layer_k, layer_v, inp.slots, inp.write_pos, inp.base,
             inp.tree_mask, layer_k.shape[-1] ** -0.5, key_blocks, valid)
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
