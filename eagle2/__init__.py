@@ -6,14 +6,21 @@ Names are imported lazily so that light submodules (prompts, planner) load witho
 OpenMP threads that spin while they wait collapse as soon as another process wants a core
 (docs/DESIGN.md, "CPU performance"): every entry point imports this package before torch, so
 passive waiting is put into the environment here, where the OpenMP runtime that torch loads
-still reads it. An explicit OMP_WAIT_POLICY is kept.
+still reads it. Passive alone makes every parallel region wake its threads from sleep (~120
+regions a forward: two threads had decoded slower than one), so a thread that finishes a region
+first spins for a short, bounded while (GOMP_SPINCOUNT, ~50 us), long enough to catch the
+layer's next region, too short to hold a core between steps. An explicit OMP_WAIT_POLICY or
+GOMP_SPINCOUNT is kept.
 """
 
 import os as _os
 import sys as _sys
 
+SPIN_COUNT = "5000"  # libgomp spins (~10 ns each) before a waiting thread sleeps
+
 if "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    _os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     if "torch" in _sys.modules:
         import warnings as _warnings
 

@@ -79,15 +79,18 @@ class Eagle2:
         """target: None = embedded SmolLM2. draft: a head directory, "untrained", or None for
         the head shipped for this target (an untrained one if there is none).
         threads (CPU only): a count to set; "auto" (the default): EAGLE2_THREADS or
-        OMP_NUM_THREADS if set, else the count that decodes fastest on this machine
-        (`eagle2.threads`: cached, or measured once at this load, ~1 s a count); None:
+        OMP_NUM_THREADS if set, else the count that decodes fastest on this quiet machine
+        (`eagle2.threads`: cached, or measured once at this load, ~1 s a count), and fewer
+        while other processes keep the cores busy (`eagle2.threads.LoadFollower`); None:
         leave torch's setting alone."""
         from eagle2 import threads as thr
 
         tgt = TargetModel.load(target, dtype=dtype, device=device)
-        measure = False
+        measure = auto = False
         if threads == "auto" and tgt.device.type == "cpu":
-            chosen = thr.requested() or thr.cached(tgt)
+            chosen = thr.requested()
+            auto = chosen is None  # no count the user set
+            chosen = chosen or thr.cached(tgt)
             measure = chosen is None
             threads = chosen
         elif threads == "auto":
@@ -102,6 +105,10 @@ class Eagle2:
             llm.engine.stats = EngineStats()  # the probe's steps are not the caller's
             if costs is None:  # the costs of the chosen count (their cache is per count)
                 llm.engine._costs = llm.engine._cost_path = cost_cache_path(tgt)
+        if auto and costs is None and torch.get_num_threads() > 1:
+            # the measured count is for a quiet machine: fewer while others take the cores
+            llm.engine.follow_load(thr.LoadFollower(torch.get_num_threads()),
+                                   lambda: cost_cache_path(tgt))
         return llm
 
     # ----- prompts ----------------------------------------------------------------------------

@@ -110,6 +110,9 @@ class EngineStats:
     # such steps had lately delivered fewer tokens per second at this batch size than plain
     # ones (`Engine._lookup_vetoed`)
     lookup_vetoes: int = 0
+    # torch thread counts the engine switched to while other processes took or freed cores
+    # (`Engine.threads`, `eagle2.threads.LoadFollower`), in order
+    thread_switches: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -215,9 +218,39 @@ class Engine:
         self.lookup_table: LookupTable = (lookup_table or getattr(drafter, "lookup_table", None)
                                           or LookupTable())
         self.ngram: NgramStore | None = ngram or getattr(drafter, "ngram", None)
+        # CPU: follows other processes' load with the torch thread count (`follow_load`)
+        self.threads = None
+        self._cost_path_of = None
+        self._timing_of: dict[int, tuple] = {}  # thread count -> its timing state
         for store in (self.ngram, getattr(drafter, "ngram", None)):
             if store is not None:
                 store.check_vocab(runner.vocab_size)
+
+    def follow_load(self, follower, cost_path_of) -> None:
+        """Before each step, switch the torch thread count to what `follower.poll()` says
+        (`eagle2.threads.LoadFollower`: fewer threads while other processes take cores).
+        cost_path_of(): the cost cache of the current count. What the engine measured at a
+        count (its forward and draft costs, the measured/predicted step-time scales, the
+        realized rates of drafting and plain steps) is kept per count: times at another count
+        would mislead the budget, and a count met again takes up its own."""
+        self.threads, self._cost_path_of = follower, cost_path_of
+
+    def _follow_load(self) -> None:
+        count = self.threads.poll()
+        if count is None or count == torch.get_num_threads():
+            return
+        self._timing_of[torch.get_num_threads()] = (
+            self._costs, self._cost_path, self.scales, self._timed, self.realized,
+            self.lookup_realized)
+        torch.set_num_threads(count)
+        if count in self._timing_of:
+            (self._costs, self._cost_path, self.scales, self._timed, self.realized,
+             self.lookup_realized) = self._timing_of.pop(count)
+        else:
+            self._costs = self._cost_path = self._cost_path_of()
+            self.scales, self._timed = MeasuredScales(), False
+            self.realized, self.lookup_realized = {}, {}
+        self.stats.thread_switches.append(count)
 
     # ----- admission --------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -256,6 +289,8 @@ class Engine:
     # ----- the step ---------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """Admit waiting requests (prefill) or run one draft-verify-commit step for all."""
+        if self.threads is not None:
+            self._follow_load()
         if self.waiting and len(self.seqs) < self.max_batch:
             return self._prefill()
         if not self.seqs:

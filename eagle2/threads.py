@@ -115,13 +115,95 @@ def choose(timings: dict[int, float], gain: float = GAIN) -> int:
 
 
 def measure_and_save(llm) -> int:
-    """Measure the counts for a loaded Eagle2 on the CPU, cache the choice, return it."""
+    """Measure the counts for a loaded Eagle2 on the CPU, cache the choice (unless other
+    processes kept a core busy meanwhile), return it."""
     from eagle2.kernels import write_json_atomic
 
     counts = candidates(torch.get_num_threads())
+    follower = LoadFollower(max(counts), interval=0.0)
     timings = measure(llm, counts)
     pick = choose(timings)
+    follower.poll()
+    if follower.others >= LoadFollower.DOWN_FREE:
+        # other processes held cores meanwhile: the counts above one lost to them, not to
+        # this machine; the choice holds for this load only and is measured again at the next
+        return pick
     write_json_atomic(cache_path(llm.target), {
         "threads": pick, "step_ms": {str(n): round(s * 1e3, 3) for n, s in timings.items()},
         "target": llm.target.name, "cpu_count": os.cpu_count(), "torch": torch.__version__})
     return pick
+
+
+def cpu_busy_seconds(cpus: set[int] | None = None, stat: Path = Path("/proc/stat")
+                     ) -> float | None:
+    """Seconds the given CPUs (None: all) have run anything since boot (user, nice, system,
+    irq, softirq and steal time: everything but idle and I/O wait), from /proc/stat; None
+    where it cannot be read (not Linux)."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        if cpus is not None and int(name[3:]) not in cpus:
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+        ticks += user + nice + system + irq + softirq + steal
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class LoadFollower:
+    """Fewer threads while other processes use this process's cores, all of them again once
+    they are free (docs/DESIGN.md, "CPU performance").
+
+    On a quiet 2-core VM two threads decode ~1.6x faster than one (each core streams its half
+    of the weights), yet beside one busy process they are ~1.7x slower than one thread: every
+    parallel region waits for the thread whose core the other process holds. So the count
+    measured on a quiet machine (`most`) is an upper bound, and every `interval` seconds this
+    reads the CPU time spent on the CPUs this process may use (/proc/stat) less its own
+    (`time.process_time`, every thread): the cores others use. `poll` returns a new count when
+    one should change: down while fewer than `count - DOWN_FREE` cores are free, up when
+    `count + 1 - UP_FREE` are (a gap between the two, so a load near a threshold does not flip
+    it every interval). Where /proc/stat cannot be read, it never changes the count.
+    """
+
+    DOWN_FREE, UP_FREE = 0.5, 0.25
+
+    def __init__(self, most: int, interval: float = 0.5, clock=time.monotonic,
+                 busy=None, own=time.process_time):
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.cpus = set(cpus) if cpus else None
+        self.ncpu = len(self.cpus) if self.cpus else (os.cpu_count() or 1)
+        self.most, self.interval = most, interval
+        self._clock, self._busy, self._own = clock, busy or cpu_busy_seconds, own
+        self.count = most
+        self.others = 0.0  # cores other processes used over the last interval
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        busy = self._busy(self.cpus)
+        return None if busy is None else (self._clock(), busy, self._own())
+
+    def poll(self) -> int | None:
+        """The count to switch to (None: keep the current one)."""
+        if self._last is None or self._clock() - self._last[0] < self.interval:
+            return None
+        now = self._sample()
+        if now is None:
+            return None
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        self._last = now
+        self.others = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9)
+        free = self.ncpu - self.others
+        count = self.count
+        while count > 1 and free < count - self.DOWN_FREE:
+            count -= 1
+        while count < self.most and free >= count + 1 - self.UP_FREE:
+            count += 1
+        if count == self.count:
+            return None
+        self.count = count
+        return count

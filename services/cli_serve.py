@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 
+import eagle2
 from services.protos import SERVICER_FUNCTIONS
 
 
@@ -72,7 +73,9 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                                # idle OpenMP threads must not spin on cores
                                                # the next process in the step needs
-                                               "OMP_WAIT_POLICY": "PASSIVE"}})
+                                               "OMP_WAIT_POLICY": "PASSIVE",
+                                               # but catch a layer's next parallel region
+                                               "GOMP_SPINCOUNT": eagle2.SPIN_COUNT}})
     serve.start(grpc_options=gRPCOptions(port=cfg.grpc_port,
                                          grpc_servicer_functions=SERVICER_FUNCTIONS),
                 http_options={"host": "127.0.0.1", "port": http_port})

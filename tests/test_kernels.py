@@ -155,18 +155,23 @@ def test_native_bf16_linear_equals_the_packed_kernel_for_any_row_count(native_li
                                                                        threads):
     """The native kernel is bitwise oneDNN's packed kernel, so a plan may mix them per row
     count and stay exact: every row count, 1 and 2 threads, flat and batched inputs, a
-    column-chunked weight (1536 features) and outputs that are not a multiple of 64."""
+    column-chunked weight (1536 features) and outputs that are not a multiple of 64; each row
+    count's outputs split over two threads are those of one thread."""
     torch.manual_seed(2)
     weight = torch.randn(shape, dtype=torch.bfloat16) / 24
     native = BlockedWeight(weight, BlockPlan({rows: NATIVE for rows in ROW_BUCKETS}))
     packed = BlockedWeight(weight, packed_plan())
     x = torch.randn(520, shape[1], dtype=torch.bfloat16) * 2
+    counts = (1, 2, 3, 4, 5, 7, 8, 9, 16, 26, 33, 64, 100, 520)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     try:
+        one_thread = {rows: native(x[:rows]) for rows in counts}
+        torch.set_num_threads(threads)
         whole = packed(x)
-        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 26, 33, 64, 100, 520):
-            assert torch.equal(native(x[:rows]), whole[:rows]), rows
+        for rows in counts:
+            out = native(x[:rows])
+            assert torch.equal(out, whole[:rows]) and torch.equal(out, one_thread[rows]), rows
         batched = x[:24].view(3, 8, shape[1])
         assert torch.equal(native(batched), whole[:24].view(3, 8, -1))
         assert torch.equal(native(x[:5, :].t().contiguous().t()), whole[:5])  # strided input
@@ -178,21 +183,25 @@ def test_native_bf16_linear_equals_the_packed_kernel_for_any_row_count(native_li
 @pytest.mark.parametrize("shape", [(576, 1536), (3072, 576), (1000, 64), (130, 1000)])
 def test_fma_linear_rows_do_not_depend_on_the_row_count(shape, threads):
     """The FMA variant: each row bitwise what it gives alone, for every row count and tile
-    shape (1-11 rows in one pass, each count its own tile; more 8 at a time, then the rest;
-    12+ rows on two threads), flat and batched and strided inputs, outputs that are not a
-    multiple of 32; and within bf16 rounding of an fp64 product."""
+    shape (1-11 rows in one pass, each count its own tile; more 8 at a time, then the rest),
+    any row count split over two threads as over one, flat and batched and strided inputs,
+    outputs that are not a multiple of 32; and within bf16 rounding of an fp64 product."""
     if fma_linear_ops() is None:
         pytest.skip("no native FMA linear here (needs AVX2 and FMA, and a C++ compiler)")
     torch.manual_seed(3)
     weight = torch.randn(shape, dtype=torch.bfloat16) / 24
     fma = BlockedWeight(weight, BlockPlan({rows: FMA for rows in ROW_BUCKETS}))
     x = torch.randn(300, shape[1], dtype=torch.bfloat16) * 2
+    counts = (*range(1, 26), 26, 33, 64, 100, 300)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     try:
+        one_thread = {rows: fma(x[:rows]) for rows in counts}
+        torch.set_num_threads(threads)
         whole = fma(x)
-        for rows in (*range(1, 26), 26, 33, 64, 100, 300):
-            assert torch.equal(fma(x[:rows]), whole[:rows]), rows
+        for rows in counts:
+            out = fma(x[:rows])
+            assert torch.equal(out, whole[:rows]) and torch.equal(out, one_thread[rows]), rows
         for i in (0, 1, 7, 150, 299):
             assert torch.equal(fma(x[i:i + 1]), whole[i:i + 1]), i
         assert torch.equal(fma(x[:24].view(3, 8, shape[1])), whole[:24].view(3, 8, -1))

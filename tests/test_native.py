@@ -123,6 +123,27 @@ def test_rows_do_not_depend_on_the_row_count(ops, threads):
         torch.set_num_threads(before)
 
 
+def test_fma_linear_split_over_threads_equals_one_thread_on_both_builds(attn_ops, ops):
+    """Each thread takes an equal share of a weight's 32-output blocks for any row count: the
+    outputs of 1-12 rows (weights of 18 and 49 blocks, shares of 4 + 1 blocks and less) on two
+    threads are those of one thread, and the AVX2 build's are the AVX-512 build's."""
+    g = torch.Generator().manual_seed(4)
+    for n, k in ((576, 576), (1550, 192)):
+        weight = (torch.randn(n, k, generator=g) / 24).bfloat16()
+        packed, reference = attn_ops.pack_linear(weight), ops.pack_linear(weight)
+        x = torch.randn(12, k, generator=g).bfloat16()
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = [attn_ops.linear_fma(x[:m], packed, n) for m in range(1, 13)]
+            torch.set_num_threads(2)
+            for m in range(1, 13):
+                assert torch.equal(attn_ops.linear_fma(x[:m], packed, n), one[m - 1]), (n, m)
+                assert torch.equal(ops.linear_fma(x[:m], reference, n), one[m - 1]), (n, m)
+        finally:
+            torch.set_num_threads(before)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

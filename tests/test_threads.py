@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -54,6 +56,7 @@ def test_auto_threads_are_measured_once_cached_and_set_before_the_next_load(tmp_
         return timings
 
     monkeypatch.setattr(thr, "measure", spy)
+    monkeypatch.setattr(thr, "cpu_busy_seconds", lambda cpus=None: None)  # others' load unknown
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     try:
         first = Eagle2.load(model, "untrained", dtype="float32", device="cpu")
@@ -83,5 +86,156 @@ def test_auto_threads_are_measured_once_cached_and_set_before_the_next_load(tmp_
         assert torch.get_num_threads() == before and len(measured) == 1
         with pytest.raises(ValueError, match="threads must be >= 1"):
             Eagle2.load(model, "untrained", dtype="float32", device="cpu", threads=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+class FakeMachine:
+    """A clock, the CPUs' busy seconds and this process's own CPU seconds, set by a test."""
+
+    def __init__(self):
+        self.t, self.busy, self.own = 0.0, 0.0, 0.0
+
+    def advance(self, seconds: float, others: float, own: float = 1.0) -> None:
+        """`seconds` pass, other processes using `others` cores and this one `own`."""
+        self.t += seconds
+        self.busy += seconds * (others + own)
+        self.own += seconds * own
+
+    def follower(self, most: int, ncpu: int = 2) -> thr.LoadFollower:
+        f = thr.LoadFollower(most, interval=0.5, clock=lambda: self.t,
+                             busy=lambda cpus: self.busy, own=lambda: self.own)
+        f.ncpu = ncpu
+        return f
+
+
+def test_the_load_follower_takes_fewer_threads_while_others_hold_cores():
+    """Down while fewer than count - 0.5 cores are free, up once count + 0.75 are, nothing
+    between the two (a load near one threshold does not flip the count), never above the
+    quiet machine's count, polls within the interval read nothing."""
+    m = FakeMachine()
+    f = m.follower(most=2)
+    m.advance(0.6, others=0.1)
+    assert f.poll() is None and f.count == 2  # quiet: keep both
+    m.advance(0.6, others=1.0)
+    assert f.poll() == 1 and abs(f.others - 1.0) < 1e-9  # a busy process: one thread
+    m.advance(0.2, others=0.0)
+    assert f.poll() is None  # within the interval: not read
+    m.advance(0.6, others=0.4)
+    assert f.poll() is None and f.count == 1  # 1.6 cores free: between the thresholds
+    m.advance(0.6, others=0.1)
+    assert f.poll() == 2  # free again
+    m.advance(0.6, others=0.6)
+    assert f.poll() == 1
+    m.advance(0.6, others=0.0)
+    assert f.poll() == 2 and f.count == 2  # never above `most`
+    m.advance(0.6, others=0.0)
+    assert f.poll() is None
+
+    m = FakeMachine()
+    f = m.follower(most=8, ncpu=8)
+    m.advance(1.0, others=3.0)  # 5 free of 8: 5 threads (5 < 8 - 0.5 ... 5 >= 5 - 0.5)
+    assert f.poll() == 5
+    m.advance(1.0, others=0.0)
+    assert f.poll() == 8
+
+
+def test_the_load_follower_reads_proc_stat_and_never_acts_without_it(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  50 0 50 900 0 0 0 0 0 0\n"
+                    "cpu0 10 1 20 400 7 2 3 4 0 0\n"
+                    "cpu1 30 0 10 500 0 0 0 0 0 0\n"
+                    "intr 12345\n")
+    hz = os.sysconf("SC_CLK_TCK")
+    assert thr.cpu_busy_seconds(None, stat) == pytest.approx((40 + 40) / hz)
+    assert thr.cpu_busy_seconds({1}, stat) == pytest.approx(40 / hz)
+    assert thr.cpu_busy_seconds(None, tmp_path / "missing") is None
+    f = thr.LoadFollower(2, interval=0.0, busy=lambda cpus: None)
+    assert f.poll() is None and f.count == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+def test_a_real_busy_process_takes_a_thread_and_gives_it_back():
+    """Real busy-loop processes on all but one of this process's CPUs: the follower (real
+    /proc/stat, real clock) goes down to fewer threads; once they are killed, back up."""
+    from eagle2.bench.load import busy_processes
+
+    ncpu = len(os.sched_getaffinity(0))
+    f = thr.LoadFollower(ncpu, interval=0.4)
+    with busy_processes(ncpu - 1):
+        deadline = time.monotonic() + 10
+        while f.count == ncpu and time.monotonic() < deadline:
+            time.sleep(0.45)
+            f.poll()
+        assert f.count < ncpu and f.others > 0.5, f.others
+    deadline = time.monotonic() + 20  # a CI machine's own work may delay it
+    while f.count < ncpu and time.monotonic() < deadline:
+        time.sleep(0.45)
+        f.poll()
+    assert f.count == ncpu, f.others
+
+
+class Scripted:
+    """A follower whose counts a test gives, one per step (None: keep)."""
+
+    def __init__(self, counts):
+        self.counts = list(counts)
+
+    def poll(self):
+        return self.counts.pop(0) if self.counts else None
+
+
+def test_the_engine_switches_threads_keeps_each_counts_timing_and_stays_lossless(tmp_path):
+    """Greedy output with the thread count switched between steps is plain decoding's; the
+    costs of a count are read from that count's cache path, and what was measured at a count
+    is taken up again when the engine returns to it."""
+    from conftest import make_engine, random_prompts, run
+
+    from eagle2.config import SamplingParams, TreeConfig
+
+    target = tiny_target(seed=5)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = random_prompts(3, target.vocab_size, seed=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        plain = run(make_engine(target, head_seed=None), prompts, params, TreeConfig("vanilla"))
+        torch.set_num_threads(2)
+        engine = make_engine(target, head_seed=0)
+        paths = []
+
+        def path_of():
+            paths.append(tmp_path / f"costs-{torch.get_num_threads()}.json")
+            return paths[-1]
+
+        engine._costs = engine._cost_path = tmp_path / "costs-2.json"
+        engine.follow_load(Scripted([None, None, 1, None, None, 2, None, 1]), path_of)
+        out = run(engine, prompts, params, TreeConfig())
+        assert out == plain
+        assert engine.stats.thread_switches == [1, 2, 1] and torch.get_num_threads() == 1
+        assert paths == [tmp_path / "costs-1.json"]  # 2 and then 1 again: taken up
+        assert engine._cost_path == tmp_path / "costs-1.json"
+        assert set(engine._timing_of) == {2}
+        assert engine._timing_of[2][1] == tmp_path / "costs-2.json"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_count_measured_beside_busy_processes_is_used_but_not_cached(tmp_path, monkeypatch):
+    from eagle2.api import Eagle2
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("EAGLE2_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # other processes keep two cores busy the whole time
+    monkeypatch.setattr(thr, "cpu_busy_seconds",
+                        lambda cpus=None: 2 * time.monotonic() + time.process_time())
+    model = save_tiny_target(tiny_target(seed=3), tmp_path / "m")
+    before = torch.get_num_threads()
+    try:
+        llm = Eagle2.load(model, "untrained", dtype="float32", device="cpu")
+        assert torch.get_num_threads() in thr.candidates(before)
+        assert not thr.cache_path(llm.target).exists()
     finally:
         torch.set_num_threads(before)

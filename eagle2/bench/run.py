@@ -67,9 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default runs/bench-<timestamp>)")
     p.add_argument("--warmup", action="store_true", help="one short untimed run per mode first")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the count that decodes fastest here, "
-                        "measured once and cached: eagle2.threads); 1 suffers least on a shared "
-                        "machine")
+                   help="torch CPU threads (default: the count that decodes fastest on this "
+                        "machine when quiet, measured once and cached, and fewer while other "
+                        "processes keep cores busy: eagle2.threads)")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="run N busy-loop processes beside the benchmark (killed at the end), to "
                         "measure speculation on a machine that is not quiet")
@@ -442,6 +442,9 @@ def _machine(llm, load_start) -> dict:
 
     return {
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        # the engine's thread count following other processes' load (auto threads only)
+        "threads_follow_load": llm.engine.threads is not None,
+        "thread_switches": list(llm.engine.stats.thread_switches),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else None,
         "device": str(llm.target.device), "dtype": str(llm.target.dtype).removeprefix("torch."),

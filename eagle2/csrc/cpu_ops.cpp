@@ -871,7 +871,18 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
 constexpr int64_t kBlockN = 32;
 constexpr int kGroups = kBlockN / 16;  // 16-lane accumulators per row and block
 constexpr int64_t kPairsPerSum = 256;  // 512 inputs
-constexpr int64_t kParallelRows = 12;
+
+// f(b0, b1) over [0, blocks), an equal share for each thread (one call, inline, with one
+// thread). Any row count is split: the weights are read once whatever the split, so two cores
+// read them in half the time where each core has its own memory bandwidth (this Xeon VM: 15 GB/s
+// one thread, 29 two: one token's linears 17.4 -> 9.5 ms), and `eagle2.threads` measures
+// whether more threads decode faster on the machine at hand. A parallel region's threads wake
+// from a spin (`GOMP_SPINCOUNT`, set by `eagle2/__init__.py`), not from sleep: ~120 regions a
+// forward each waking a sleeping thread had cost more than the split saved.
+template <typename F>
+inline void parallel_blocks(int64_t blocks, const F& f) {
+  at::parallel_for(0, blocks, 1, f);
+}
 
 #ifdef EAGLE2_AVX512
 // A block is read front to back, 128 bytes per input pair; with a few rows the loop computes
@@ -1025,19 +1036,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   auto* yp = y.data_ptr<bf16>();
-  // threads only for 12+ rows: below that the step streams memory that one core reads nearly
-  // as fast as two, and waking a passive OpenMP thread costs more than it saves (measured)
-  const int64_t units = (blocks + 3) / 4;
-  at::parallel_for(0, units, M >= kParallelRows ? 1 : units, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t blk = 4 * u;
-      if (blk + 4 <= blocks) {
-        linear_rows<4>(xp, wp + blk * K2 * kBlockN, K2, C2, yp, N, blk * kBlockN, M);
-      } else {
-        for (int64_t b = blk; b < blocks; ++b)
-          linear_rows<1>(xp, wp + b * K2 * kBlockN, K2, C2, yp, N, b * kBlockN, M);
-      }
-    }
+  // each thread an equal share of the blocks (parallel_blocks), four at a time, then one
+  parallel_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    int64_t b = b0;
+    for (; b + 4 <= b1; b += 4)
+      linear_rows<4>(xp, wp + b * K2 * kBlockN, K2, C2, yp, N, b * kBlockN, M);
+    for (; b < b1; ++b) linear_rows<1>(xp, wp + b * K2 * kBlockN, K2, C2, yp, N, b * kBlockN, M);
   });
   return y;
 #endif
@@ -1321,26 +1325,17 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
   const float* xp = xw.data();
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   auto* yp = y.data_ptr<bf16>();
-  const int64_t units = (blocks + 3) / 4;
-  at::parallel_for(0, units, M >= kParallelRows ? 1 : units, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t blk = 4 * u;
-      const auto at = [&](int64_t b) { return b < blocks ? wp + b * K2 * kBlockN : nullptr; };
+  parallel_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    // the blocks [b0, b1) four at a time, then one at a time; at(b): block b, nullptr past b1
+    const auto at = [&](int64_t b) { return b < b1 ? wp + b * K2 * kBlockN : nullptr; };
+    int64_t b = b0;
 #ifdef EAGLE2_AVX512
-      if (blk + 4 <= blocks) {
-        fma_rows(xp, at(blk), K2, yp, N, blk * kBlockN, M, 4);
-      } else {
-        for (int64_t b = blk; b < blocks; ++b) fma_rows(xp, at(b), K2, yp, N, b * kBlockN, M, 1);
-      }
+    for (; b + 4 <= b1; b += 4) fma_rows(xp, at(b), K2, yp, N, b * kBlockN, M, 4);
+    for (; b < b1; ++b) fma_rows(xp, at(b), K2, yp, N, b * kBlockN, M, 1);
 #else
-      if (blk + 4 <= blocks) {
-        fma_rows<4>(xp, at(blk), K2, yp, N, blk * kBlockN, M, at(blk + 4));
-      } else {
-        for (int64_t b = blk; b < blocks; ++b)
-          fma_rows<1>(xp, at(b), K2, yp, N, b * kBlockN, M, at(b + 1));
-      }
+    for (; b + 4 <= b1; b += 4) fma_rows<4>(xp, at(b), K2, yp, N, b * kBlockN, M, at(b + 4));
+    for (; b < b1; ++b) fma_rows<1>(xp, at(b), K2, yp, N, b * kBlockN, M, at(b + 1));
 #endif
-    }
   });
   return y;
 }
