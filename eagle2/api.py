@@ -101,7 +101,7 @@ class Eagle2:
             torch.set_num_threads(threads)
         llm = cls(tgt, resolve_head(tgt, draft), tree, max_batch, max_context, costs)
         if measure:
-            torch.set_num_threads(thr.measure_and_save(llm))
+            torch.set_num_threads(thr.measure_and_save(llm.engine, tgt))
             llm.engine.stats = EngineStats()  # the probe's steps are not the caller's
             if costs is None:  # the costs of the chosen count (their cache is per count)
                 llm.engine._costs = llm.engine._cost_path = cost_cache_path(tgt)

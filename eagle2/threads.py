@@ -72,14 +72,15 @@ def cached(target) -> int | None:
         return None
 
 
-def step_seconds(llm, steps: int = STEPS) -> float:
-    """Mean seconds of `steps` plain decode steps of one request (its prefill not timed)."""
-    engine = llm.engine
-    vocab = llm.target.vocab_size
+def step_seconds(engine, vocab: int, steps: int = STEPS) -> float:
+    """Mean seconds of `steps` plain decode steps of one request on an idle `Engine` (its
+    prefill not timed)."""
+    from eagle2.engine import Request
+
     prompt = tuple((7 * i + 3) % vocab for i in range(PROMPT_TOKENS))
-    req = llm.request(list(prompt), SamplingParams(max_tokens=steps + 1, ignore_eos=True),
-                      TreeConfig("vanilla"), seq_id="__threads_probe")
-    engine.add(req)
+    engine.add(Request("__threads_probe", prompt,
+                       SamplingParams(max_tokens=steps + 1, ignore_eos=True),
+                       TreeConfig("vanilla"), frozenset()))
     engine.step()  # the prefill
     t0 = time.perf_counter()
     done = 0
@@ -89,7 +90,7 @@ def step_seconds(llm, steps: int = STEPS) -> float:
     return (time.perf_counter() - t0) / max(done, 1)
 
 
-def measure(llm, counts: list[int], rounds: int = ROUNDS) -> dict[int, float]:
+def measure(engine, vocab: int, counts: list[int], rounds: int = ROUNDS) -> dict[int, float]:
     """Best mean step seconds per thread count, counts alternated `rounds` times (the first
     round also warms each count up and counts only where no later one is faster)."""
     before = torch.get_num_threads()
@@ -98,7 +99,7 @@ def measure(llm, counts: list[int], rounds: int = ROUNDS) -> dict[int, float]:
         for _ in range(rounds + 1):
             for n in counts:
                 torch.set_num_threads(n)
-                best[n] = min(best[n], step_seconds(llm))
+                best[n] = min(best[n], step_seconds(engine, vocab))
     finally:
         torch.set_num_threads(before)
     return best
@@ -114,23 +115,24 @@ def choose(timings: dict[int, float], gain: float = GAIN) -> int:
     return pick
 
 
-def measure_and_save(llm) -> int:
-    """Measure the counts for a loaded Eagle2 on the CPU, cache the choice (unless other
-    processes kept a core busy meanwhile), return it."""
+def measure_and_save(engine, target) -> int:
+    """Measure the counts with an idle `Engine` of `target` on the CPU, cache the choice
+    (unless other processes kept a core busy meanwhile), return it. The engine's stats then
+    hold the probe's steps."""
     from eagle2.kernels import write_json_atomic
 
     counts = candidates(torch.get_num_threads())
     follower = LoadFollower(max(counts), interval=0.0)
-    timings = measure(llm, counts)
+    timings = measure(engine, target.vocab_size, counts)
     pick = choose(timings)
     follower.poll()
     if follower.others >= LoadFollower.DOWN_FREE:
         # other processes held cores meanwhile: the counts above one lost to them, not to
         # this machine; the choice holds for this load only and is measured again at the next
         return pick
-    write_json_atomic(cache_path(llm.target), {
+    write_json_atomic(cache_path(target), {
         "threads": pick, "step_ms": {str(n): round(s * 1e3, 3) for n, s in timings.items()},
-        "target": llm.target.name, "cpu_count": os.cpu_count(), "torch": torch.__version__})
+        "target": target.name, "cpu_count": os.cpu_count(), "torch": torch.__version__})
     return pick
 
 

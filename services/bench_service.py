@@ -7,9 +7,9 @@ draft_placement "inprocess". Both live at once so that their requests can be int
 (the machine is shared and noisy; an idle app costs nothing but memory). Then:
 
 1. concurrency 1, greedy, mode eagle2, the same prompts: the in-process API
-   (`Eagle2.load().generate`, one prompt at a time, torch threads = the service target's 1
-   (cpus_per_rank), the service's tree sizes, budget and measured forward and draft costs:
-   both choose the same trees)
+   (`Eagle2.load().generate`, one prompt at a time, torch threads = the service target's
+   (engine_threads, measured where 0), the service's tree sizes, budget and measured forward
+   and draft costs: both choose the same trees)
    against
    the service over gRPC GenerateStream (`Eagle2Client.stream`), both apps, the three paths
    interleaved per prompt (order rotated); tokens/s = new tokens / client wall time;
@@ -21,7 +21,7 @@ draft_placement "inprocess". Both live at once so that their requests can be int
    the engine-side remainder (request/response proto encoding: draft_s - draft_rpc_s).
    DraftServicer.busy_s (the worker's own compute) is not exposed by engine_stats or by the
    Health RPC, so it is reported as null; the in-process draft ms/step is the estimate of the
-   worker's compute (same Drafter code, same head, one torch thread in both replicas).
+   worker's compute (same Drafter code, same head).
 
 The target runs where the service config puts it (`target_placement`, "auto": in the engine
 replica at tp_size 1); "target_placement" in the JSON says where it ran in each app.
@@ -75,8 +75,10 @@ def add_arguments(p) -> None:
                    help="Serve's HTTP port (default: --port + 80; unused, but must be free)")
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--inprocess-threads", type=int, default=1,
-                   help="torch threads of the in-process API (the service's target uses 1)")
+    p.add_argument("--engine-threads", type=int, default=0,
+                   help="the service's engine_threads (0: auto, measured, following the load)")
+    p.add_argument("--inprocess-threads", type=int, default=None,
+                   help="torch threads of the in-process API (default: the service target's)")
     p.add_argument("--target-placement", default="auto", choices=["auto", "ranks", "engine"],
                    help="where the service's target runs (auto: in the engine at tp 1)")
     p.add_argument("--sweep-apps", default="worker",
@@ -299,7 +301,7 @@ def run(args) -> int:
             "default_max_tokens": min(args.max_tokens, args.max_context - 1),
             "grpc_port": args.port, "max_queued_requests": 64,
             "target": args.target, "draft": args.draft,
-            "target_placement": args.target_placement,
+            "target_placement": args.target_placement, "engine_threads": args.engine_threads,
             "tree": {"mode": args.mode, **({"total_tokens": args.tree_tokens, "depth": 5,
                                             "top_k": 8} if args.tree_tokens else {})}}
     names = {"worker": "eagle2", "inprocess": "eagle2-ip"}
@@ -329,18 +331,20 @@ def run(args) -> int:
         for pl in names:
             _stream_one(clients[pl], prompts[0], 8, args.mode)
 
-        torch.set_num_threads(args.inprocess_threads)
         t0 = time.perf_counter()
         # the service's tree (sizes, budget) and its measured forward and draft costs, so
         # that both choose the same trees: costs are measured once per process and cached,
         # and two measurements on a shared machine differ enough to change the choices
         tree = ServiceConfig(**apps[names["inprocess"]]).tree.to_core()
-        costs = handles[names["inprocess"]].engine_stats.remote().result()["costs"]
+        service_stats = handles[names["inprocess"]].engine_stats.remote().result()
+        costs = service_stats["costs"]
+        threads = args.inprocess_threads or service_stats["torch_threads"]
+        torch.set_num_threads(threads)
         report["inproc_costs"] = "service" if costs else "own"
         llm = Eagle2.load(args.target, args.draft, tree=tree, max_batch=args.max_batch_size,
                           max_context=args.max_context,
                           costs=CostModel.from_json(costs) if costs else None,
-                          threads=args.inprocess_threads)
+                          threads=threads)
         _log(f"in-process model loaded in {time.perf_counter() - t0:.0f} s "
              f"(torch threads {torch.get_num_threads()})")
         _inprocess_one(llm, prompts[0], 8, args.mode)

@@ -60,8 +60,13 @@ class ServiceConfig(BaseModel):
     # rank, and every rank then asks for 1 - draft_gpu_fraction (Ray packs the fractions).
     draft_gpu_fraction: float = Field(1.0, gt=0, le=1)
     # CPUs reserved per TP rank (its placement-group bundle, or the engine replica when it
-    # holds the target); also its torch threads.
+    # holds the target); also a rank actor's torch threads.
     cpus_per_rank: float = Field(1.0, gt=0)
+    # torch threads of a target the engine replica holds on the CPU: 0 = auto (EAGLE2_THREADS
+    # or OMP_NUM_THREADS if set, else the count that decodes fastest on this machine when
+    # quiet, as `Eagle2.load` measures and caches it, and fewer while other processes keep
+    # cores busy: `eagle2.threads.LoadFollower`); N = that many, always.
+    engine_threads: int = Field(0, ge=0)
     # "worker": the head runs in its own deployment, reached over gRPC; "inprocess": in the
     # engine replica (single-GPU deployments), otherwise the same code path.
     draft_placement: Literal["worker", "inprocess"] = "worker"

@@ -43,9 +43,8 @@ class TargetEngine:
     async def __init__(self, config: dict, draft_worker=None):
         self.cfg = cfg = ServiceConfig(**config)
         self.placement = cfg.resolved_target_placement()
-        # the target's threads where it runs here (as a rank actor's: its share of the cores)
-        torch.set_num_threads(max(1, int(cfg.cpus_per_rank)) if cfg.target_in_engine()
-                              else max(1, torch.get_num_threads()))
+        # the target's threads where it runs here: engine_threads, or measured (`_auto_threads`)
+        torch.set_num_threads(cfg.engine_threads or max(1, torch.get_num_threads()))
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         runner = self._new_runner()
         self.cost_path = _cost_path(cfg, self.placement, runner.info)
@@ -60,6 +59,9 @@ class TargetEngine:
         self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
                              costs=self.cost_path, lookup_table=self.lookup_table,
                              ngram=self.ngram)
+        if cfg.target_in_engine() and not cfg.engine_threads and runner.info.get(
+                "device", "cpu").startswith("cpu"):
+            self._auto_threads(runner)
         self.tree = cfg.tree.to_core()
         if self.drafter is not None and self.tree.budget == "auto":
             _ = self.engine.costs  # measured (or read) before serving, not at the first request
@@ -72,6 +74,27 @@ class TargetEngine:
         self.metrics = EngineMetrics()
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
+
+    def _auto_threads(self, runner: LocalRunner) -> None:
+        """The target's thread count as `Eagle2.load(threads="auto")` sets it (the user's,
+        the cached choice, else measured now with plain decode steps of the idle engine and
+        cached), then, unless the user set it, fewer while other processes keep cores busy;
+        the cost cache follows the count."""
+        from eagle2 import threads as thr
+        from eagle2.engine import EngineStats
+
+        requested = thr.requested()
+        count = requested or thr.cached(runner.target)
+        if count is None:
+            count = thr.measure_and_save(self.engine, runner.target)
+            self.engine.stats = EngineStats()  # the probe's steps are not the requests'
+        torch.set_num_threads(count)
+        cfg, placement = self.cfg, self.placement
+        self.cost_path = _cost_path(cfg, placement, runner.info)
+        self.engine._costs = self.engine._cost_path = self.cost_path
+        if requested is None and count > 1:
+            self.engine.follow_load(thr.LoadFollower(count),
+                                    lambda: _cost_path(cfg, placement, runner.info))
 
     def _new_runner(self) -> LocalRunner | ShardedRunner:
         """The whole target in this process (what a rank actor holds at tp_size 1), or the

@@ -241,3 +241,46 @@ def test_an_engine_beside_a_draft_worker_reads_the_heads_ngram_store(tmp_path):
     shutil.copytree(shipped, bare)
     (bare / FILE_NAME).unlink()
     assert ngram_store(ServiceConfig(draft=str(bare))) is None
+
+
+def test_the_engine_replicas_cpu_target_takes_the_measured_count_and_follows_the_load(
+        monkeypatch):
+    """engine_threads 0: the cached (else measured) count, the cost cache of that count, and
+    a load follower where it is above one; EAGLE2_THREADS wins and is not followed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from eagle2 import threads as thr
+    from services.config import ServiceConfig
+    from services.engine import TargetEngine, _cost_path
+
+    cfg = ServiceConfig()
+    assert cfg.engine_threads == 0 and cfg.target_in_engine()
+    with pytest.raises(ValueError):
+        ServiceConfig(engine_threads=-1)
+    target = tiny_target(seed=3)
+    before = torch.get_num_threads()
+    try:
+        for env, cached, want, follows in ((None, 2, 2, True), ("1", 2, 1, False),
+                                           (None, 1, 1, False)):
+            if env is None:
+                monkeypatch.delenv("EAGLE2_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("EAGLE2_THREADS", env)
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            monkeypatch.setattr(thr, "cached", lambda t, c=cached: c)
+            engine = make_engine(target, head_seed=None)
+            runner = engine.runner
+            replica = SimpleNamespace(cfg=cfg, placement="engine", engine=engine,
+                                      cost_path=None)
+            torch.set_num_threads(3 - want)
+            TargetEngine.func_or_class._auto_threads(replica, runner)
+            assert torch.get_num_threads() == want
+            assert replica.cost_path == _cost_path(cfg, "engine", runner.info)
+            assert engine._cost_path == replica.cost_path
+            assert (engine.threads is not None) == follows
+            if follows:
+                assert engine.threads.most == want
+    finally:
+        torch.set_num_threads(before)

@@ -50,8 +50,8 @@ def test_auto_threads_are_measured_once_cached_and_set_before_the_next_load(tmp_
     measured = []
     real = thr.measure
 
-    def spy(llm, counts, rounds=thr.ROUNDS):
-        timings = real(llm, counts, rounds)
+    def spy(engine, vocab, counts, rounds=thr.ROUNDS):
+        timings = real(engine, vocab, counts, rounds)
         measured.append(timings)
         return timings
 
