@@ -29,9 +29,11 @@ GAIN = 0.05  # a larger count must decode this much faster (fraction) to be chos
 PROMPT_TOKENS, STEPS, ROUNDS = 48, 12, 3
 
 
-def requested() -> int | None:
-    """A thread count the user set in the environment (EAGLE2_THREADS, else OMP_NUM_THREADS)."""
-    for name in ("EAGLE2_THREADS", "OMP_NUM_THREADS"):
+def requested(names: tuple[str, ...] = ("EAGLE2_THREADS", "OMP_NUM_THREADS")) -> int | None:
+    """A thread count the user set in the environment (EAGLE2_THREADS, else OMP_NUM_THREADS;
+    a Ray worker reads EAGLE2_THREADS only: Ray sets OMP_NUM_THREADS to the CPUs it reserved
+    for the actor, which says nothing about what decodes fastest)."""
+    for name in names:
         value = os.environ.get(name, "").strip()
         if value.isdigit() and int(value) > 0:
             return int(value)
@@ -173,6 +175,7 @@ class LoadFollower:
     """
 
     DOWN_FREE, UP_FREE = 0.5, 0.25
+    STALE = 4
 
     def __init__(self, most: int, interval: float = 0.5, clock=time.monotonic,
                  busy=None, own=time.process_time):
@@ -190,7 +193,9 @@ class LoadFollower:
         return None if busy is None else (self._clock(), busy, self._own())
 
     def poll(self) -> int | None:
-        """The count to switch to (None: keep the current one)."""
+        """The count to switch to (None: keep the current one). A window longer than
+        `STALE` intervals (the engine sat idle, or started long after the follower) only
+        starts a new one: what others did then says little about now."""
         if self._last is None or self._clock() - self._last[0] < self.interval:
             return None
         now = self._sample()
@@ -198,6 +203,8 @@ class LoadFollower:
             return None
         (t0, busy0, own0), (t1, busy1, own1) = self._last, now
         self._last = now
+        if self.interval > 0 and t1 - t0 > self.STALE * self.interval:
+            return None
         self.others = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9)
         free = self.ncpu - self.others
         count = self.count

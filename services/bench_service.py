@@ -75,8 +75,9 @@ def add_arguments(p) -> None:
                    help="Serve's HTTP port (default: --port + 80; unused, but must be free)")
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--engine-threads", type=int, default=0,
-                   help="the service's engine_threads (0: auto, measured, following the load)")
+    p.add_argument("--engine-threads", default=None,
+                   help="the service's engine_threads: N, or auto (measured, following the "
+                        "load); default: the config's")
     p.add_argument("--inprocess-threads", type=int, default=None,
                    help="torch threads of the in-process API (default: the service target's)")
     p.add_argument("--target-placement", default="auto", choices=["auto", "ranks", "engine"],
@@ -301,7 +302,10 @@ def run(args) -> int:
             "default_max_tokens": min(args.max_tokens, args.max_context - 1),
             "grpc_port": args.port, "max_queued_requests": 64,
             "target": args.target, "draft": args.draft,
-            "target_placement": args.target_placement, "engine_threads": args.engine_threads,
+            "target_placement": args.target_placement,
+            **({} if args.engine_threads is None else {"engine_threads": (
+                args.engine_threads if args.engine_threads == "auto"
+                else int(args.engine_threads))}),
             "tree": {"mode": args.mode, **({"total_tokens": args.tree_tokens, "depth": 5,
                                             "top_k": 8} if args.tree_tokens else {})}}
     names = {"worker": "eagle2", "inprocess": "eagle2-ip"}
@@ -339,6 +343,8 @@ def run(args) -> int:
         service_stats = handles[names["inprocess"]].engine_stats.remote().result()
         costs = service_stats["costs"]
         threads = args.inprocess_threads or service_stats["torch_threads"]
+        report["torch_threads"] = {"service_engine": service_stats["torch_threads"],
+                                   "inprocess": threads}
         torch.set_num_threads(threads)
         report["inproc_costs"] = "service" if costs else "own"
         llm = Eagle2.load(args.target, args.draft, tree=tree, max_batch=args.max_batch_size,

@@ -43,8 +43,10 @@ class TargetEngine:
     async def __init__(self, config: dict, draft_worker=None):
         self.cfg = cfg = ServiceConfig(**config)
         self.placement = cfg.resolved_target_placement()
-        # the target's threads where it runs here: engine_threads, or measured (`_auto_threads`)
-        torch.set_num_threads(cfg.engine_threads or max(1, torch.get_num_threads()))
+        # the target's threads where it runs here (engine_threads; "auto": `_auto_threads`)
+        torch.set_num_threads(max(1, int(cfg.cpus_per_rank)) if cfg.engine_threads is None
+                              else max(1, torch.get_num_threads())
+                              if cfg.engine_threads == "auto" else cfg.engine_threads)
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         runner = self._new_runner()
         self.cost_path = _cost_path(cfg, self.placement, runner.info)
@@ -59,7 +61,7 @@ class TargetEngine:
         self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
                              costs=self.cost_path, lookup_table=self.lookup_table,
                              ngram=self.ngram)
-        if cfg.target_in_engine() and not cfg.engine_threads and runner.info.get(
+        if cfg.target_in_engine() and cfg.engine_threads == "auto" and runner.info.get(
                 "device", "cpu").startswith("cpu"):
             self._auto_threads(runner)
         self.tree = cfg.tree.to_core()
@@ -76,14 +78,15 @@ class TargetEngine:
         self.thread.start()
 
     def _auto_threads(self, runner: LocalRunner) -> None:
-        """The target's thread count as `Eagle2.load(threads="auto")` sets it (the user's,
+        """The target's thread count as `Eagle2.load(threads="auto")` sets it (EAGLE2_THREADS,
         the cached choice, else measured now with plain decode steps of the idle engine and
         cached), then, unless the user set it, fewer while other processes keep cores busy;
-        the cost cache follows the count."""
+        the cost cache follows the count. OMP_NUM_THREADS is Ray's (the replica's reserved
+        CPUs), not the user's."""
         from eagle2 import threads as thr
         from eagle2.engine import EngineStats
 
-        requested = thr.requested()
+        requested = thr.requested(("EAGLE2_THREADS",))  # Ray sets OMP_NUM_THREADS
         count = requested or thr.cached(runner.target)
         if count is None:
             count = thr.measure_and_save(self.engine, runner.target)

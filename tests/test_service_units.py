@@ -245,8 +245,9 @@ def test_an_engine_beside_a_draft_worker_reads_the_heads_ngram_store(tmp_path):
 
 def test_the_engine_replicas_cpu_target_takes_the_measured_count_and_follows_the_load(
         monkeypatch):
-    """engine_threads 0: the cached (else measured) count, the cost cache of that count, and
-    a load follower where it is above one; EAGLE2_THREADS wins and is not followed."""
+    """engine_threads "auto": the cached (else measured) count, the cost cache of that
+    count, and a load follower where it is above one; EAGLE2_THREADS wins and is not
+    followed (OMP_NUM_THREADS, which Ray sets per actor, is not the user's)."""
     from types import SimpleNamespace
 
     import torch
@@ -255,10 +256,13 @@ def test_the_engine_replicas_cpu_target_takes_the_measured_count_and_follows_the
     from services.config import ServiceConfig
     from services.engine import TargetEngine, _cost_path
 
+    assert ServiceConfig(engine_threads=None).engine_threads is None  # cpus_per_rank's
     cfg = ServiceConfig()
-    assert cfg.engine_threads == 0 and cfg.target_in_engine()
-    with pytest.raises(ValueError):
-        ServiceConfig(engine_threads=-1)
+    assert cfg.engine_threads == "auto"
+    assert cfg.target_in_engine() and ServiceConfig(engine_threads=3).engine_threads == 3
+    for bad in (0, -1, "many"):
+        with pytest.raises(ValueError):
+            ServiceConfig(engine_threads=bad)
     target = tiny_target(seed=3)
     before = torch.get_num_threads()
     try:
@@ -268,7 +272,7 @@ def test_the_engine_replicas_cpu_target_takes_the_measured_count_and_follows_the
                 monkeypatch.delenv("EAGLE2_THREADS", raising=False)
             else:
                 monkeypatch.setenv("EAGLE2_THREADS", env)
-            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as Ray sets it
             monkeypatch.setattr(thr, "cached", lambda t, c=cached: c)
             engine = make_engine(target, head_seed=None)
             runner = engine.runner

@@ -131,6 +131,10 @@ def test_the_load_follower_takes_fewer_threads_while_others_hold_cores():
     assert f.poll() == 2 and f.count == 2  # never above `most`
     m.advance(0.6, others=0.0)
     assert f.poll() is None
+    m.advance(5.0, others=2.0)  # a window of 10 intervals (idle engine): a new one starts
+    assert f.poll() is None and f.count == 2
+    m.advance(0.6, others=1.0)
+    assert f.poll() == 1
 
     m = FakeMachine()
     f = m.follower(most=8, ncpu=8)
