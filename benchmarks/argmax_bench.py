@@ -1,11 +1,13 @@
 # ruff: noqa: I001  (eagle2 before torch: passive OpenMP waiting)
 """The target's greedy tokens with and without the logits (`kernels.GreedyArgmax` against the
-lm_head's logits and their argmax) for 1-16 final hidden states of a forward, one thread, best
+lm_head's logits and their argmax) for 1-16 final hidden states of a forward, one thread
+(--threads), best
 of 7 sweeps (`LocalRunner.head_seconds`, as the cost model times the head), with the caches
 flushed before each call (a 512 MB read, as a verification's forward flushes them) and warm.
 Prints each row count and writes JSON.
 
     .venv/bin/python benchmarks/argmax_bench.py OUT.json [--against OTHER/eagle2/csrc/cpu_ops.cpp]
+        [--threads N]
 
 --against: also the greedy tokens through another commit's greedy_argmax and int8 pack (built
 under its own namespace, `native.load_variant`), the two heads timed in turn, three times
@@ -30,8 +32,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--against", default=None)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    llm = Eagle2.load(threads=1, tree=TreeConfig(mode="vanilla"), max_batch=1)
+    llm = Eagle2.load(threads=args.threads, tree=TreeConfig(mode="vanilla"), max_batch=1)
     runner = llm.engine.runner
     if not runner.greedy_argmax:
         raise SystemExit("this target has no greedy head (needs bf16 on a CPU and the FMA "

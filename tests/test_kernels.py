@@ -256,8 +256,8 @@ def test_greedy_argmax_is_the_argmax_of_the_fma_logits(shape):
     """GreedyArgmax (an int8 pass bounds every logit, the possible winners computed exactly):
     bitwise `argmax(proj.fma(x))` for 1-17 rows of random inputs, spread-out and
     near-uniform logits, exact ties (the lowest index wins), logits that tie only after
-    bf16 rounding, a zero row; a non-finite row or a plan that is not FMA for the row
-    count hands back to the logits (None)."""
+    bf16 rounding, a zero row, on one thread and two; a non-finite row or a plan that is not
+    FMA for the row count hands back to the logits (None)."""
     case = greedy_case(*shape, seed=shape[0])
     if case is None:
         pytest.skip("no native FMA linear here (needs AVX2 and FMA, and a C++ compiler)")
@@ -271,8 +271,14 @@ def test_greedy_argmax_is_the_argmax_of_the_fma_logits(shape):
     x = x.bfloat16()
     logits = proj.fma(x).float()
     assert logits[4].max() == logits[4, 5] == logits[4, shape[0] // 2]
-    for rows in (1, 2, 3, 4, 5, 8, 9, 17):
-        assert torch.equal(greedy(x[:rows]), logits[:rows].argmax(-1)), rows
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):  # the int8 pass's blocks split over the threads
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+                assert torch.equal(greedy(x[:rows]), logits[:rows].argmax(-1)), (rows, threads)
+    finally:
+        torch.set_num_threads(before)
     for i in range(17):
         assert torch.equal(greedy(x[i:i + 1]), logits[i:i + 1].argmax(-1)), i
     assert torch.equal(greedy(x[:6].view(2, 3, -1)), logits[:6].argmax(-1).view(2, 3))

@@ -1632,60 +1632,69 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   // + bound) more covers them all
   std::unique_ptr<float[]> upper(new float[R * V]);  // every entry written in pass 1
   std::vector<float> best_lower(R, -INFINITY);
-  alignas(64) int32_t sums[kArgRows * kArgBlock];
   const __m256 rel = _mm256_set1_ps(1e-6f), tiny = _mm256_set1_ps(1e-30f);
   const __m256 sign = _mm256_set1_ps(-0.0f), none = _mm256_set1_ps(-INFINITY);
+  // each block's largest lower bound per row (rows of the current group), reduced after the
+  // threads: the blocks are split over them (parallel_blocks), and a maximum does not depend
+  // on the split
+  std::vector<float> block_low(kArgRows * blocks);
   for (int64_t r0 = 0; r0 < R; r0 += kArgRows) {
     const int64_t rows = std::min<int64_t>(kArgRows, R - r0);
     const int32_t* xr = xpairs.data() + r0 * K2;
-    __m256 low[kArgRows];
-    std::fill(low, low + kArgRows, none);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int8_t* qb = qp + b * K2 * kArgBlock * 2;
-      switch (rows) {
-        case 1: argmax_block<1>(qb, K2, xr, sums); break;
-        case 2: argmax_block<2>(qb, K2, xr, sums); break;
-        case 3: argmax_block<3>(qb, K2, xr, sums); break;
+    parallel_blocks(blocks, [&](int64_t b0, int64_t b1) {
+      alignas(64) int32_t sums[kArgRows * kArgBlock];
+      for (int64_t b = b0; b < b1; ++b) {
+        const int8_t* qb = qp + b * K2 * kArgBlock * 2;
+        switch (rows) {
+          case 1: argmax_block<1>(qb, K2, xr, sums); break;
+          case 2: argmax_block<2>(qb, K2, xr, sums); break;
+          case 3: argmax_block<3>(qb, K2, xr, sums); break;
 #ifdef EAGLE2_AVX512
-        case 4: argmax_block<4>(qb, K2, xr, sums); break;
-        case 5: argmax_block<5>(qb, K2, xr, sums); break;
-        case 6: argmax_block<6>(qb, K2, xr, sums); break;
-        case 7: argmax_block<7>(qb, K2, xr, sums); break;
-        default: argmax_block<8>(qb, K2, xr, sums); break;
+          case 4: argmax_block<4>(qb, K2, xr, sums); break;
+          case 5: argmax_block<5>(qb, K2, xr, sums); break;
+          case 6: argmax_block<6>(qb, K2, xr, sums); break;
+          case 7: argmax_block<7>(qb, K2, xr, sums); break;
+          default: argmax_block<8>(qb, K2, xr, sums); break;
 #else
-        default: argmax_block<4>(qb, K2, xr, sums); break;
+          default: argmax_block<4>(qb, K2, xr, sums); break;
 #endif
-      }
-      const int64_t v0 = b * kArgBlock, n = std::min<int64_t>(kArgBlock, V - v0);
-      for (int64_t m = 0; m < rows; ++m) {
-        const int64_t r = r0 + m;
-        const __m256 vsx = _mm256_set1_ps(sx[r]), vxn = _mm256_set1_ps(xn[r]);
-        const __m256 ven = _mm256_set1_ps(en[r]);
-        for (int64_t j = 0; j < n; j += 8) {
-          const int64_t v = v0 + j;
-          const __m256i lanes = _mm256_cmpgt_epi32(
-              _mm256_set1_epi32(static_cast<int>(n - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-          const __m256 sc = _mm256_maskload_ps(scale + v, lanes);
-          const __m256 cx = _mm256_maskload_ps(coef_x + v, lanes);
-          const __m256 ce = _mm256_maskload_ps(coef_e + v, lanes);
-          const __m256 estimate = _mm256_mul_ps(
-              _mm256_cvtepi32_ps(_mm256_load_si256(
-                  reinterpret_cast<const __m256i*>(sums + m * kArgBlock + j))),
-              _mm256_mul_ps(sc, vsx));
-          const __m256 bound = _mm256_add_ps(_mm256_mul_ps(cx, vxn), _mm256_mul_ps(ce, ven));
-          const __m256 margin = _mm256_add_ps(bound, _mm256_add_ps(_mm256_mul_ps(
-              rel, _mm256_add_ps(_mm256_andnot_ps(sign, estimate), bound)), tiny));
-          _mm256_maskstore_ps(upper.get() + r * V + v, lanes, _mm256_add_ps(estimate, margin));
-          low[m] = _mm256_max_ps(low[m], _mm256_blendv_ps(none, _mm256_sub_ps(estimate, margin),
-                                                           _mm256_castsi256_ps(lanes)));
+        }
+        const int64_t v0 = b * kArgBlock, n = std::min<int64_t>(kArgBlock, V - v0);
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t r = r0 + m;
+          const __m256 vsx = _mm256_set1_ps(sx[r]), vxn = _mm256_set1_ps(xn[r]);
+          const __m256 ven = _mm256_set1_ps(en[r]);
+          __m256 low = none;
+          for (int64_t j = 0; j < n; j += 8) {
+            const int64_t v = v0 + j;
+            const __m256i lanes = _mm256_cmpgt_epi32(
+                _mm256_set1_epi32(static_cast<int>(n - j)),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            const __m256 sc = _mm256_maskload_ps(scale + v, lanes);
+            const __m256 cx = _mm256_maskload_ps(coef_x + v, lanes);
+            const __m256 ce = _mm256_maskload_ps(coef_e + v, lanes);
+            const __m256 estimate = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_load_si256(
+                    reinterpret_cast<const __m256i*>(sums + m * kArgBlock + j))),
+                _mm256_mul_ps(sc, vsx));
+            const __m256 bound = _mm256_add_ps(_mm256_mul_ps(cx, vxn),
+                                               _mm256_mul_ps(ce, ven));
+            const __m256 margin = _mm256_add_ps(bound, _mm256_add_ps(_mm256_mul_ps(
+                rel, _mm256_add_ps(_mm256_andnot_ps(sign, estimate), bound)), tiny));
+            _mm256_maskstore_ps(upper.get() + r * V + v, lanes,
+                                _mm256_add_ps(estimate, margin));
+            low = _mm256_max_ps(low, _mm256_blendv_ps(none, _mm256_sub_ps(estimate, margin),
+                                                      _mm256_castsi256_ps(lanes)));
+          }
+          alignas(32) float lows[8];
+          _mm256_store_ps(lows, low);
+          block_low[m * blocks + b] = *std::max_element(lows, lows + 8);
         }
       }
-    }
-    for (int64_t m = 0; m < rows; ++m) {
-      alignas(32) float lows[8];
-      _mm256_store_ps(lows, low[m]);
-      best_lower[r0 + m] = *std::max_element(lows, lows + 8);
-    }
+    });
+    for (int64_t m = 0; m < rows; ++m)
+      best_lower[r0 + m] = *std::max_element(block_low.begin() + m * blocks,
+                                             block_low.begin() + (m + 1) * blocks);
   }
   // pass 2: no output whose bf16 logit can be below floor (the largest lower bound, rounded
   // as the logits are) can win or tie; an upper bound <= thr (at most the bf16 value below
