@@ -70,11 +70,12 @@ class _OpenGates(dict):
         return gate
 
 
-def build(variant: str, max_batch: int = 8, base_source: str | None = None) -> Eagle2:
+def build(variant: str, max_batch: int = 8, base_source: str | None = None,
+          threads: int = 1) -> Eagle2:
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     mode = "vanilla" if variant.startswith("vanilla") else "eagle2"
-    llm = Eagle2.load(threads=1, tree=TreeConfig(mode=mode), max_batch=max_batch)
+    llm = Eagle2.load(threads=threads, tree=TreeConfig(mode=mode), max_batch=max_batch)
     if variant.endswith("-logits"):
         llm.target.greedy_head = None
     if variant == "no-lookup-alone":
@@ -137,10 +138,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1,
                     help="prompts decoded together (groups of one suite's consecutive prompts)")
     ap.add_argument("--base-source", default=None, help="for base-kernels")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of every variant")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = args.variants.split(",")
-    llms = {v: build(v, max(8, args.batch), args.base_source) for v in variants}
+    llms = {v: build(v, max(8, args.batch), args.base_source, args.threads) for v in variants}
     suites = [load_suite(s, args.num_prompts) for s in ("mt_bench", "humaneval")]
     groups = [ps[i: i + args.batch] for ps in suites for i in range(0, len(ps), args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
