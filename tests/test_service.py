@@ -119,7 +119,11 @@ def test_tp1_target_runs_in_the_engine_replica_without_rank_actors(client, servi
     import ray
 
     stats = service.engine_stats.remote().result()
-    assert stats["target_placement"] == "engine" and stats["torch_threads"] == 1
+    # engine_threads "auto" (the default): the count measured on this machine, following the
+    # load (tests/test_service_units.py checks the choice)
+    assert stats["target_placement"] == "engine"
+    assert 1 <= stats["torch_threads"] <= (os.cpu_count() or 1)
+    assert isinstance(stats["thread_switches"], list)
     assert client.model_info().target_placement == "engine"
     assert service.rank_pids.remote().result() == []
     assert stats["rank_bytes_out"] is None  # no call to a rank process, ever

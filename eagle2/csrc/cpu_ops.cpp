@@ -875,7 +875,8 @@ constexpr int64_t kPairsPerSum = 256;  // 512 inputs
 // f(b0, b1) over [0, blocks), an equal share for each thread (one call, inline, with one
 // thread). Any row count is split: the weights are read once whatever the split, so two cores
 // read them in half the time where each core has its own memory bandwidth (this Xeon VM: 15 GB/s
-// one thread, 29 two: one token's linears 17.4 -> 9.5 ms), and `eagle2.threads` measures
+// one thread, 29 two: one row through every linear and the lm_head 15.6 -> 8.9 ms on two
+// threads, `benchmarks/native_linears.py`), and `eagle2.threads` measures
 // whether more threads decode faster on the machine at hand. A parallel region's threads wake
 // from a spin (`GOMP_SPINCOUNT`, set by `eagle2/__init__.py`), not from sleep: ~120 regions a
 // forward each waking a sleeping thread had cost more than the split saved.
