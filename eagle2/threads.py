@@ -5,7 +5,7 @@ many small operators, each a parallel region whose threads must wake: on a 2-cor
 threads decoded plainly at 18.6-23.1 tokens/s against 25.6-26.5 with one, and speculatively
 at 9.2-22.9 against 27.0-27.5 (`eagle2 generate`, same prompt, alternated). Which count is
 fastest depends on the machine and the model, so it is measured: plain decode steps of the
-loaded model at 1, 2, 4, ... threads up to torch's default, alternated over a few rounds (a
+loaded model at 1, 2, 4, ... threads up to the CPUs it may use, alternated over a few rounds (a
 slow phase of the machine then spoils one sample of each count, not all of one), the best
 per count kept; a larger count must be `GAIN` faster to be chosen (fewer threads suffer less
 beside other busy processes). The choice is cached per machine and model
@@ -40,8 +40,16 @@ def requested(names: tuple[str, ...] = ("EAGLE2_THREADS", "OMP_NUM_THREADS")) ->
     return None
 
 
+def default_count() -> int:
+    """The CPUs this process may use: the largest count measured, whatever the current one
+    (a caller that set one thread before loading must not make one the only candidate)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(len(os.sched_getaffinity(0)), 1)
+    return os.cpu_count() or 1
+
+
 def candidates(default: int) -> list[int]:
-    """1, 2, 4, ... below torch's default, and the default. E.g. 6 -> [1, 2, 4, 6]."""
+    """1, 2, 4, ... below default, and default. E.g. 6 -> [1, 2, 4, 6]."""
     counts, n = [], 1
     while n < default:
         counts.append(n)
@@ -67,10 +75,15 @@ def cache_path(target) -> Path:
 
 
 def cached(target) -> int | None:
+    """The cached choice, None where there is none or it was measured over other counts than
+    this machine's candidates (e.g. only one, where a caller had set one thread before)."""
     path = cache_path(target)
     try:
-        return int(json.loads(path.read_text())["threads"])
-    except (OSError, ValueError, KeyError):
+        data = json.loads(path.read_text())
+        if {int(n) for n in data["step_ms"]} != set(candidates(default_count())):
+            return None
+        return int(data["threads"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -123,7 +136,7 @@ def measure_and_save(engine, target) -> int:
     hold the probe's steps."""
     from eagle2.kernels import write_json_atomic
 
-    counts = candidates(torch.get_num_threads())
+    counts = candidates(default_count())
     follower = LoadFollower(max(counts), interval=0.0)
     timings = measure(engine, target.vocab_size, counts)
     pick = choose(timings)

@@ -60,13 +60,13 @@ def test_auto_threads_are_measured_once_cached_and_set_before_the_next_load(tmp_
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     try:
         first = Eagle2.load(model, "untrained", dtype="float32", device="cpu")
-        assert len(measured) == 1 and set(measured[0]) == set(thr.candidates(before))
+        counts = thr.candidates(thr.default_count())
+        assert len(measured) == 1 and set(measured[0]) == set(counts)
         assert all(0 < s < 1 for s in measured[0].values())
         chosen = thr.choose(measured[0])
         assert torch.get_num_threads() == chosen
         saved = json.loads(thr.cache_path(first.target).read_text())
-        assert saved["threads"] == chosen and set(saved["step_ms"]) == {
-            str(n) for n in thr.candidates(before)}
+        assert saved["threads"] == chosen and set(saved["step_ms"]) == {str(n) for n in counts}
         assert first.engine.stats.steps == 0  # the probe's steps were not kept
         out = first.generate_ids([first.request([1, 2, 3], params)])[0].token_ids
 
@@ -239,7 +239,23 @@ def test_a_count_measured_beside_busy_processes_is_used_but_not_cached(tmp_path,
     before = torch.get_num_threads()
     try:
         llm = Eagle2.load(model, "untrained", dtype="float32", device="cpu")
-        assert torch.get_num_threads() in thr.candidates(before)
+        assert torch.get_num_threads() in thr.candidates(thr.default_count())
         assert not thr.cache_path(llm.target).exists()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_cached_choice_measured_over_other_counts_is_measured_again(tmp_path, monkeypatch):
+    """A choice cached from a load whose caller had set one thread (only count 1 measured)
+    is not this machine's: it reads as missing, so the next load measures every count."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(thr, "default_count", lambda: 2)
+    target = tiny_target(seed=3)
+    path = thr.cache_path(target)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"threads": 1, "step_ms": {"1": 19.0}}))
+    assert thr.cached(target) is None
+    path.write_text(json.dumps({"threads": 2, "step_ms": {"1": 19.0, "2": 11.0}}))
+    assert thr.cached(target) == 2
+    path.write_text("{")
+    assert thr.cached(target) is None
