@@ -20,7 +20,7 @@ from eagle2.budget import CostModel
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.drafter import Drafter
 from eagle2.eagle3 import Eagle3Head
-from eagle2.engine import Engine, EngineStats, Event, Request
+from eagle2.engine import Engine, Event, Request
 from eagle2.head import DraftHead, load_head, new_head
 from eagle2.runner import LocalRunner
 from eagle2.target import EMBEDDED_NAME, TargetModel, cost_cache_path
@@ -86,13 +86,11 @@ class Eagle2:
         from eagle2 import threads as thr
 
         tgt = TargetModel.load(target, dtype=dtype, device=device)
-        measure = auto = False
+        auto = False  # a count chosen here (not the user's): measured if not cached, followed
         if threads == "auto" and tgt.device.type == "cpu":
             chosen = thr.requested()
-            auto = chosen is None  # no count the user set
-            chosen = chosen or thr.cached(tgt)
-            measure = chosen is None
-            threads = chosen
+            auto = chosen is None
+            threads = chosen or thr.cached(tgt)  # None: measured once the engine exists
         elif threads == "auto":
             threads = None
         if isinstance(threads, int):
@@ -100,15 +98,9 @@ class Eagle2:
                 raise ValueError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
         llm = cls(tgt, resolve_head(tgt, draft), tree, max_batch, max_context, costs)
-        if measure:
-            torch.set_num_threads(thr.measure_and_save(llm.engine, tgt))
-            llm.engine.stats = EngineStats()  # the probe's steps are not the caller's
-            if costs is None:  # the costs of the chosen count (their cache is per count)
-                llm.engine._costs = llm.engine._cost_path = cost_cache_path(tgt)
-        if auto and costs is None and torch.get_num_threads() > 1:
-            # the measured count is for a quiet machine: fewer while others take the cores
-            llm.engine.follow_load(thr.LoadFollower(torch.get_num_threads()),
-                                   lambda: cost_cache_path(tgt))
+        if auto:
+            thr.settle(llm.engine, tgt, threads, follow=auto,
+                       cost_path_of=(lambda: cost_cache_path(tgt)) if costs is None else None)
         return llm
 
     # ----- prompts ----------------------------------------------------------------------------

@@ -151,6 +151,27 @@ def measure_and_save(engine, target) -> int:
     return pick
 
 
+def settle(engine, target, count: int | None, follow: bool, cost_path_of=None) -> int:
+    """Run `engine` (of `target`, on the CPU) on `count` threads (None: measure the counts now
+    with the idle engine and cache the choice, the probe's steps dropped from its stats). With
+    `cost_path_of` (the cost cache of the current count; None: the engine keeps the costs it
+    was given) the engine reads that count's costs, and where `follow` and more than one
+    thread, follows other processes' load (`LoadFollower`). Returns the count. What
+    `Eagle2.load(threads="auto")` and the service's engine replica both do."""
+    if count is None:
+        from eagle2.engine import EngineStats
+
+        count = measure_and_save(engine, target)
+        engine.stats = EngineStats()  # the probe's steps are not the caller's
+    torch.set_num_threads(count)
+    if cost_path_of is not None:  # the costs of this count (their cache is per count)
+        engine._costs = engine._cost_path = cost_path_of()
+        if follow and count > 1:
+            # the measured count is for a quiet machine: fewer while others take the cores
+            engine.follow_load(LoadFollower(count), cost_path_of)
+    return count
+
+
 def cpu_busy_seconds(cpus: set[int] | None = None, stat: Path = Path("/proc/stat")
                      ) -> float | None:
     """Seconds the given CPUs (None: all) have run anything since boot (user, nice, system,
@@ -194,7 +215,7 @@ class LoadFollower:
                  busy=None, own=time.process_time):
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.cpus = set(cpus) if cpus else None
-        self.ncpu = len(self.cpus) if self.cpus else (os.cpu_count() or 1)
+        self.ncpu = default_count()
         self.most, self.interval = most, interval
         self._clock, self._busy, self._own = clock, busy or cpu_busy_seconds, own
         self.count = most

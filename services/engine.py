@@ -43,10 +43,12 @@ class TargetEngine:
     async def __init__(self, config: dict, draft_worker=None):
         self.cfg = cfg = ServiceConfig(**config)
         self.placement = cfg.resolved_target_placement()
-        # the target's threads where it runs here (engine_threads; "auto": `_auto_threads`)
-        torch.set_num_threads(max(1, int(cfg.cpus_per_rank)) if cfg.engine_threads is None
-                              else max(1, torch.get_num_threads())
-                              if cfg.engine_threads == "auto" else cfg.engine_threads)
+        # the target's threads where it runs here: engine_threads ("auto": `_auto_threads`,
+        # once the target is loaded; None: cpus_per_rank)
+        if cfg.engine_threads is None:
+            torch.set_num_threads(max(1, int(cfg.cpus_per_rank)))
+        elif cfg.engine_threads != "auto":
+            torch.set_num_threads(cfg.engine_threads)
         self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
         runner = self._new_runner()
         self.cost_path = _cost_path(cfg, self.placement, runner.info)
@@ -84,20 +86,13 @@ class TargetEngine:
         the cost cache follows the count. OMP_NUM_THREADS is Ray's (the replica's reserved
         CPUs), not the user's."""
         from eagle2 import threads as thr
-        from eagle2.engine import EngineStats
 
         requested = thr.requested(("EAGLE2_THREADS",))  # Ray sets OMP_NUM_THREADS
-        count = requested or thr.cached(runner.target)
-        if count is None:
-            count = thr.measure_and_save(self.engine, runner.target)
-            self.engine.stats = EngineStats()  # the probe's steps are not the requests'
-        torch.set_num_threads(count)
         cfg, placement = self.cfg, self.placement
-        self.cost_path = _cost_path(cfg, placement, runner.info)
-        self.engine._costs = self.engine._cost_path = self.cost_path
-        if requested is None and count > 1:
-            self.engine.follow_load(thr.LoadFollower(count),
-                                    lambda: _cost_path(cfg, placement, runner.info))
+        thr.settle(self.engine, runner.target, requested or thr.cached(runner.target),
+                   follow=requested is None,
+                   cost_path_of=lambda: _cost_path(cfg, placement, runner.info))
+        self.cost_path = self.engine._cost_path
 
     def _new_runner(self) -> LocalRunner | ShardedRunner:
         """The whole target in this process (what a rank actor holds at tp_size 1), or the
