@@ -19,7 +19,9 @@ steps without a draft call taken even where such steps delivered less than plain
 lately: `Engine._lookup_vetoed`), no-chain-scale (those chains valued as the lookup table and
 the n-gram store say, not scaled by what the request's chains got lately: `Engine._chain_scale`),
 python-chains (the n-gram store's chains walked in Python, context by context, not by
-csrc/ngram.cpp for the whole batch: `NgramStore.propose_many`), base-kernels (the shipped
+csrc/ngram.cpp for the whole batch: `NgramStore.propose_many`), one-branch (steps without a
+draft call verify one lookup chain a request, prompt lookup's or the n-gram store's, whichever
+is worth more, not a tree of both: `Engine.lookup_branches`), base-kernels (the shipped
 engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
 step: a kernel change A/B'd in one process; greedy tokens through its greedy_argmax too, with
@@ -51,7 +53,7 @@ from eagle2.engine import EngineStats
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
             "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
-            "never-draft", "vanilla-base-kernels")
+            "never-draft", "vanilla-base-kernels", "one-branch")
 
 
 class _OpenGates(dict):
@@ -80,6 +82,8 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         llm.target.greedy_head = None
     if variant == "no-lookup-alone":
         llm.engine.lookup_alone = False
+    if variant == "one-branch":
+        llm.engine.lookup_branches = 1
     if variant == "always-draft":
         llm.engine.gates = _OpenGates()
     if variant == "never-draft":

@@ -29,7 +29,7 @@ from eagle2.kernels import (
     small_rows_plan,
     weights_stamp,
 )
-from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains, propose_chains
+from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains, propose_branches
 from eagle2.native import cpu_ops
 from eagle2.ngram import NgramStore
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
@@ -71,7 +71,7 @@ class Drafter:
         # when a list: every lookup proposal is appended to it as (seq_id, history length,
         # match length, tokens, whether each token was new to the candidates), for calibration
         self.lookup_log: list[tuple[str, int, int, list[int], list[bool]]] | None = None
-        self.last_fresh: torch.Tensor | None = None  # [B, D] of the last merge
+        self.last_fresh: list[torch.Tensor] = []  # [B, D] of the last merges, per chain rank
         self.embed = embed
         param = head.fc.weight
         self.device, self.dtype = param.device, param.dtype
@@ -259,12 +259,12 @@ class Drafter:
             return self._expand_static(slots, root, last, config)
         if config.mode == "chain":  # one child per level: a chain of depth + 1 drafts
             return self._expand_dynamic(slots, root, last, replace(config, top_k=1), min_gain)
-        chains = propose_chains([self.histories[s] for s in seq_ids],
-                                [config.lookup] * len(seq_ids), self.lookup_table,
-                                self.ngram) if config.lookup else None
-        tree = self._expand_dynamic(slots, root, last, config, min_gain, chains)
-        if self.lookup_log is not None and chains:
-            self._log_chains(seq_ids, chains)
+        branches = propose_branches([self.histories[s] for s in seq_ids],
+                                    [config.lookup] * len(seq_ids), self.lookup_table,
+                                    self.ngram) if config.lookup else None
+        tree = self._expand_dynamic(slots, root, last, config, min_gain, branches)
+        if self.lookup_log is not None and branches:
+            self._log_chains(seq_ids, branches)
         return tree
 
     def values(self, raw: torch.Tensor) -> torch.Tensor:
@@ -288,7 +288,8 @@ class Drafter:
             tree_mask
 
     def _expand_dynamic(self, slots, root, last, config: TreeConfig, min_gain: float = 0.0,
-                        chains: list[tuple[list[int], int]] | None = None) -> DraftTree:
+                        branches: list[list[tuple[list[int], list[float], int]]] | None = None
+                        ) -> DraftTree:
         k = config.top_k
         level = self._first_level(last, k)
         cands = [(level.tokens, level.scores, torch.full_like(level.tokens, -1), 1)]
@@ -315,7 +316,7 @@ class Drafter:
                 anc=mask.gather(1, par[:, :, None].expand(-1, -1, mask.shape[2])),
             )
             num_cands += num_m * k
-        return self._build(root, cands, config.num_nodes, chains)
+        return self._build(root, cands, config.num_nodes, branches)
 
     def _expand_static(self, slots, root, last, config: TreeConfig) -> DraftTree:
         shape = static_shape(config.total_tokens)
@@ -345,10 +346,13 @@ class Drafter:
         return self._build(root, cands, num_cands + 1)
 
     def _build(self, root, cands, num_nodes: int,
-               chains: list[tuple[list[int], list[float], int]] | None = None) -> DraftTree:
+               branches: list[list[tuple[list[int], list[float], int]]] | None = None
+               ) -> DraftTree:
         """cands: per level (tokens [B, C], scores [B, C], parent candidate [B, C], level);
-        chains: per row (lookup tokens, their values, match length: `propose_chain`) to merge
-        in before the rerank."""
+        branches: per row the lookup chains (tokens, their values, match length:
+        `lookup.propose_branches`, the one worth more first) to merge in before the rerank,
+        one `add_chains` per rank, so a token the first chain shares with the second is
+        one candidate."""
         if self.keep_candidates:
             self.last_candidates = cands
         tokens = torch.cat([c[0] for c in cands], 1)
@@ -358,9 +362,11 @@ class Drafter:
             tokens, torch.cat([c[2] for c in cands], 1), scores,
             torch.cat([torch.full_like(c[0], c[3]) for c in cands], 1),
             torch.where(raw > 0, self.values(raw), 0.0), torch.zeros_like(tokens, dtype=torch.bool))
-        self.last_fresh = None
-        if chains is not None and any(toks for toks, _, _ in chains):
-            merged, self.last_fresh = add_chains(merged, *self._chain_tensors(chains))
+        self.last_fresh = []
+        for rank in range(max(map(len, branches or []), default=0)):
+            chains = [row[rank] if len(row) > rank else ([], [], 0) for row in branches]
+            merged, fresh = add_chains(merged, *self._chain_tensors(chains))
+            self.last_fresh.append(fresh)
         return build_tree(root, merged.tokens, merged.parents, merged.scores, merged.depths,
                           num_nodes, merged.values, merged.lookup)
 
@@ -378,11 +384,14 @@ class Drafter:
         return (tokens.to(self.device), lengths.to(self.device),
                 raw.log().to(self.device), rates.to(self.device))
 
-    def _log_chains(self, seq_ids: list[str], chains) -> None:
-        """Record each prompt-lookup proposal and which of its tokens the head had not proposed
-        (whether or not the rerank kept them); the n-gram store's are not (match 0)."""
-        fresh = self.last_fresh.tolist() if self.last_fresh is not None else []
-        for b, (sid, (toks, _, match)) in enumerate(zip(seq_ids, chains, strict=True)):
-            if toks and match:
-                self.lookup_log.append((sid, len(self.histories[sid]), match, toks,
-                                        fresh[b][: len(toks)]))
+    def _log_chains(self, seq_ids: list[str], branches) -> None:
+        """Record each prompt-lookup proposal and which of its tokens neither the head nor a
+        chain merged before it had proposed (whether or not the rerank kept them); the n-gram
+        store's are not (match 0)."""
+        for rank, fresh in enumerate(self.last_fresh):
+            flags = fresh.tolist()
+            for b, (sid, row) in enumerate(zip(seq_ids, branches, strict=True)):
+                toks, _, match = row[rank] if len(row) > rank else ([], [], 0)
+                if toks and match:
+                    self.lookup_log.append((sid, len(self.histories[sid]), match, toks,
+                                            flags[b][: len(toks)]))

@@ -37,7 +37,14 @@ from eagle2.budget import (
     probe_backoff,
 )
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.lookup import LookupTable, TokenHistory, propose_chains
+from eagle2.lookup import (
+    LookupNode,
+    LookupTable,
+    TokenHistory,
+    lookup_tree_row,
+    propose_branches,
+    rank_branches,
+)
 from eagle2.ngram import NgramStore
 from eagle2.runner import TargetRunner
 from eagle2.tree import DraftTree, prune_tree, root_only, tree_from_rows
@@ -213,6 +220,9 @@ class Engine:
         self._caught_up = 1  # new positions per sequence the drafter ran over this step
         self._draft_key_of: tuple[object, str] | None = None  # (drafter, its `draft_key`)
         self.lookup_alone = lookup_alone
+        # lookup branches a request's tree on such steps may take: prompt lookup's and the
+        # n-gram store's (1: the one worth more, as before trees of both)
+        self.lookup_branches = 2
         self._lookup_only = False  # this step verifies lookup chains without a draft call
         self._ngram_rows: list[int] = []  # ... and these rows' chains are the n-gram store's
         self.lookup_table: LookupTable = (lookup_table or getattr(drafter, "lookup_table", None)
@@ -584,12 +594,13 @@ class Engine:
 
     def _lookup_trees(self, idx: list[int]) -> DraftTree:
         """Trees of the requests in idx, which no draft call serves this step: the root, and
-        for an auto-budget request with prompt lookup the chain lookup proposes after
-        it (the longest earlier match of its last tokens and what followed, `TokenHistory`,
-        valued by the lookup table; or the n-gram store's continuation where that is worth
-        more: `lookup.propose_chain`; no model runs). When no request of the batch drafts, the
-        chains are cut here to the length that pays best (`_lookup_length`); otherwise the
-        budget weighs them with the drafted trees (`_choose_budget`). Where the head's drafts
+        for an auto-budget request with prompt lookup the chains lookup proposes after
+        it as one tree (the longest earlier match of its last tokens and what followed,
+        `TokenHistory`, valued by the lookup table, and the n-gram store's continuation:
+        `_proposals`; no model runs). When no request of the batch drafts, every tree is cut
+        here to its best n nodes, one n for the batch, the n that pays best
+        (`_lookup_length`); otherwise the budget weighs them with the drafted trees
+        (`_choose_budget`). Where the head's drafts
         do not pay (the gate is shut), text that repeats itself (code, quoted input) still
         gets multi-token steps for the verification of a few more tokens (on a CPU c(1, 2)
         is about c(1, 1)). Sampled requests too: verification takes a lookup token as a
@@ -604,32 +615,32 @@ class Engine:
             self.stats.lookup_vetoes += 1
             return root_only(torch.tensor(roots))
         proposed = self._proposals(seqs) if self.lookup_alone else []
-        if not any(toks for toks, _, _ in proposed):
+        if not any(proposed):
             return root_only(torch.tensor(roots))
-        chains = [(toks, self._chain_values(s, values))
-                  for s, (toks, values, _) in zip(seqs, proposed, strict=True)]
+        values = [self._chain_values(s, [n.value for n in nodes])
+                  for s, nodes in zip(seqs, proposed, strict=True)]
         if len(idx) == len(self.seqs):
-            # values are non-increasing in depth, so a node is worth at most its parent
-            length = self._lookup_length([v for _, v in chains])[0]
+            # ranked by value (`rank_branches`): the best n nodes of a row are its first n
+            length = self._lookup_length(values)[0]
             if length == 0:
                 return root_only(torch.tensor(roots))
-            chains = [(toks[:length], v[:length]) for toks, v in chains]
-            for s, (_, values) in zip(seqs, chains, strict=True):
-                s.chain_value = sum(values)
+            values = [v[:length] for v in values]
+            for s, kept in zip(seqs, values, strict=True):
+                s.chain_value = sum(kept)
             self._lookup_only = True
-            self._ngram_rows = [b for b, (_, _, store) in enumerate(proposed) if store]
+            self._ngram_rows = [b for b, (nodes, kept) in enumerate(zip(proposed, values,
+                                                                        strict=True))
+                                if any(n.store for n in nodes[: len(kept)])]
             self.stats.lookup_steps += 1
-        return tree_from_rows([([root, *toks], list(range(-1, len(toks))),
-                                list(range(len(toks) + 1)), [1.0, *rates],
-                                [False] + [True] * len(toks))
-                               for root, (toks, rates) in zip(roots, chains, strict=True)])
+        return tree_from_rows([lookup_tree_row(root, nodes, kept)
+                               for root, nodes, kept in zip(roots, proposed, values, strict=True)])
 
-    def _proposals(self, seqs: list[_Seq]) -> list[tuple[list[int], list[float], bool]]:
-        """Per request, the lookup chain after its last token (at most its tree's lookup
-        length and draft nodes: prompt lookup's or the n-gram store's,
-        `lookup.propose_chains`, the store's for all of them in one call), its values and
-        whether the store proposed it; ([], [], False) for requests that take none. Histories
-        catch up on their requests' new tokens first."""
+    def _proposals(self, seqs: list[_Seq]) -> list[list[LookupNode]]:
+        """Per request, the tree of the chains lookup proposes after its last token (prompt
+        lookup's and the n-gram store's, `lookup.propose_branches`, the store's for all of
+        them in one call; each at most its tree's lookup length) as nodes ranked by value
+        (`lookup.rank_branches`, at most its tree's draft nodes); [] for requests that take
+        none. Histories catch up on their requests' new tokens first."""
         takes = [s.auto and s.req.tree.mode == "eagle2" and s.req.tree.lookup > 0 for s in seqs]
         takers = [s for s, t in zip(seqs, takes, strict=True) if t]
         for s in takers:
@@ -639,14 +650,12 @@ class Engine:
             known = len(s.history) - len(s.req.prompt_ids)
             if known < len(s.output):
                 s.history.extend(s.output[known:])
-        chains = iter(propose_chains([s.history for s in takers],
-                                     [min(s.req.tree.lookup, s.req.tree.num_nodes - 1)
-                                      for s in takers], self.lookup_table, self.ngram))
-        out = []
-        for t in takes:
-            toks, values, match = next(chains) if t else ([], [], 0)
-            out.append((toks, values, bool(toks) and match == 0))
-        return out
+        branches = iter(propose_branches([s.history for s in takers],
+                                         [min(s.req.tree.lookup, s.req.tree.num_nodes - 1)
+                                          for s in takers], self.lookup_table, self.ngram))
+        return [rank_branches(next(branches)[: self.lookup_branches], s.req.tree.num_nodes - 1)
+                if t else []
+                for s, t in zip(seqs, takes, strict=True)]
 
     def _chain_scale(self, s: _Seq) -> float:
         """How a sampled request's lookup chains on steps without a draft call fare against
@@ -668,10 +677,11 @@ class Engine:
         return [min(v * scale, 1.0) for v in values]
 
     def _lookup_length(self, values: list[list[float]]) -> tuple[int, float]:
-        """The chain length (0: none) that maximises predicted tokens per second over the
-        whole batch, every request's chain cut to it: (B + sum of the kept values) / c(B, 1 +
-        length), against plain decoding's B / c(B, 1) (`budget.choose_num_nodes` without a
-        draft call), trying longer chains until two in a row gain nothing; and that rate.
+        """The node count n (0: none) that maximises predicted tokens per second over the
+        whole batch, every request's lookup tree cut to its best n nodes (values: each row's,
+        highest first): (B + sum of the kept values) / c(B, 1 + n), against plain decoding's
+        B / c(B, 1) (`budget.choose_num_nodes` without a draft call), trying more nodes
+        until two counts in a row gain nothing; and that rate.
         The gate is not told: no draft call was made."""
         num_b, context = len(self.seqs), self._context()
         forward = self._timed_costs(self.costs)
@@ -696,8 +706,9 @@ class Engine:
             return None
         if self._lookup_vetoed():  # they would not be verified: a plain step
             return self._lookup_length([])[1]
-        return self._lookup_length([self._chain_values(s, values) for s, (_, values, _)
-                                    in zip(self.seqs, self._proposals(self.seqs), strict=True)])[1]
+        return self._lookup_length([self._chain_values(s, [n.value for n in nodes])
+                                    for s, nodes in zip(self.seqs, self._proposals(self.seqs),
+                                                        strict=True)])[1]
 
     def _lookup_vetoed(self) -> bool:
         """Whether steps without a draft call should leave lookup chains out (and not propose

@@ -306,6 +306,29 @@ def test_a_restart_keeps_the_skipped_tokens_for_lookup():
     assert proposed[:3] == pattern[3:]  # lookup did: "5 9 13" is followed by "17 21 25"
 
 
+def test_drafted_trees_take_both_lookup_branches():
+    """With an n-gram store whose chain disagrees with prompt lookup's, a drafted tree holds
+    lookup nodes of both (the head's candidates cannot outrank values of 0.9), and the
+    calibration's log gets the prompt-lookup chain with its fresh flags."""
+    import numpy as np
+
+    from eagle2.ngram import NUM_CELLS, NgramStore
+
+    target = tiny_target(seed=3)
+    drafter = make_engine(target, 0).drafter
+    drafter.ngram = NgramStore.build([([13], [40, 41, 42])] * 3, rates=np.full(NUM_CELLS, 0.9))
+    drafter.lookup_table = LookupTable(((0.95, 0.9, 0.85),))
+    drafter.lookup_log = []
+    toks = torch.tensor([[5, 9, 13, 17, 21, 25, 30, 5, 9, 13]])  # prompt lookup: 17 21 25
+    feats = torch.randn(1, 10, target.config.hidden_size)
+    tree = drafter.draft(["a"], feats, toks, torch.tensor([10]), replace(FIXED, lookup=3))
+    tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
+    under_root = {t for t, p in zip(tokens, parents, strict=True) if p == 0}
+    assert {17, 40} <= under_root and {21, 25, 41, 42} <= set(tokens)
+    assert bool(tree.lookup[0].any())
+    assert [(m, t) for _, _, m, t, _ in drafter.lookup_log] == [(3, [17, 21, 25])]
+
+
 def test_lookup_off_and_other_modes_add_no_lookup_nodes():
     target = tiny_target(seed=3)
     drafter = make_engine(target, 0).drafter

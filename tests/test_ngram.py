@@ -14,12 +14,21 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_engine, random_prompts, run, tiny_target
-from test_lookup import GREEDY, REPEATING, TREES, sampled_counts, shut_gate_costs
+from test_lookup import GREEDY, REPEATING, TREES, copy_prompts, sampled_counts, shut_gate_costs
 from test_lossless_sampling import NUM_SAMPLES, chi_square_pvalue, exact_joint
 
 from eagle2.budget import SpeculationGate
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.lookup import LookupTable, TokenHistory, propose_chain, propose_chains
+from eagle2.lookup import (
+    LookupNode,
+    LookupTable,
+    TokenHistory,
+    lookup_tree_row,
+    propose_branches,
+    propose_chain,
+    propose_chains,
+    rank_branches,
+)
 from eagle2.native import ngram_ops
 from eagle2.ngram import (
     FILE_NAME,
@@ -174,6 +183,62 @@ def test_propose_chain_keeps_the_chain_expected_to_go_further():
     assert batch[1] == ([3, 1, 2, 3], [0.2, 0.1, 0.05, 0.05 * 0.85], 2)
 
 
+def test_branches_are_both_chains_the_one_worth_more_first():
+    history = TokenHistory()
+    history.extend([5, 6, 7, 8, 6])
+    table = LookupTable(((0.2, 0.1, 0.05),))
+    store = NgramStore.build([([6], [9, 9, 9])] * 3, rates=np.full(NUM_CELLS, 0.9))
+    prompt = ([7, 8, 6], [0.2, 0.1, 0.05], 1)
+    (first, second), = propose_branches([history], [3], table, store)
+    assert first[0] == [9, 9, 9] and first[2] == 0 and second == prompt
+    weak = store.with_rates(np.full(NUM_CELLS, 0.03))
+    assert propose_branches([history], [3], table, weak)[0][0] == prompt
+    assert propose_branches([history], [3], table)[0] == [prompt]
+    fresh = TokenHistory()
+    fresh.extend([1, 2, 3])  # no earlier match, no known context: no branch at all
+    assert propose_branches([fresh, history], [3, 0], table, store) == [[], []]
+    # propose_chains is each sequence's first branch
+    batch = propose_branches([history, history], [3, 2], table, store)
+    assert [b[0] for b in batch] == propose_chains([history, history], [3, 2], table, store)
+
+
+def test_rank_branches_merges_shared_tokens_and_ranks_by_value():
+    # [a=1, b=2] (0.6, 0.3) and [a=1, c=3] (0.5, 0.4): a once (0.6), then c, then b
+    nodes = rank_branches([([1, 2], [0.6, 0.3], 2), ([1, 3], [0.5, 0.4], 0)], 8)
+    assert nodes == [LookupNode(1, -1, 1, 0.6, False), LookupNode(3, 0, 2, 0.4, True),
+                     LookupNode(2, 0, 2, 0.3, False)]
+    assert rank_branches([([1, 2], [0.6, 0.3], 2), ([1, 3], [0.5, 0.4], 0)], 2) == nodes[:2]
+    # two roots' children; a tie goes to the shallower node, then the earlier branch
+    nodes = rank_branches([([4, 5], [0.5, 0.5], 1), ([6], [0.5], 0)], 8)
+    assert [(n.token, n.parent) for n in nodes] == [(4, -1), (6, -1), (5, 0)]
+    assert lookup_tree_row(9, nodes, [0.5, 0.5, 0.5]) == (
+        [9, 4, 6, 5], [-1, 0, 0, 1], [0, 1, 1, 2], [1.0, 0.5, 0.5, 0.5],
+        [False, True, True, True])
+    assert lookup_tree_row(9, nodes, [0.5]) == ([9, 4], [-1, 0], [0, 1], [1.0, 0.5],
+                                               [False, True])
+    assert rank_branches([], 4) == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_prefix_of_a_ranking_is_a_tree(seed):
+    """Random branches (values falling along each): every prefix of the ranking keeps each
+    node's parent, and the first n nodes are the n of highest value."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        branches = []
+        for _ in range(rng.randint(0, 3)):
+            length = rng.randint(1, 6)
+            values = sorted((rng.random() for _ in range(length)), reverse=True)
+            branches.append(([rng.randint(0, 3) for _ in range(length)], values,
+                             rng.randint(0, 2)))
+        nodes = rank_branches(branches, 64)
+        assert all(n.parent < i for i, n in enumerate(nodes))
+        assert [n.value for n in nodes] == sorted((n.value for n in nodes), reverse=True)
+        assert len({(n.parent, n.token) for n in nodes}) == len(nodes)
+        for n in nodes:
+            assert n.depth == (1 if n.parent < 0 else nodes[n.parent].depth + 1)
+
+
 # ----- in the engine ----------------------------------------------------------------------------
 def answers_of(target, prompts) -> list[list[int]]:
     return run(make_engine(target, None), prompts, GREEDY, TreeConfig("vanilla"))
@@ -210,6 +275,39 @@ def test_greedy_with_ngram_chains_equals_vanilla(seed):
         else:
             assert stats.ngram_chains == 0, name  # off, or drafted (counted as lookup nodes)
     assert steps["alone"] < steps["alone-off"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_trees_of_both_branches_equal_vanilla(seed):
+    """A store of another target's answers, so that its chains and prompt lookup's disagree:
+    with the gate shut, steps verify trees of both (a lookup node with two children under
+    one parent), and outputs equal vanilla decoding; with one branch a request, never."""
+    target = tiny_target(vocab=48, seed=50 + seed)
+    prompts = copy_prompts(target, 6, seed)
+    vanilla = answers_of(target, prompts)
+    other = tiny_target(vocab=48, seed=60 + seed)
+    store = NgramStore.build([(p[-MAX_ORDER:], a) for p, a in zip(
+        prompts, answers_of(other, prompts), strict=True)], min_total=1,
+        rates=np.full(NUM_CELLS, 0.9))
+    for branches in (1, 2):
+        engine = make_engine(target, seed)
+        engine.ngram = engine.drafter.ngram = store
+        engine.lookup_branches = branches
+        engine._costs = shut_gate_costs(0.0001)
+        forks = []
+        lookup_trees = engine._lookup_trees
+
+        def record(idx, lookup_trees=lookup_trees, forks=forks):
+            tree = lookup_trees(idx)
+            for row in tree.parents.tolist():
+                kids = Counter(p for p in row if p >= 0)
+                forks.append(max(kids.values(), default=0) > 1)
+            return tree
+
+        engine._lookup_trees = record
+        assert run(engine, prompts, GREEDY, TREES["eagle2-auto"]) == vanilla, branches
+        assert engine.stats.lookup_steps > 0 and engine.stats.lookup_step_accepted > 0
+        assert any(forks) == (branches == 2), branches
 
 
 def test_chains_a_sampled_request_keeps_failing_are_verified_less():
