@@ -23,7 +23,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -198,9 +198,9 @@ def propose_branches(histories: Sequence[TokenHistory], depths: Sequence[int],
     return out
 
 
-@dataclass(frozen=True)
-class LookupNode:
-    """A node of the tree lookup's branches make under the root."""
+class LookupNode(NamedTuple):
+    """A node of the tree lookup's branches make under the root (a named tuple: a step at
+    batch 8 makes ~100 of them)."""
 
     token: int
     parent: int  # index of the parent in the ranked list; -1: the root
@@ -217,24 +217,29 @@ def rank_branches(branches: Sequence[tuple[list[int], list[float], int]],
     them. A branch's values do not increase along it, so a node is worth no more than its
     parent and every prefix of the ranking is a tree: keeping the best n nodes is cutting the
     list. E.g. branches [a, b] (0.6, 0.3) and [a, c] (0.5, 0.4): a 0.6, c 0.4, b 0.3."""
+    if len(branches) == 1:  # a chain ranks as it runs
+        toks, values, match = branches[0]
+        return [LookupNode(tok, d - 2, d, value, match == 0)
+                for d, (tok, value) in enumerate(zip(toks[:most], values, strict=False), 1)]
     nodes: list[list] = []  # token, parent, depth, value, store (build order)
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     for toks, values, match in branches:
         parent = -1
-        for depth, (tok, value) in enumerate(zip(toks, values, strict=True), start=1):
+        for depth, (tok, value) in enumerate(zip(toks[:most], values, strict=False), start=1):
             key = (parent, tok)
-            if key in index:
-                node = nodes[index[key]]
+            at = index.get(key)
+            if at is None:
+                at = index[key] = len(nodes)
+                nodes.append([tok, parent, depth, value, match == 0])
+            else:
+                node = nodes[at]
                 node[3] = max(node[3], value)
                 node[4] = node[4] and match == 0
-            else:
-                index[key] = len(nodes)
-                nodes.append([tok, parent, depth, value, match == 0])
-            parent = index[key]
+            parent = at
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], nodes[i][2], i))[:most]
     rank = {i: r for r, i in enumerate(order)}
-    return [LookupNode(nodes[i][0], rank[nodes[i][1]] if nodes[i][1] >= 0 else -1,
-                       nodes[i][2], nodes[i][3], nodes[i][4]) for i in order]
+    return [LookupNode(tok, rank[parent] if parent >= 0 else -1, depth, value, store)
+            for tok, parent, depth, value, store in (nodes[i] for i in order)]
 
 
 def lookup_tree_row(root: int, nodes: Sequence[LookupNode], values: Sequence[float]
