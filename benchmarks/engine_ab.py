@@ -29,6 +29,9 @@ its own int8 pack; the lm_head's logits and the head keep this build's), vanilla
 (plain decoding on them),
 multinomial-draw, vanilla-multinomial-draw (sampled tokens drawn by `torch.multinomial`, V
 exponentials a token, not by `verify.draw`, during that variant's calls).
+A variant named twice with a suffix ("shipped,shipped@2") is built twice: each instance loads
+its own copy of the weights, and the spread between the two is what the method itself reads
+between equal engines.
 Greedy runs check that every variant's output equals the
 first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
@@ -74,6 +77,7 @@ class _OpenGates(dict):
 
 def build(variant: str, max_batch: int = 8, base_source: str | None = None,
           threads: int = 1) -> Eagle2:
+    variant = variant.split("@")[0]  # "shipped@2": another instance of the same variant
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     mode = "vanilla" if variant.startswith("vanilla") else "eagle2"
