@@ -888,9 +888,13 @@ inline void parallel_blocks(int64_t blocks, const F& f) {
 #ifdef EAGLE2_AVX512
 // A block is read front to back, 128 bytes per input pair; with a few rows the loop computes
 // long enough per line that the hardware prefetcher falls behind and the time becomes memory
-// plus compute. Asking for the line 8 KB ahead in each stream overlaps the two (measured here:
-// 8 rows 51 -> 35 ms over the target's linears, the vdpbf16ps kernel; 1 row unchanged).
-constexpr int64_t kPrefetch = 2048;  // uint32s ahead
+// plus compute. Asking for the line 4 KB ahead in each stream overlaps the two (measured: 8
+// rows 51 -> 35 ms over the target's linears, the vdpbf16ps kernel, 8 KB ahead; 1 row
+// unchanged). On the AVX-512 Xeon with two threads the FMA kernel over the target's linears
+// and lm_head read 1-2 rows 5-9% faster 4 KB ahead than 8 KB, 4-16 rows the same or up to 3%
+// faster, one thread the same (`benchmarks/native_linears.py --threads 2 --against`); 2 KB
+// lost 5% at 8 rows.
+constexpr int64_t kPrefetch = 1024;  // uint32s ahead
 inline void prefetch_block(const uint32_t* wk) {
   _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch + 16), _MM_HINT_T0);
