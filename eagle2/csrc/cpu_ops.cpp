@@ -1639,17 +1639,19 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   std::vector<float> best_lower(R, -INFINITY);
   const __m256 rel = _mm256_set1_ps(1e-6f), tiny = _mm256_set1_ps(1e-30f);
   const __m256 sign = _mm256_set1_ps(-0.0f), none = _mm256_set1_ps(-INFINITY);
-  // each block's largest lower bound per row (rows of the current group), reduced after the
-  // threads: the blocks are split over them (parallel_blocks), and a maximum does not depend
-  // on the split
-  std::vector<float> block_low(kArgRows * blocks);
-  for (int64_t r0 = 0; r0 < R; r0 += kArgRows) {
-    const int64_t rows = std::min<int64_t>(kArgRows, R - r0);
-    const int32_t* xr = xpairs.data() + r0 * K2;
-    parallel_blocks(blocks, [&](int64_t b0, int64_t b1) {
-      alignas(64) int32_t sums[kArgRows * kArgBlock];
-      for (int64_t b = b0; b < b1; ++b) {
-        const int8_t* qb = qp + b * K2 * kArgBlock * 2;
+  // each block's largest lower bound per row, reduced after the threads: the blocks are split
+  // over them (parallel_blocks), and a maximum does not depend on the split. A block's rows go
+  // kArgRows at a time while its weights stay in L1 (18 KB for the embedded model): more rows
+  // than kArgRows read the weights from memory once, not once a group (two threads, 16 rows:
+  // 4.1 ms, caches flushed, against 1.9 for 8, when every group streamed the whole lm_head)
+  std::vector<float> block_low(R * blocks);
+  parallel_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    alignas(64) int32_t sums[kArgRows * kArgBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int8_t* qb = qp + b * K2 * kArgBlock * 2;
+      for (int64_t r0 = 0; r0 < R; r0 += kArgRows) {
+        const int64_t rows = std::min<int64_t>(kArgRows, R - r0);
+        const int32_t* xr = xpairs.data() + r0 * K2;
         switch (rows) {
           case 1: argmax_block<1>(qb, K2, xr, sums); break;
           case 2: argmax_block<2>(qb, K2, xr, sums); break;
@@ -1693,18 +1695,21 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
           }
           alignas(32) float lows[8];
           _mm256_store_ps(lows, low);
-          block_low[m * blocks + b] = *std::max_element(lows, lows + 8);
+          block_low[r * blocks + b] = *std::max_element(lows, lows + 8);
         }
       }
-    });
-    for (int64_t m = 0; m < rows; ++m)
-      best_lower[r0 + m] = *std::max_element(block_low.begin() + m * blocks,
-                                             block_low.begin() + (m + 1) * blocks);
-  }
+    }
+  });
+  for (int64_t r = 0; r < R; ++r)
+    best_lower[r] = *std::max_element(block_low.begin() + r * blocks,
+                                      block_low.begin() + (r + 1) * blocks);
   // pass 2: no output whose bf16 logit can be below floor (the largest lower bound, rounded
   // as the logits are) can win or tie; an upper bound <= thr (at most the bf16 value below
-  // floor: bf16 keeps 8 significant bits) rounds below floor. The others, exactly
-  for (int64_t r = 0; r < R; ++r) {
+  // floor: bf16 keeps 8 significant bits) rounds below floor. The others, exactly. Rows are
+  // independent: split over the threads (a row's scan of V bounds and its exact rescoring
+  // are the same on any thread)
+  at::parallel_for(0, R, 1, [&](int64_t ra, int64_t rb) {
+  for (int64_t r = ra; r < rb; ++r) {
     if (!ok[r]) continue;
     const float floor_bf16 = static_cast<float>(bf16(best_lower[r]));
     const float thr = floor_bf16 - std::fabs(floor_bf16) * (1.0f / 128.0f) - 1e-30f;
@@ -1732,6 +1737,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
     }
     rp[r] = arg;
   }
+  });
   return result;
 }
 
