@@ -21,8 +21,9 @@ the n-gram store say, not scaled by what the request's chains got lately: `Engin
 python-chains (the n-gram store's chains walked in Python, context by context, not by
 csrc/ngram.cpp for the whole batch: `NgramStore.propose_many`), one-branch (steps without a
 draft call verify one lookup chain a request, prompt lookup's or the n-gram store's, whichever
-is worth more, not a tree of both: `Engine.lookup_branches`), base-kernels (the shipped
-engine whose target layers run the operators of `--base-source`, another commit's
+is worth more, not a tree of both: `Engine.lookup_branches`), global-scales (one measured
+scale of step times for every batch size, not one per size: `Engine.scales`), base-kernels
+(the shipped engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
 step: a kernel change A/B'd in one process; greedy tokens through its greedy_argmax too, with
 its own int8 pack; the lm_head's logits and the head keep this build's), vanilla-base-kernels
@@ -56,7 +57,7 @@ from eagle2.engine import EngineStats
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
             "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
-            "never-draft", "vanilla-base-kernels", "one-branch")
+            "never-draft", "vanilla-base-kernels", "one-branch", "global-scales")
 
 
 class _OpenGates(dict):
@@ -86,6 +87,8 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         llm.target.greedy_head = None
     if variant == "no-lookup-alone":
         llm.engine.lookup_alone = False
+    if variant == "global-scales":
+        llm.engine.scales_per_batch = False
     if variant == "one-branch":
         llm.engine.lookup_branches = 1
     if variant == "always-draft":

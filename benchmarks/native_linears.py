@@ -1,7 +1,8 @@
 # ruff: noqa: I001  (eagle2 before torch: passive OpenMP waiting)
 """The native FMA linear alone, on the embedded model's shapes (docs/DESIGN.md, "CPUs with
 AVX2 only"): ms per pass over all 30 layers' linears and the lm_head (random bf16 weights of
-the same shapes), one thread (`--threads`), best of `--repeats`, for each row count. Prints and writes JSON.
+the same shapes), one thread (`--threads`), best of `--repeats`, for each row count. Prints
+and writes JSON.
 
     .venv/bin/python benchmarks/native_linears.py [--rows 1,2,3,4,6,8,16] [--out FILE] \
         [--against OTHER/cpu_ops.cpp] [--march haswell]

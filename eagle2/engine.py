@@ -209,9 +209,11 @@ class Engine:
         self._depths_used: list[int] = []  # deepest kept node of recent auto trees
         self._sizes_used: list[int] = []  # nodes kept per auto tree (root included), recent
         self._width = DRAFT_PROBE_TOP_K  # top_k of this step's auto-budget drafts
-        # measured step times / predicted, for costs the engine measured or read itself (a
-        # CostModel given to it is taken as it is)
-        self.scales = MeasuredScales()
+        # measured step times / predicted per batch size, for costs the engine measured or
+        # read itself (a CostModel given to it is taken as it is): `scales`
+        self.scales_of: dict[int, MeasuredScales] = {}
+        self._last_scales = MeasuredScales()
+        self.scales_per_batch = True  # False: one scale for every batch size (for A/B)
         self._timed = False
         self._predicted_draft = 0.0  # this step's draft call, predicted (0: none)
         # draft tokens accepted by kept auto trees and how many trees, decayed sums
@@ -250,15 +252,15 @@ class Engine:
         if count is None or count == torch.get_num_threads():
             return
         self._timing_of[torch.get_num_threads()] = (
-            self._costs, self._cost_path, self.scales, self._timed, self.realized,
-            self.lookup_realized)
+            self._costs, self._cost_path, self.scales_of, self._last_scales, self._timed,
+            self.realized, self.lookup_realized)
         torch.set_num_threads(count)
         if count in self._timing_of:
-            (self._costs, self._cost_path, self.scales, self._timed, self.realized,
-             self.lookup_realized) = self._timing_of.pop(count)
+            (self._costs, self._cost_path, self.scales_of, self._last_scales, self._timed,
+             self.realized, self.lookup_realized) = self._timing_of.pop(count)
         else:
             self._costs = self._cost_path = self._cost_path_of()
-            self.scales, self._timed = MeasuredScales(), False
+            self.scales_of, self._last_scales, self._timed = {}, MeasuredScales(), False
             self.realized, self.lookup_realized = {}, {}
         self.stats.thread_switches.append(count)
 
@@ -354,6 +356,21 @@ class Engine:
                                 else replace(last, history=[]))
         self._last_gate = self.gates[size]
         return self._last_gate
+
+    @property
+    def scales(self) -> MeasuredScales:
+        """The measured scales of the current batch size (`MeasuredScales`): how a step's time
+        compares with the cost grid depends on the batch (at batch 8 a step that verifies
+        chains takes a second argmax round of 8 rows, ~1.9 ms on the AVX-512 Xeon, which the
+        grid leaves to the scales; at batch 1 a second round is one row). A size met for the
+        first time starts from the last size's (a copy); an idle engine reads the last one."""
+        size = len(self.seqs) if self.scales_per_batch else 0
+        if not size:
+            return self._last_scales
+        if size not in self.scales_of:
+            self.scales_of[size] = replace(self._last_scales)
+        self._last_scales = self.scales_of[size]
+        return self._last_scales
 
     @property
     def costs(self) -> CostModel:

@@ -898,3 +898,33 @@ def test_step_times_scale_the_budget_of_greedy_batches_only():
     given._costs = flat_costs(0.001)
     run(given, prompts, GREEDY, AUTO)
     assert not given._timed and (given.scales.plain, given.scales.tree) == (1.0, 1.0)
+
+
+def test_step_times_are_scaled_per_batch_size():
+    """Each batch size keeps its own measured scales (a batch's later verification rounds
+    cost what the grid does not say, more at batch 8 than at 1); a size met for the first time
+    starts from the last size's, and an idle engine reads the last one. With
+    `scales_per_batch` off every size shares one."""
+    target = tiny_target(seed=4)
+    prompts = random_prompts(2, 64, seed=5)
+    for per_batch in (True, False):
+        engine = make_engine(target, 0, max_batch=2, max_context=64)
+        engine._costs = None
+        engine.scales_per_batch = per_batch
+        run(engine, prompts, GREEDY, AUTO)  # two requests together, then one alone
+        if per_batch:
+            assert set(engine.scales_of) == {1, 2}
+            one, two = engine.scales_of[1], engine.scales_of[2]
+            assert one is not two and (one.plain, one.tree) != (two.plain, two.tree)
+            assert engine.scales is engine._last_scales
+        else:
+            assert not engine.scales_of
+    engine = make_engine(target, 0, max_batch=2, max_context=64)
+    engine.scales.observe("plain", 0.03, 0.01)  # idle: the last scales
+    engine.add(Request("a", (1, 2, 3), GREEDY, AUTO))
+    engine.step()  # prefill: batch 1 starts from the last scales, a copy
+    assert engine.scales.plain == engine._last_scales.plain > 1.0
+    first = engine.scales
+    engine.add(Request("b", (4, 5, 6), GREEDY, AUTO))
+    engine.step()
+    assert engine.scales is not first and engine.scales.plain == first.plain
