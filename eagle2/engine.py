@@ -222,8 +222,8 @@ class Engine:
         self._caught_up = 1  # new positions per sequence the drafter ran over this step
         self._draft_key_of: tuple[object, str] | None = None  # (drafter, its `draft_key`)
         self.lookup_alone = lookup_alone
-        # lookup branches a request's tree on such steps may take: prompt lookup's and the
-        # n-gram store's (1: the one worth more, as before trees of both)
+        # lookup branches a request's tree on such steps may take at batches up to
+        # LOOKUP_FORK_BATCH: prompt lookup's and the n-gram store's (1: the one worth more)
         self.lookup_branches = 2
         self._lookup_only = False  # this step verifies lookup chains without a draft call
         self._ngram_rows: list[int] = []  # ... and these rows' chains are the n-gram store's
@@ -652,10 +652,19 @@ class Engine:
         return tree_from_rows([lookup_tree_row(root, nodes, kept)
                                for root, nodes, kept in zip(roots, proposed, values, strict=True)])
 
+    # the largest batch whose lookup trees take both chains: in one process (engine_ab,
+    # one-branch against shipped), 40 + 40 prompts, two threads on the AVX-512 Xeon, trees of
+    # both against the chain worth more read batch 1 +2.9% / +1.5% (x 256 tokens), batch 4
+    # -4.2% / +8.2%, batch 8 -5.7% / -2.3%, -3.8% / +0.3% and -5.0% / -2.5% (x 128; MT-bench /
+    # HumanEval): at batch 8 a fork's node costs 8 rows of a compute-bound forward, and the
+    # steps it tips into verifying chains lose
+    LOOKUP_FORK_BATCH = 4
+
     def _proposals(self, seqs: list[_Seq]) -> list[list[LookupNode]]:
         """Per request, the tree of the chains lookup proposes after its last token (prompt
         lookup's and the n-gram store's, `lookup.propose_branches`, the store's for all of
-        them in one call; each at most its tree's lookup length) as nodes ranked by value
+        them in one call; each at most its tree's lookup length; the one worth more alone at
+        batches above LOOKUP_FORK_BATCH) as nodes ranked by value
         (`lookup.rank_branches`, at most its tree's draft nodes); [] for requests that take
         none. Histories catch up on their requests' new tokens first."""
         takes = [s.auto and s.req.tree.mode == "eagle2" and s.req.tree.lookup > 0 for s in seqs]
@@ -670,7 +679,8 @@ class Engine:
         branches = iter(propose_branches([s.history for s in takers],
                                          [min(s.req.tree.lookup, s.req.tree.num_nodes - 1)
                                           for s in takers], self.lookup_table, self.ngram))
-        return [rank_branches(next(branches)[: self.lookup_branches], s.req.tree.num_nodes - 1)
+        most = self.lookup_branches if len(self.seqs) <= self.LOOKUP_FORK_BATCH else 1
+        return [rank_branches(next(branches)[:most], s.req.tree.num_nodes - 1)
                 if t else []
                 for s, t in zip(seqs, takes, strict=True)]
 
