@@ -911,7 +911,12 @@ def test_step_times_are_scaled_per_batch_size():
         engine = make_engine(target, 0, max_batch=2, max_context=64)
         engine._costs = None
         engine.scales_per_batch = per_batch
-        run(engine, prompts, GREEDY, AUTO)  # two requests together, then one alone
+        # two requests together, then the longer one alone (however many tokens a step took)
+        for i, (prompt, tokens) in enumerate(zip(prompts, (2, 40), strict=True)):
+            engine.add(Request(f"r{i}", tuple(prompt), SamplingParams(max_tokens=tokens,
+                                                                      ignore_eos=True), AUTO))
+        while engine.has_work():
+            engine.step()
         if per_batch:
             assert set(engine.scales_of) == {1, 2}
             one, two = engine.scales_of[1], engine.scales_of[2]
