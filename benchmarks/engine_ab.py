@@ -22,7 +22,10 @@ python-chains (the n-gram store's chains walked in Python, context by context, n
 csrc/ngram.cpp for the whole batch: `NgramStore.propose_many`), one-branch (steps without a
 draft call verify one lookup chain a request, prompt lookup's or the n-gram store's, whichever
 is worth more, not a tree of both: `Engine.lookup_branches`), global-scales (one measured
-scale of step times for every batch size, not one per size: `Engine.scales`), base-kernels
+scale of step times for every batch size, not one per size: `Engine.scales`), packed-head (the
+head's linears and draft vocabulary through oneDNN's packed bf16 kernel, what
+`kernels.small_rows_plan` chose on the Intel Xeon before it measured 1-16 rows, with its own
+draft costs, measured at its first step), base-kernels
 (the shipped engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
 step: a kernel change A/B'd in one process; greedy tokens through its greedy_argmax too, with
@@ -41,6 +44,7 @@ their tokens (each tree consumes the generator differently).
 import argparse
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -53,11 +57,12 @@ from eagle2.bench.prompts import load_suite
 from eagle2.budget import SpeculationGate
 from eagle2.config import TreeConfig
 from eagle2.engine import EngineStats
+from eagle2.kernels import PACKED
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
             "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
-            "never-draft", "vanilla-base-kernels", "one-branch", "global-scales")
+            "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head")
 
 
 class _OpenGates(dict):
@@ -137,7 +142,34 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         llm.generate = with_multinomial
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
+    if variant == "packed-head":
+        head_kernel(llm, PACKED)
     return llm
+
+
+def head_kernel(llm: Eagle2, kernel: int) -> None:
+    """Multiply the drafter's head linears, fused layer weights and draft vocabulary by
+    `kernel` at every row count; the engine then measures its own draft costs."""
+    from eagle2.kernels import ROW_BUCKETS, BlockedWeight, BlockPlan, PackedLinear, weights_stamp
+
+    drafter, plan = llm.engine.drafter, BlockPlan({rows: kernel for rows in ROW_BUCKETS})
+    drafter._vocab_proj = BlockedWeight(drafter.draft_lm_head, plan)
+    for module in drafter.head.modules():
+        if isinstance(module, PackedLinear):
+            module._packed = BlockedWeight(module.weight.detach(), plan)
+            module._seen = weights_stamp(module.weight)
+    if drafter._fused is not None:
+        seen, weights = drafter._fused
+        drafter._fused = seen, tuple(BlockedWeight(w.weight, plan) for w in weights)
+    from eagle2.budget import draft_key
+    from eagle2.target import cost_cache_path
+
+    engine = llm.engine
+    engine._draft_key_of = drafter, f"{draft_key(drafter)}|kernel{kernel}"
+    path = cost_cache_path(llm.target)  # a copy beside: the variant's draft costs its own
+    engine._costs = engine._cost_path = path.with_name(f"{path.stem}-kernel{kernel}.json")
+    if path.exists() and not engine._cost_path.exists():
+        shutil.copy(path, engine._cost_path)
 
 
 def main() -> None:

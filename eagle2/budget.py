@@ -364,7 +364,9 @@ def draft_key(drafter) -> str:
         from eagle2.native import build_key
 
         native = f"|native-{build_key()}" + ("-linear" if native_linear_ops() else "")
-        native += "-fma" if FMA in small_rows_plan().block_bytes.values() else ""
+        plan = small_rows_plan().block_bytes
+        fma = [rows for rows, kernel in sorted(plan.items()) if kernel == FMA]
+        native += f"-fma{','.join(map(str, fma))}" if fma else ""
     return f"{getattr(head, 'kind', 'eagle2')}|{shapes}{rows}|{head.fc.weight.dtype}{native}"
 
 

@@ -172,9 +172,11 @@ class Drafter:
         x = self.head.pre_logits(features.to(self.dtype))
         logits = (self._vocab_proj(x) if self._vocab_proj is not None
                   else vocab_projection(x, self.draft_lm_head)).float()
-        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-        tokens = top.indices if self.d2t is None else self.d2t[top.indices]
-        return top.values, tokens
+        if self.native is not None:  # one pass: the sum of exponentials and the top k
+            values, indices = self.native.top_log_probs(logits, k)
+        else:
+            values, indices = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        return values, indices if self.d2t is None else self.d2t[indices]
 
     def _run(self, slots: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
              positions: torch.Tensor, tree_mask: torch.Tensor, window: int) -> torch.Tensor:

@@ -26,12 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle2.attention import KVCache, StepInputs, cached_attention
-from eagle2.kernels import FMA, BlockedWeight, BlockPlan
+from eagle2.kernels import FMA, BlockedWeight, BlockPlan, PackedLinear
 
 # a bf16 CPU layer whose linears all take the FMA kernel at this row count runs as one native
 # operator (`eagle2_cpu::decoder_layer`); False: the same operators called one by one from
 # Python (the tests compare the two)
 NATIVE_LAYER = True
+_NO_NORM = torch.empty(0, dtype=torch.bfloat16)  # `decoder_layer` without its input norm
 
 
 def can_fuse(layers: nn.ModuleList) -> bool:
@@ -172,9 +173,22 @@ def native_head_layer(ops: ModuleType, layer: nn.Module, h: torch.Tensor, residu
     exactness; this is for speed). fused: the layer's q|k|v and gate|up weights, each one
     kernel call (the MLP's SiLU then fused with the multiply), else one call per module."""
     attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    layer_k, layer_v = cache.k[0], cache.v[0]
+    if fused is not None and h is residual and NATIVE_LAYER and is_silu(mlp.act_fn) \
+            and isinstance(attn.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear):
+        # the whole layer as one operator where each linear takes the FMA kernel (an EAGLE-2
+        # head: no input norm, the fc's output both the projections' input and the residual)
+        linears = (fused[0], attn.o_proj.blocked(), fused[1], mlp.down_proj.blocked())
+        rows = h.numel() // h.shape[-1]
+        if all(w.plan.for_rows(rows) == FMA for w in linears):
+            num_q = fused[0].weight.shape[0] // layer_k.shape[-1] - 2 * layer_k.shape[1]
+            return ops.decoder_layer(
+                h, _NO_NORM, norm.weight, norm.variance_epsilon,
+                *(a for w in linears for a in (w.fma_packed(), w.weight.shape[0])), cos, sin,
+                num_q, layer_k.shape[1], layer_k, layer_v, slots, write_pos, base, tree_mask,
+                layer_k.shape[-1] ** -0.5)
     qkv = fused[0](h) if fused is not None else \
         torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
-    layer_k, layer_v = cache.k[0], cache.v[0]
     num_kv = layer_k.shape[1]
     num_q = qkv.shape[-1] // layer_k.shape[-1] - 2 * num_kv
     q = ops.qkv_rope_write(qkv.contiguous(), cos, sin, num_q, num_kv, layer_k, layer_v, slots,

@@ -318,22 +318,27 @@ def packed_plan() -> BlockPlan:
 @functools.cache
 def small_rows_plan() -> BlockPlan:
     """For small, cache-hot bf16 weights (a draft head, whose drafts need no exactness): a
-    native kernel for every row count where one is available (the bf16 one was 1.3-2.5x faster
-    than oneDNN's on the head's linears, 1-32 rows, on an AMD EPYC without AMX; the FMA variant
-    where it is faster for 8 rows of a head-sized weight, measured once per machine and
-    cached, so every process drafts alike), else oneDNN's packed one; the FMA variant alone
-    where oneDNN does not pack bf16 (AVX2 only)."""
+    native kernel where one is available (the bf16 one was 1.3-2.5x faster than oneDNN's on the
+    head's linears, 1-32 rows, on an AMD EPYC without AMX), else oneDNN's packed one; and the
+    FMA variant at each row count where it is faster on a head layer's and a draft
+    vocabulary's weight (drafts need no exactness, so the two mix), measured once per machine
+    and cached, so every process drafts alike; the FMA variant alone where oneDNN does not
+    pack bf16 (AVX2 only). On the Intel Xeon (AVX-512, no AMX) the FMA variant costs half of
+    oneDNN's at the 1-2 rows a narrow draft level has at batch 1 (a level's linears, caches
+    flushed, 1.08 -> 0.53 ms) and oneDNN's wins from 16 rows (a catch-up over many
+    positions); measured at 8 rows alone, oneDNN's had won by a hair and taken every row
+    count."""
     if not packing_supported(torch.bfloat16, torch.device("cpu")):
         return BlockPlan({rows: FMA for rows in ROW_BUCKETS})  # (exact_bf16_kernels holds)
     kernel = NATIVE if native_linear_ops() is not None else PACKED
-    if fma_linear_ops() is not None:
-        from eagle2.target import cache_root
+    if fma_linear_ops() is None:
+        return BlockPlan({rows: kernel for rows in ROW_BUCKETS})
+    from eagle2.target import cache_root
 
-        w = torch.randn(1536, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
-        found = cached_plan([w], "draft-head", cache_root() / "kernels",
-                            candidates=(kernel, FMA), row_buckets=(8,))
-        kernel = found.block_bytes[8]
-    return BlockPlan({rows: kernel for rows in ROW_BUCKETS})
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(rows, 576, generator=gen).bfloat16() for rows in (1536, 8192)]
+    return cached_plan(weights, "draft-head", cache_root() / "kernels",
+                       candidates=(kernel, FMA), exact=False)
 
 
 def exact_bf16_candidates() -> tuple[int, ...]:
@@ -385,11 +390,15 @@ class PackedLinear(nn.Module):
         if (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)) \
                 or not exact_bf16_kernels(self.weight.dtype, self.weight.device):
             return F.linear(x, self.weight)
+        return self.blocked()(x)
+
+    def blocked(self) -> BlockedWeight:
+        """The packed weight, packed again if the weight changed since."""
         seen = weights_stamp(self.weight)
         if self._packed is None or self._seen != seen:
             self._packed = BlockedWeight(self.weight.detach(), small_rows_plan())
             self._seen = seen
-        return self._packed(x)
+        return self._packed
 
 
 def pack_linears(module: nn.Module) -> int:
@@ -408,8 +417,10 @@ def pack_linears(module: nn.Module) -> int:
 
 def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = ROW_BUCKETS,
                  candidates: Sequence[int] = BLOCK_BYTES,
-                 repeats: int = 3) -> tuple[BlockPlan, dict]:
+                 repeats: int = 3, exact: bool = True) -> tuple[BlockPlan, dict]:
     """Time one pass over `weights` per (row bucket, block size); keep the fastest per bucket.
+    exact: FMA and the bf16 kernels never mix (`one_family`); False (a draft head's weights,
+    whose outputs need not be the same at every row count): the fastest at each.
 
     -> (plan, {bucket: {block_bytes: ms}}). Best of `repeats` after one warm-up pass."""
     dtype, device = weights[0].dtype, weights[0].device
@@ -432,7 +443,7 @@ def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = R
                         best = min(best, time.perf_counter() - t0)
                 timings[rows][block] = round(best * 1e3, 3)
             plan.block_bytes[rows] = min(timings[rows], key=timings[rows].get)
-    if FMA in candidates and len(candidates) > 1:
+    if exact and FMA in candidates and len(candidates) > 1:
         plan = one_family(timings)
     return plan, timings
 
@@ -451,7 +462,7 @@ def machine_key(extra: str = "", threads: int | None = None) -> str:
 
 def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
                 refresh: bool = False, candidates: Sequence[int] = BLOCK_BYTES,
-                row_buckets: Sequence[int] = ROW_BUCKETS) -> BlockPlan:
+                row_buckets: Sequence[int] = ROW_BUCKETS, exact: bool = True) -> BlockPlan:
     """The plan for these weights on this machine: from the cache, else measured and saved."""
     shapes = sorted({tuple(w.shape) for w in weights})
     kernels = tuple(candidates)
@@ -460,12 +471,14 @@ def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
 
         kernels += (build_key(),)
     key = machine_key(f"{name}|{shapes}|{weights[0].dtype}|{kernels}"
-                      + ("" if tuple(row_buckets) == ROW_BUCKETS else f"|{tuple(row_buckets)}"))
+                      + ("" if tuple(row_buckets) == ROW_BUCKETS else f"|{tuple(row_buckets)}")
+                      + ("" if exact else "|mixed"))
     path = cache_dir / f"{key}.json"
     if path.exists() and not refresh:
         data = json.loads(path.read_text())
         return BlockPlan({int(k): v for k, v in data["block_bytes"].items()})
-    plan, timings = measure_plan(weights, row_buckets=row_buckets, candidates=candidates)
+    plan, timings = measure_plan(weights, row_buckets=row_buckets, candidates=candidates,
+                                 exact=exact)
     write_json_atomic(path, {"name": name, "shapes": shapes, "threads": torch.get_num_threads(),
                              "block_bytes": plan.block_bytes, "timings_ms": timings})
     return plan

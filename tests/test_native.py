@@ -466,3 +466,82 @@ def test_the_drafters_native_layer_matches_the_module_path(ops, kind):
     with torch.no_grad():
         head.decoder.mlp.up_proj.weight.mul_(2)
     assert fast._fused_weights() is not fused
+
+
+@pytest.mark.parametrize("vocab", [8192, 1000, 7])
+def test_top_log_probs_are_log_softmax_and_topk(attn_ops, vocab):
+    """`top_log_probs` (the drafter's top k of a level, one pass) gives torch's log_softmax
+    top k: the same indices in the same order, values to fp32 rounding; among equal logits
+    the first index first; at both widths (this build's and AVX2) and row counts that do not
+    fill the lanes."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, 2, vocab, generator=gen) * 4
+    k = min(8, vocab)
+    values, indices = attn_ops.top_log_probs(logits, k)
+    ref = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    assert values.shape == indices.shape == (3, 2, k) and indices.dtype == torch.long
+    assert torch.equal(indices, ref.indices)
+    torch.testing.assert_close(values, ref.values, rtol=1e-5, atol=1e-5)
+    tied = torch.zeros(1, vocab)
+    tied[0, [5, 2, 6]] = 3.0  # three equal maxima, then equal zeros
+    _, first = attn_ops.top_log_probs(tied, 5)
+    assert first.tolist() == [[2, 5, 6, 0, 1]]
+    with pytest.raises(RuntimeError, match="k must be"):
+        attn_ops.top_log_probs(logits, vocab + 1)
+
+
+def test_the_heads_layer_runs_as_one_operator(ops):
+    """An EAGLE-2 head's layer with FMA-kernel weights runs as `eagle2_cpu::decoder_layer`
+    (no input norm): bitwise the native calls one by one, features and cache entries, for a
+    prefix and a tree level."""
+    from conftest import tiny_target
+
+    from eagle2 import fused
+    from eagle2.attention import causal_mask
+    from eagle2.drafter import Drafter
+    from eagle2.head import new_head
+    from eagle2.kernels import (
+        FMA,
+        ROW_BUCKETS,
+        BlockPlan,
+        PackedLinear,
+        exact_bf16_kernels,
+        fma_linear_ops,
+    )
+
+    if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")) or fma_linear_ops() is None:
+        pytest.skip("no bf16 FMA kernels on this CPU")
+    target = tiny_target(seed=7, hidden=64, heads=4, kv_heads=2)
+    head = new_head(target.config, seed=1, dtype=torch.bfloat16)
+    drafter = Drafter(head, target.embed, target.lm_head, 2, 96)
+    plan = BlockPlan({rows: FMA for rows in ROW_BUCKETS})
+    for w in (*drafter._fused_weights(), *(m.blocked() for m in head.modules()
+                                           if isinstance(m, PackedLinear))):
+        w.plan = plan
+    gen = torch.Generator().manual_seed(2)
+    feats = torch.randn(1, 30, 64, generator=gen).bfloat16()
+    tokens = torch.randint(0, 64, (1, 30), generator=gen)
+    anc = torch.zeros(1, 3, 5, dtype=torch.bool)
+    for j in range(3):
+        anc[:, j, j % 2] = anc[:, j, 2 + j] = True
+    outs = []
+    try:
+        for native_layer in (False, True):
+            fused.NATIVE_LAYER = native_layer
+            drafter.cache.lengths.zero_()
+            slots = drafter._slots(["a"])
+            with torch.profiler.profile() as prof:
+                first = drafter._run(slots, tokens, feats, torch.arange(30)[None],
+                                     causal_mask(torch.tensor([30]), 30), 2048)
+                drafter.cache.lengths[slots] += 30
+                level = drafter._run(slots, tokens[:, :3], first[:, :3].contiguous(),
+                                     torch.full((1, 3), 31), anc, 2048)
+            called = sum(e.count for e in prof.key_averages()
+                         if e.key == "eagle2_cpu::decoder_layer")
+            assert called == (2 if native_layer else 0)
+            outs.append((first, level, drafter.cache.k[0, slots, :, :35].clone(),
+                         drafter.cache.v[0, slots, :, :35].clone()))
+    finally:
+        fused.NATIVE_LAYER = True
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -1417,6 +1418,75 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 }
 
 
+// ---- A draft level's top-k log-probabilities ----
+// logits [R, V] fp32 -> (the k largest log_softmax values of each row, descending, [R, k];
+// their indices, int64): log_softmax(x)_i = x_i - m - log(sum_j exp(x_j - m)), m the row's
+// maximum. One pass for the maximum, one that sums the exponentials (V::exp) while it keeps
+// the k largest (an insertion into a sorted list of k: a value enters when it beats the
+// k-th, so among equal values the first index ranks first). For the drafter
+// (`Drafter._log_probs`), whose drafts need no exactness: torch's log_softmax and topk took
+// ~45 us for two rows of 8192, this ~10.
+std::tuple<torch::Tensor, torch::Tensor> top_log_probs(const torch::Tensor& logits, int64_t k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() >= 1,
+              "top_log_probs expects fp32 logits [..., V] on the CPU");
+  const auto in = logits.contiguous();
+  const int64_t V_ = in.size(-1), rows = V_ ? in.numel() / V_ : 0;
+  TORCH_CHECK(k >= 1 && k <= V_, "top_log_probs: k must be in [1, ", V_, "], got ", k);
+  auto sizes = in.sizes().vec();
+  sizes.back() = k;
+  auto values = torch::empty(sizes, in.options());
+  auto indices = torch::empty(sizes, in.options().dtype(at::kLong));
+  const float* ip = in.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* xp = indices.data_ptr<int64_t>();
+  // rows of 64K logits or more a thread: waking a sleeping (passive) thread costs more than
+  // a few rows of a draft vocabulary
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(V_, 1)),
+                   [&](int64_t r0, int64_t r1) {
+    std::vector<float> top(k);
+    std::vector<int64_t> at(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = ip + r * V_;
+      V::F mv = V::set1(-std::numeric_limits<float>::infinity());
+      int64_t i = 0;
+      for (; i + W <= V_; i += W) mv = V::max(V::load(x + i), mv);
+      float m = -std::numeric_limits<float>::infinity();
+      alignas(64) float lanes[W];
+      V::store(lanes, mv);
+      for (int l = 0; l < W; ++l) m = std::max(m, lanes[l]);
+      for (; i < V_; ++i) m = std::max(m, x[i]);
+      const V::F mb = V::set1(m);
+      V::F sv = V::zero();
+      int64_t n = 0;  // entries of top held
+      float kth = -std::numeric_limits<float>::infinity();
+      for (i = 0; i < V_; i += W) {
+        const int64_t count = std::min<int64_t>(W, V_ - i);
+        const V::F v = V::load_first(x + i, count, mb);
+        sv = V::add(sv, V::keep_first(V::exp(V::sub(v, mb)), count));
+        for (int64_t j = 0; j < count; ++j) {
+          const float xv = x[i + j];
+          if (n == k && !(xv > kth)) continue;
+          int64_t pos = n < k ? n++ : k - 1;
+          while (pos > 0 && top[pos - 1] < xv) {
+            top[pos] = top[pos - 1];
+            at[pos] = at[pos - 1];
+            --pos;
+          }
+          top[pos] = xv;
+          at[pos] = i + j;
+          kth = top[n - 1];
+        }
+      }
+      const float lse = m + std::log(V::sum(sv));
+      for (int64_t j = 0; j < k; ++j) {
+        vp[r * k + j] = top[j] - lse;
+        xp[r * k + j] = at[j];
+      }
+    }
+  });
+  return {values, indices};
+}
+
 // ---- Greedy tokens of a bf16 linear (the lm_head) without all of its outputs ----
 // docs/DESIGN.md, "Exact greedy tokens". A greedy step needs only the argmax of each row's
 // logits, where the logits are linear_fma's: bf16(the fp32 FMA sum over the input pairs, in
@@ -1756,6 +1826,7 @@ std::string isa() {
 // result, without the ~10 dispatched calls and the Python between them (docs/DESIGN.md "CPU
 // performance"). The linears are linear_fma's (packed from pack_linear). Each step is a
 // RECORD_FUNCTION under its operator's name, so the profiler still splits the time by kernel.
+// An empty input_norm: no input norm (an EAGLE draft head's layer, `fused.native_head_layer`).
 torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_norm,
                             const torch::Tensor& post_norm, double eps,
                             const torch::Tensor& qkv_w, int64_t qkv_features,
@@ -1774,9 +1845,11 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
     return linear_fma(in, w, features);
   };
   torch::Tensor h, q, out, res;
-  {
+  if (input_norm.numel()) {
     RECORD_FUNCTION("eagle2_cpu::rms_norm", no_inputs);
     h = rms_norm(x.contiguous(), input_norm, eps);
+  } else {  // no input norm (an EAGLE head's layer: `fused.native_head_layer`)
+    h = x.contiguous();
   }
   const auto qkv = fma(h, qkv_w, qkv_features);
   {
@@ -1824,6 +1897,7 @@ TORCH_LIBRARY(eagle2_cpu, m) {
         "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos, Tensor base, "
         "Tensor tree_mask, float scale, Tensor(c!)? key_blocks=None, "
         "Tensor(d!)? key_blocks_valid=None) -> Tensor");
+  m.def("top_log_probs(Tensor logits, int k) -> (Tensor, Tensor)");
   m.def("isa() -> str");
 }
 
@@ -1836,6 +1910,7 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_fma", &linear_fma);
   m.impl("silu_mul", &silu_mul);
+  m.impl("top_log_probs", &top_log_probs);
   m.impl("pack_argmax", &pack_argmax);
   m.impl("greedy_argmax", &greedy_argmax);
   m.impl("decoder_layer", &decoder_layer);
