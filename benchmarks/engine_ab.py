@@ -25,7 +25,9 @@ is worth more, not a tree of both: `Engine.lookup_branches`), global-scales (one
 scale of step times for every batch size, not one per size: `Engine.scales`), packed-head (the
 head's linears and draft vocabulary through oneDNN's packed bf16 kernel, what
 `kernels.small_rows_plan` chose on the Intel Xeon before it measured 1-16 rows, with its own
-draft costs, measured at its first step), base-kernels
+draft costs, measured at its first step), fma-target and vanilla-fma-target (the target's
+layers multiplied by the FMA kernel at every row count, as before the AMX kernel, with that
+plan's cost grid), base-kernels
 (the shipped engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
 step: a kernel change A/B'd in one process; greedy tokens through its greedy_argmax too, with
@@ -57,12 +59,13 @@ from eagle2.bench.prompts import load_suite
 from eagle2.budget import SpeculationGate
 from eagle2.config import TreeConfig
 from eagle2.engine import EngineStats
-from eagle2.kernels import PACKED
+from eagle2.kernels import FMA, PACKED
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
             "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
-            "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head")
+            "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head",
+            "fma-target", "vanilla-fma-target")
 
 
 class _OpenGates(dict):
@@ -144,7 +147,22 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         llm.engine.ngram = llm.engine.drafter.ngram = None
     if variant == "packed-head":
         head_kernel(llm, PACKED)
+    if variant.endswith("fma-target"):
+        target_kernel(llm, FMA)
     return llm
+
+
+def target_kernel(llm: Eagle2, kernel: int) -> None:
+    """Multiply the target's layers (and lm_head) by `kernel` at every row count, with the
+    cost grid of that plan (read from its cache or measured at the first step)."""
+    from eagle2.kernels import ROW_BUCKETS
+    from eagle2.target import cost_cache_path
+
+    target = llm.target
+    target.plan.block_bytes.update({rows: kernel for rows in ROW_BUCKETS})
+    if target.head_proj is not None:
+        target.head_proj.plan = target.plan
+    llm.engine._costs = llm.engine._cost_path = cost_cache_path(target)
 
 
 def head_kernel(llm: Eagle2, kernel: int) -> None:

@@ -360,13 +360,12 @@ def draft_key(drafter) -> str:
     rows = "" if vocab is None else f"|{tuple(vocab.shape)}"
     native = ""
     if getattr(drafter, "native", None) is not None:
-        from eagle2.kernels import FMA, native_linear_ops, small_rows_plan
+        from eagle2.kernels import native_linear_ops, small_rows_plan
         from eagle2.native import build_key
 
         native = f"|native-{build_key()}" + ("-linear" if native_linear_ops() else "")
-        plan = small_rows_plan().block_bytes
-        fma = [rows for rows, kernel in sorted(plan.items()) if kernel == FMA]
-        native += f"-fma{','.join(map(str, fma))}" if fma else ""
+        plan = small_rows_plan().block_bytes  # the kernel of each row count
+        native += "-plan" + ",".join(f"{rows}:{kernel}" for rows, kernel in sorted(plan.items()))
     return f"{getattr(head, 'kind', 'eagle2')}|{shapes}{rows}|{head.fc.weight.dtype}{native}"
 
 

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle2.attention import KVCache, StepInputs, cached_attention
-from eagle2.kernels import FMA, BlockedWeight, BlockPlan, PackedLinear
+from eagle2.kernels import AMX, FMA, BlockedWeight, BlockPlan, PackedLinear, amx_fits
 
-# a bf16 CPU layer whose linears all take the FMA kernel at this row count runs as one native
-# operator (`eagle2_cpu::decoder_layer`); False: the same operators called one by one from
-# Python (the tests compare the two)
+# a bf16 CPU layer whose linears all take the FMA kernel (or all the AMX one) at this row count
+# runs as one native operator (`eagle2_cpu::decoder_layer`); False: the same operators called
+# one by one from Python (the tests compare the two)
 NATIVE_LAYER = True
 _NO_NORM = torch.empty(0, dtype=torch.bfloat16)  # `decoder_layer` without its input norm
 
@@ -133,6 +133,16 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
     return x + lw.down(lw.act(gate) * up)
 
 
+def one_native_kernel(linears: tuple[BlockedWeight, ...], rows: int) -> int | None:
+    """FMA or AMX where every one of the linears takes that kernel at this row count (and,
+    for AMX, fits its tiles: `kernels.amx_fits`), so `decoder_layer` can run them; else
+    None."""
+    kernels = {w.plan.for_rows(rows) for w in linears}
+    if kernels == {FMA} or (kernels == {AMX} and amx_fits([w.weight for w in linears])):
+        return kernels.pop()
+    return None
+
+
 def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tensor,
                   cache: KVCache, inp: StepInputs, num_q_heads: int) -> torch.Tensor:
     """`fused_layer` with the per-row work and the exact attention in `eagle2.native` calls
@@ -142,12 +152,13 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
     layer_k, layer_v, key_blocks, valid = cache.layer_views(layer_idx)
     rows = x.numel() // x.shape[-1]
     linears = lw.linears
-    if lw.silu and NATIVE_LAYER and all(w.plan.for_rows(rows) == FMA for w in linears):
+    kernel = one_native_kernel(linears, rows)
+    if lw.silu and NATIVE_LAYER and kernel is not None:
         # the same calls in one operator (`decoder_layer`: bitwise this function's result)
         return ops.decoder_layer(
             x, lw.input_norm, lw.post_norm, lw.eps, *lw.fma_arguments, inp.cos, inp.sin,
             num_q_heads, layer_k.shape[1], layer_k, layer_v, inp.slots, inp.write_pos, inp.base,
-            inp.tree_mask, layer_k.shape[-1] ** -0.5, key_blocks, valid)
+            inp.tree_mask, layer_k.shape[-1] ** -0.5, key_blocks, valid, kernel == AMX)
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
     q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
                            layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
@@ -179,14 +190,14 @@ def native_head_layer(ops: ModuleType, layer: nn.Module, h: torch.Tensor, residu
         # the whole layer as one operator where each linear takes the FMA kernel (an EAGLE-2
         # head: no input norm, the fc's output both the projections' input and the residual)
         linears = (fused[0], attn.o_proj.blocked(), fused[1], mlp.down_proj.blocked())
-        rows = h.numel() // h.shape[-1]
-        if all(w.plan.for_rows(rows) == FMA for w in linears):
+        kernel = one_native_kernel(linears, h.numel() // h.shape[-1])
+        if kernel is not None:
             num_q = fused[0].weight.shape[0] // layer_k.shape[-1] - 2 * layer_k.shape[1]
             return ops.decoder_layer(
                 h, _NO_NORM, norm.weight, norm.variance_epsilon,
                 *(a for w in linears for a in (w.fma_packed(), w.weight.shape[0])), cos, sin,
                 num_q, layer_k.shape[1], layer_k, layer_v, slots, write_pos, base, tree_mask,
-                layer_k.shape[-1] ** -0.5)
+                layer_k.shape[-1] ** -0.5, None, None, kernel == AMX)
     qkv = fused[0](h) if fused is not None else \
         torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
     num_kv = layer_k.shape[1]

@@ -42,6 +42,12 @@ NATIVE = -2
 # Where vdpbf16ps is slow (an Intel Xeon without AMX: 1.2 G a second against 5.3 G 16-lane
 # fp32 FMAs) it keeps 3-16 rows near the cost of one.
 FMA = -3
+# and this: the same packed weight on the AMX tiles (`eagle2_cpu.linear_amx`, Intel Xeon 4th
+# generation and later): row-invariant as well, not bitwise FMA, so a family of its own. Up to
+# 16 rows cost about one (one tile multiply takes 16 rows), where the FMA kernel's 16 rows
+# cost 2.4 times its one (measured on the target's linears, `benchmarks/native_linears.py`).
+AMX = -4
+SOLO_KERNELS = (FMA, AMX)  # each row count by the same kernel, or none (`one_family`)
 # Packed bf16 kernels give each output row bitwise the same for any row count only up to
 # about this many input features (measured: 512-1152 yes, 1536 no, 1 and 2 threads); wider
 # weights are multiplied in column chunks of at most this width and the chunks added in fp32.
@@ -134,6 +140,8 @@ class BlockedWeight:
             return self.native(x)
         if block_bytes == FMA:
             return self.fma(x)
+        if block_bytes == AMX:  # (a draft head's plan names it for weights that fit)
+            return self.amx(x) if amx_fits([self.weight]) else self.fma(x)
         if block_bytes == 0 or block_bytes >= self.weight.numel() * self.weight.element_size():
             return F.linear(x, self.weight)
         return torch.cat([F.linear(x, w) for w in self.blocks(block_bytes)], dim=-1)
@@ -169,6 +177,12 @@ class BlockedWeight:
         ops, packed = self._fma_native()
         return ops.linear_fma(x, packed, self.weight.shape[0])
 
+    def amx(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T on the AMX tiles (`linear_amx`: the FMA kernel's packed weight, the
+        tile unit's fp32 sums)."""
+        ops, packed = self._fma_native()
+        return ops.linear_amx(x, packed, self.weight.shape[0])
+
     def fma_packed(self) -> torch.Tensor:
         """The weight as `fma` multiplies it (packed on first use)."""
         return self._fma_native()[1]
@@ -176,8 +190,8 @@ class BlockedWeight:
     def _fma_native(self) -> tuple[object, torch.Tensor]:
         """(the operators with linear_fma, the packed weight), packed on first use."""
         if self._native is None:
-            ops = fma_linear_ops()
-            assert ops is not None, "the native fp32-FMA linear is not available here"
+            ops = fma_linear_ops() or amx_linear_ops()
+            assert ops is not None, "the native FMA / AMX linears are not available here"
             self._native = ops, ops.pack_linear(self.weight)
         return self._native
 
@@ -266,24 +280,48 @@ def fma_linear_ops():
     return ops
 
 
+@functools.cache
+def amx_linear_ops():
+    """`torch.ops.eagle2_cpu` where its AMX linear was built, the OS lets the process use the
+    tiles and `amx_linear_exact` holds, else None (also where EAGLE2_AMX_LINEAR=0)."""
+    from eagle2.native import cpu_ops
+
+    if os.environ.get("EAGLE2_AMX_LINEAR", "1") == "0" or "amx_bf16" not in cpu_info()[1]:
+        return None
+    ops = cpu_ops()
+    if ops is None or not hasattr(ops, "linear_amx") or not ops.amx_ready():
+        return None
+    return ops if linear_exact(ops, ops.linear_amx, (64, 576, 1536)) else None
+
+
+def amx_fits(weights: Sequence[torch.Tensor]) -> bool:
+    """The AMX linear takes inputs of a multiple of 32 features (one tile row a step)."""
+    return all(w.shape[1] % 32 == 0 for w in weights)
+
+
 def fma_linear_exact(ops) -> bool:
-    """Is the FMA kernel row-invariant and right here? Random weights and inputs, row counts
-    1 to 33: every row bitwise what it gives alone, and within bf16 rounding (plus fp32
-    summation) of an fp64 reference."""
+    """Is the FMA kernel row-invariant and right here? (`linear_exact`)"""
+    return linear_exact(ops, ops.linear_fma, (64, 576, 1536))
+
+
+def linear_exact(ops, linear, widths: tuple[int, ...]) -> bool:
+    """Is `linear` (x, packed, out_features) row-invariant and right here? Random weights and
+    inputs of these widths, row counts 1 to 33: every row bitwise what it gives alone, and
+    within bf16 rounding (plus fp32 summation) of an fp64 reference."""
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
-        for out_features, k in ((200, 64), (72, 576), (130, 1536)):
+        for out_features, k in zip((200, 72, 130), widths, strict=True):
             w = torch.randn(out_features, k, generator=g).bfloat16()
             x = (torch.randn(33, k, generator=g) * 3).bfloat16()
             packed = ops.pack_linear(w)
-            full = ops.linear_fma(x, packed, out_features)
+            full = linear(x, packed, out_features)
             reference = x.double() @ w.double().T
             if not torch.allclose(full.double(), reference, rtol=1 / 128, atol=1e-3 * k ** 0.5):
                 return False
-            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33):
-                if not torch.equal(ops.linear_fma(x[:rows], packed, out_features), full[:rows]):
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33):
+                if not torch.equal(linear(x[:rows], packed, out_features), full[:rows]):
                     return False
-            if not all(torch.equal(ops.linear_fma(x[i:i + 1], packed, out_features), full[i:i + 1])
+            if not all(torch.equal(linear(x[i:i + 1], packed, out_features), full[i:i + 1])
                        for i in range(33)):
                 return False
     return True
@@ -337,31 +375,41 @@ def small_rows_plan() -> BlockPlan:
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(rows, 576, generator=gen).bfloat16() for rows in (1536, 8192)]
+    amx = (AMX,) if amx_linear_ops() is not None else ()
     return cached_plan(weights, "draft-head", cache_root() / "kernels",
-                       candidates=(kernel, FMA), exact=False)
+                       candidates=(kernel, FMA, *amx), exact=False)
 
 
-def exact_bf16_candidates() -> tuple[int, ...]:
+def exact_bf16_candidates(weights: Sequence[torch.Tensor] = ()) -> tuple[int, ...]:
     """The bf16 kernels that give each output row bitwise the same for any row count: a plan
     mixes oneDNN's packed kernel and the native one where it sums in the same order on this
-    CPU, or takes the FMA variant for every row count (`one_family`)."""
+    CPU, or takes the FMA variant or the AMX one for every row count (`one_family`; AMX where
+    every weight's input width fits its tiles, `amx_fits`)."""
+    solo = (FMA,) if fma_linear_ops() is not None else ()
+    if amx_linear_ops() is not None and amx_fits(weights):
+        solo += (AMX,)
     if not packing_supported(torch.bfloat16, torch.device("cpu")):
-        return (FMA,) if fma_linear_ops() is not None else ()
+        return solo
     found = (PACKED, NATIVE) if native_linear_ops() is not None else (PACKED,)
-    return found + ((FMA,) if fma_linear_ops() is not None else ())
+    return found + solo
 
 
 def one_family(timings: dict[int, dict[int, float]]) -> BlockPlan:
-    """{rows: {kernel: ms}} -> the plan of the faster family: the fastest of PACKED / NATIVE
-    per row count, or FMA for all of them (its results differ from theirs in the last bits, so
-    the two never mix). Decided by the sum over the row counts a decode or verify step has
-    (up to 16: the trees the budget keeps); wider batches follow."""
-    bf16 = {rows: min((k for k in t if k != FMA), key=t.get) for rows, t in timings.items()}
+    """{rows: {kernel: ms}} -> the plan of the fastest family: the fastest of PACKED / NATIVE
+    per row count, or FMA for all of them, or AMX for all of them (the three give results that
+    differ in the last bits, so they never mix). Decided by the sum over the row counts a
+    decode or verify step has (up to 16: the trees the budget keeps); wider batches follow."""
     small = [rows for rows in timings if rows <= 16] or list(timings)
-    if all(FMA in timings[r] for r in small) and \
-            sum(timings[r][FMA] for r in small) < sum(timings[r][bf16[r]] for r in small):
-        return BlockPlan({rows: FMA for rows in timings})
-    return BlockPlan(bf16)
+    plans: list[tuple[float, BlockPlan]] = []
+    if all(any(k not in SOLO_KERNELS for k in t) for t in timings.values()):
+        bf16 = {rows: min((k for k in t if k not in SOLO_KERNELS), key=t.get)
+                for rows, t in timings.items()}
+        plans.append((sum(timings[r][bf16[r]] for r in small), BlockPlan(bf16)))
+    for kernel in SOLO_KERNELS:
+        if all(kernel in t for t in timings.values()):
+            plans.append((sum(timings[r][kernel] for r in small),
+                          BlockPlan({rows: kernel for rows in timings})))
+    return min(plans, key=lambda p: p[0])[1]
 
 
 def weights_stamp(*weights: torch.Tensor) -> tuple[tuple[int, int], ...]:
@@ -419,7 +467,7 @@ def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = R
                  candidates: Sequence[int] = BLOCK_BYTES,
                  repeats: int = 3, exact: bool = True) -> tuple[BlockPlan, dict]:
     """Time one pass over `weights` per (row bucket, block size); keep the fastest per bucket.
-    exact: FMA and the bf16 kernels never mix (`one_family`); False (a draft head's weights,
+    exact: FMA, AMX and the bf16 kernels never mix (`one_family`); False (a draft head's weights,
     whose outputs need not be the same at every row count): the fastest at each.
 
     -> (plan, {bucket: {block_bytes: ms}}). Best of `repeats` after one warm-up pass."""
@@ -443,7 +491,7 @@ def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = R
                         best = min(best, time.perf_counter() - t0)
                 timings[rows][block] = round(best * 1e3, 3)
             plan.block_bytes[rows] = min(timings[rows], key=timings[rows].get)
-    if exact and FMA in candidates and len(candidates) > 1:
+    if exact and set(SOLO_KERNELS) & set(candidates) and len(candidates) > 1:
         plan = one_family(timings)
     return plan, timings
 
@@ -466,7 +514,7 @@ def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
     """The plan for these weights on this machine: from the cache, else measured and saved."""
     shapes = sorted({tuple(w.shape) for w in weights})
     kernels = tuple(candidates)
-    if NATIVE in kernels or FMA in kernels:  # a changed native kernel is measured again
+    if {NATIVE, FMA, AMX} & set(kernels):  # a changed native kernel is measured again
         from eagle2.native import build_key
 
         kernels += (build_key(),)

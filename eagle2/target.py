@@ -20,14 +20,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from eagle2.attention import KVCache, decoder_layer, step_inputs
 from eagle2.fused import FusedLayer, can_fuse, fused_layer
 from eagle2.kernels import (
+    AMX,
     FMA,
     NATIVE,
+    ROW_BUCKETS,
     BlockedWeight,
     BlockPlan,
     GreedyArgmax,
     cached_plan,
     exact_bf16_candidates,
     exact_bf16_kernels,
+    fma_linear_ops,
     greedy_argmax_ops,
     packed_plan,
 )
@@ -65,6 +68,8 @@ def cost_cache_path(target: TargetModel) -> Path:
         native += "|native-linear"
     if FMA in target.plan.block_bytes.values():
         native += "|fma-linear"
+    if AMX in target.plan.block_bytes.values():
+        native += "|amx-linear"
     key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}|"
                       f"v{COSTS_VERSION}{native}")
     return cache_root() / "costs" / f"{key}.json"
@@ -226,13 +231,20 @@ class TargetModel:
             measure = self.device.type == "cpu" and size > MEASURE_KERNELS_ABOVE
         if self.canonical:  # exact kernels only (bf16)
             self.plan.block_bytes.update(packed_plan().block_bytes)
-            candidates = exact_bf16_candidates() if measure else ()
+            candidates = exact_bf16_candidates(weights) if measure else ()
             if len(candidates) > 1:  # which one per row count: measured
                 found = cached_plan(weights, self.name, cache_root() / "kernels",
                                     refresh=refresh, candidates=candidates)
                 self.plan.block_bytes.update(found.block_bytes)
             self.native = cpu_ops()
-            ops = greedy_argmax_ops(self.plan, self.dtype, self.device)
+            if AMX in self.plan.block_bytes.values() and self.head_proj is not None \
+                    and fma_linear_ops() is not None:
+                # the lm_head by the FMA kernel (its own family: plain and speculative steps
+                # both take its tokens from it): greedy tokens from its int8 copy at half the
+                # bytes (`GreedyArgmax`), where the AMX kernel would read all of its bf16
+                self.head_proj.plan = BlockPlan({rows: FMA for rows in ROW_BUCKETS})
+            ops = greedy_argmax_ops(self.head_proj.plan if self.head_proj is not None
+                                    else self.plan, self.dtype, self.device)
             if self.head_proj is not None and ops is not None:
                 self.greedy_head = GreedyArgmax(self.head_proj, ops)
             return self

@@ -10,12 +10,14 @@ from conftest import make_engine, random_prompts, run, tiny_target
 from eagle2.bench.load import busy_processes
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.kernels import (
+    AMX,
     FMA,
     NATIVE,
     PACKED,
     ROW_BUCKETS,
     BlockedWeight,
     BlockPlan,
+    amx_linear_ops,
     exact_bf16_candidates,
     exact_bf16_kernels,
     fma_linear_ops,
@@ -179,18 +181,23 @@ def test_native_bf16_linear_equals_the_packed_kernel_for_any_row_count(native_li
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("kernel", ["fma", "amx"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", [(576, 1536), (3072, 576), (1000, 64), (130, 1000)])
-def test_fma_linear_rows_do_not_depend_on_the_row_count(shape, threads):
-    """The FMA variant: each row bitwise what it gives alone, for every row count and tile
-    shape (1-11 rows in one pass, each count its own tile; more 8 at a time, then the rest),
-    any row count split over two threads as over one, flat and batched and strided inputs,
-    outputs that are not a multiple of 32; and within bf16 rounding of an fp64 product."""
+def test_fma_linear_rows_do_not_depend_on_the_row_count(shape, threads, kernel):
+    """The FMA variant, and the AMX one where the CPU has AMX: each row bitwise what it gives
+    alone, for every row count and tile shape (FMA: 1-11 rows in one pass, each count its own
+    tile, more 8 at a time, then the rest; AMX: 16-row groups and the rest), any row count
+    split over two threads as over one, flat and batched and strided inputs, outputs that are
+    not a multiple of 32; and within bf16 rounding of an fp64 product."""
     if fma_linear_ops() is None:
         pytest.skip("no native FMA linear here (needs AVX2 and FMA, and a C++ compiler)")
+    if kernel == "amx" and (amx_linear_ops() is None or shape[1] % 32):
+        pytest.skip("no AMX tiles here, or inputs that do not fill them")
     torch.manual_seed(3)
     weight = torch.randn(shape, dtype=torch.bfloat16) / 24
-    fma = BlockedWeight(weight, BlockPlan({rows: FMA for rows in ROW_BUCKETS}))
+    fma = BlockedWeight(weight, BlockPlan({rows: FMA if kernel == "fma" else AMX
+                                           for rows in ROW_BUCKETS}))
     x = torch.randn(300, shape[1], dtype=torch.bfloat16) * 2
     counts = (*range(1, 26), 26, 33, 64, 100, 300)
     before = torch.get_num_threads()
@@ -214,13 +221,19 @@ def test_fma_linear_rows_do_not_depend_on_the_row_count(shape, threads):
 
 def test_one_family_never_mixes_fma_with_the_bf16_kernels():
     """FMA results differ from PACKED / NATIVE in the last bits, so a plan takes FMA for every
-    row count (when its sum over 1-16 rows is smaller) or none; bf16 kernels mix per row."""
+    row count (when its sum over 1-16 rows is smaller) or none; bf16 kernels mix per row; AMX
+    is a family of its own too."""
     faster = {1: {PACKED: 30, NATIVE: 20, FMA: 21}, 8: {PACKED: 60, NATIVE: 45, FMA: 30},
               64: {PACKED: 200, NATIVE: 240, FMA: 250}}
     assert set(one_family(faster).block_bytes.values()) == {FMA}
     slower = {1: {PACKED: 30, NATIVE: 20, FMA: 26}, 8: {PACKED: 60, NATIVE: 45, FMA: 44},
               64: {PACKED: 200, NATIVE: 240, FMA: 150}}
     assert one_family(slower).block_bytes == {1: NATIVE, 8: NATIVE, 64: PACKED}
+    amx = {1: {PACKED: 30, FMA: 20, AMX: 22}, 8: {PACKED: 60, FMA: 44, AMX: 23},
+           64: {PACKED: 200, FMA: 250, AMX: 40}}  # AMX: a family of its own, as FMA
+    assert one_family(amx).block_bytes == {1: AMX, 8: AMX, 64: AMX}
+    assert one_family({1: {FMA: 20, AMX: 22}, 8: {FMA: 25, AMX: 30}}).block_bytes == \
+        {1: FMA, 8: FMA}  # (no bf16 kernel measured: an AVX2-only CPU)
     candidates = exact_bf16_candidates()  # what this machine has: (FMA,) on AVX2 alone
     if not candidates:
         return
@@ -290,3 +303,36 @@ def test_greedy_argmax_is_the_argmax_of_the_fma_logits(shape):
     assert greedy(bad) is None
     proj.plan.block_bytes[4] = PACKED
     assert greedy(x[:3]) is None and greedy(x[:1]) is not None
+
+
+def test_linear_amx_says_what_it_cannot_take():
+    """Inputs whose features are not a multiple of 32 (one tile row) are refused with a
+    message, not multiplied wrongly; a draft head's plan that names AMX for such a weight
+    takes the FMA kernel instead."""
+    if amx_linear_ops() is None:
+        pytest.skip("no AMX tiles here")
+    ops = amx_linear_ops()
+    weight = torch.randn(64, 48).bfloat16()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.linear_amx(torch.randn(2, 48).bfloat16(), ops.pack_linear(weight), 64)
+    amx = BlockedWeight(weight, BlockPlan({rows: AMX for rows in ROW_BUCKETS}))
+    fma = BlockedWeight(weight, BlockPlan({rows: FMA for rows in ROW_BUCKETS}))
+    x = torch.randn(3, 48).bfloat16()
+    assert torch.equal(amx(x), fma(x))
+
+
+def test_a_target_on_amx_keeps_its_lm_head_on_the_fma_kernel(monkeypatch):
+    """Where the measured plan puts the layers on AMX, the lm_head stays on the FMA kernel, so
+    greedy tokens come from its int8 copy (`GreedyArgmax`); the layers' plan says AMX."""
+    import eagle2.target as target_module
+    from eagle2.target import TargetModel
+
+    if amx_linear_ops() is None or fma_linear_ops() is None:
+        pytest.skip("no AMX tiles here")
+    amx_plan = BlockPlan({rows: AMX for rows in ROW_BUCKETS})
+    monkeypatch.setattr(target_module, "cached_plan", lambda *a, **k: amx_plan)
+    hf = tiny_target(seed=3, layers=2).hf.to(torch.bfloat16)
+    target = TargetModel(hf, name="tiny-amx").fuse(measure=True)
+    assert set(target.plan.block_bytes.values()) == {AMX}
+    assert set(target.head_proj.plan.block_bytes.values()) == {FMA}
+    assert target.greedy_head is not None

@@ -235,21 +235,26 @@ def test_bf16_greedy_tokens_without_logits_equal_decoding_through_the_logits():
 
 
 @needs_exact_bf16
-def test_bf16_fma_linears_equal_vanilla():
-    """The other exact family (`kernels.FMA`, fp32 FMAs over the packed bf16 weight, chosen
-    where vdpbf16ps is slow): every row count through it, every mode batched equals plain
+@pytest.mark.parametrize("kernel", ["fma", "amx"])
+def test_bf16_fma_linears_equal_vanilla(kernel):
+    """The other exact families (`kernels.FMA`, fp32 FMAs over the packed bf16 weight, chosen
+    where vdpbf16ps is slow; `kernels.AMX`, the tile unit's sums over the same packed weight,
+    where the CPU has AMX): every row count through one, every mode batched equals plain
     decoding of each prompt alone through it."""
-    from eagle2.kernels import FMA, ROW_BUCKETS, fma_linear_ops
+    from eagle2.kernels import AMX, FMA, ROW_BUCKETS, amx_linear_ops, fma_linear_ops
 
     if fma_linear_ops() is None:
         pytest.skip("no native FMA linear here")
+    if kernel == "amx" and amx_linear_ops() is None:
+        pytest.skip("no AMX tiles here")
     target = bf16_target(31).fuse()  # fusing sets its own plan; this one replaces it
-    target.plan.block_bytes.update({rows: FMA for rows in ROW_BUCKETS})
+    chosen = FMA if kernel == "fma" else AMX
+    target.plan.block_bytes.update({rows: chosen for rows in ROW_BUCKETS})
     prompts = random_prompts(6, 48, seed=4, lo=3, hi=40)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = [run(make_engine(target, None, max_batch=1), [p], params, TreeConfig("vanilla"))[0]
              for p in prompts]
-    assert set(target.plan.block_bytes.values()) == {FMA}  # fusing kept the plan
+    assert set(target.plan.block_bytes.values()) == {chosen}  # fusing kept the plan
     assert run(make_engine(target, None), prompts, params, TreeConfig("vanilla")) == alone
     for name, tree in TREES.items():
         assert run(make_engine(target, 2), prompts, params, tree) == alone, name

@@ -212,22 +212,35 @@ def test_fused_layers_match_the_aten_layers(ops):
     assert F.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0) > 0.999
 
 
-def test_the_native_layer_operator_equals_its_calls_one_by_one(ops):
+@pytest.mark.parametrize("kernel", ["fma", "amx"])
+def test_the_native_layer_operator_equals_its_calls_one_by_one(ops, kernel):
     """`eagle2_cpu::decoder_layer` (fused.NATIVE_LAYER) gives bitwise the features and cache
     entries of the same operators called one by one from Python: a prefill of two prompts and
-    a tree step of two requests with different trees."""
+    a tree step of two requests with different trees; its linears by the FMA kernel, or by
+    the AMX one where the CPU has it."""
     from conftest import tiny_target
 
     from eagle2 import fused
     from eagle2.attention import causal_mask
-    from eagle2.kernels import FMA, ROW_BUCKETS, BlockPlan, exact_bf16_kernels, fma_linear_ops
+    from eagle2.kernels import (
+        AMX,
+        FMA,
+        ROW_BUCKETS,
+        BlockPlan,
+        amx_linear_ops,
+        exact_bf16_kernels,
+        fma_linear_ops,
+    )
     from eagle2.target import TargetModel
 
     if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")) or fma_linear_ops() is None:
         pytest.skip("no exact bf16 FMA kernels on this CPU")
+    if kernel == "amx" and amx_linear_ops() is None:
+        pytest.skip("no AMX tiles here")
     hf = tiny_target(seed=5, layers=3).hf.to(torch.bfloat16)
     target = TargetModel(hf, name="tiny-native").fuse()
-    plan = BlockPlan({bucket: FMA for bucket in ROW_BUCKETS})  # the operator's condition
+    chosen = FMA if kernel == "fma" else AMX  # the operator's condition: one of them throughout
+    plan = BlockPlan({bucket: chosen for bucket in ROW_BUCKETS})
     for lw in target.fused:
         for w in (lw.qkv, lw.o, lw.gate_up, lw.down):
             w.plan = plan

@@ -92,7 +92,8 @@ def split_forward(runner, tokens, positions, mask, slots) -> dict[str, float]:
         totals["all"] += us
         if ev.key in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise",
                       "eagle2_cpu::linear",  # the native bf16 linear (kernels.NATIVE)
-                      "eagle2_cpu::linear_fma"):  # ... its FMA variant (kernels.FMA)
+                      "eagle2_cpu::linear_fma",  # ... its FMA variant (kernels.FMA)
+                      "eagle2_cpu::linear_amx"):  # ... on the AMX tiles (kernels.AMX)
             totals["linears"] += us
         elif ("scaled_dot_product" in ev.key or ev.key == "aten::bmm"  # bmm: exact attention
               or ev.key == "eagle2_cpu::attention"):  # the fused CPU operations' (eagle2.native)

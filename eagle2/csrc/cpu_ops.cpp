@@ -23,6 +23,10 @@
 #include <string>
 #include <tuple>
 #include <vector>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 // Two instruction sets: AVX-512 with bf16 dot products (AVX512-BF16), or AVX2 with FMA (every
 // x86-64 CPU since about 2015). With AVX2 the same operations run on 8 fp32 lanes; the bf16
@@ -1347,6 +1351,147 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 
+// ---- The bf16 linear on AMX tiles (Intel Xeon 4th generation and later) ----
+// docs/DESIGN.md "CPU performance". y = bf16(x @ w.T) by TDPBF16PS on the weight as pack_linear
+// packs it: block b's pair rows [K2][32] uint32 are two VNNI B tiles per 32 inputs (16 pair rows
+// of 16 outputs each, 128 bytes apart), so the FMA kernel's packed weight serves as it is. Each
+// output is the tile unit's fp32 sum over the input pairs, 32 inputs a TDPBF16PS, in input
+// order, from zero: a function of its row of x and the weight alone, so one row gives bitwise
+// the same whatever rows come with it (exact verification), and up to 16 rows cost about what
+// one costs (one tile multiply takes the 16 rows at once; the weights stream at the memory's
+// rate). Rows past 16 take further 16-row groups while a block pair's weights are in L2. Needs
+// K % 32 == 0 and the OS's permission for the tile data (`amx_ready`).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(EAGLE2_AVX512)
+#define EAGLE2_AMX 1
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#ifndef EAGLE2_AMX_PREFETCH
+#define EAGLE2_AMX_PREFETCH 4096
+#endif
+constexpr int64_t kAmxPrefetch = EAGLE2_AMX_PREFETCH;
+
+// tmm0: 16-row group of x (rows x 32 bf16); tmm1-3: weight tiles; tmm4-7: sums (rows x 16 fp32)
+inline void configure_tiles(int rows) {
+  TileConfig cfg;
+  cfg.rows[0] = static_cast<uint8_t>(rows);
+  cfg.colsb[0] = 64;
+  for (int t = 1; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 4; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+bool request_amx() {
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// rows [m0, m0 + rows) of y, outputs of blocks b and b + 1 (nb = 1 or 2)
+inline void amx_blocks(const bf16* x, int64_t K, const uint32_t* w, int64_t K2, int nb,
+                       bf16* y, int64_t N, int64_t n0, int rows) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  const uint32_t* w1 = w + K2 * kBlockN;
+  const char* end0 = reinterpret_cast<const char*>(w1);
+  const char* end1 = reinterpret_cast<const char*>(w1 + K2 * kBlockN);
+  for (int64_t k2 = 0; k2 < K2; k2 += 16) {
+    if (kAmxPrefetch) {  // the lines kAmxPrefetch bytes ahead in each block's stream
+      const char* a = reinterpret_cast<const char*>(w + k2 * kBlockN) + kAmxPrefetch;
+      const char* c = reinterpret_cast<const char*>(w1 + k2 * kBlockN) + kAmxPrefetch;
+      for (int l = 0; l < 2048; l += 64) {
+        if (a + l < end0) _mm_prefetch(a + l, _MM_HINT_T0);
+        if (nb == 2 && c + l < end1) _mm_prefetch(c + l, _MM_HINT_T0);
+      }
+    }
+    _tile_loadd(0, x + 2 * k2, K * 2);
+    _tile_loadd(1, w + k2 * kBlockN, kBlockN * 4);
+    _tile_loadd(2, w + k2 * kBlockN + 16, kBlockN * 4);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_dpbf16ps(5, 0, 2);
+    if (nb == 2) {
+      _tile_loadd(3, w1 + k2 * kBlockN, kBlockN * 4);
+      _tile_loadd(1, w1 + k2 * kBlockN + 16, kBlockN * 4);
+      _tile_dpbf16ps(6, 0, 3);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+  }
+  alignas(64) float sums[4][16][16];
+  _tile_stored(4, sums[0], 64);
+  _tile_stored(5, sums[1], 64);
+  if (nb == 2) {
+    _tile_stored(6, sums[2], 64);
+    _tile_stored(7, sums[3], 64);
+  }
+  for (int t = 0; t < 2 * nb; ++t) {
+    const int64_t col = n0 + 16 * t;
+    if (col >= N) break;
+    const __mmask16 mask = N - col >= 16 ? __mmask16(0xFFFF)
+                                         : static_cast<__mmask16>((1u << (N - col)) - 1);
+    for (int m = 0; m < rows; ++m)
+      _mm256_mask_storeu_epi16(y + m * N + col, mask,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[t][m])));
+  }
+}
+#endif
+
+// 1 where this build has the AMX linear and the OS lets the process use the tiles
+bool amx_ready() {
+#ifdef EAGLE2_AMX
+  static const bool ready = request_amx();
+  return ready;
+#else
+  return false;
+#endif
+}
+
+// x [..., K] bf16, packed from pack_linear -> [..., out_features] bf16 on the AMX tiles
+torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& packed,
+                         int64_t out_features) {
+  TORCH_CHECK(amx_ready(), "linear_amx: this build or this machine has no AMX tiles");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "linear_amx expects a bf16 CPU input");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockN && packed.scalar_type() == at::kInt &&
+                  x.size(-1) == 2 * packed.size(1) && x.size(-1) % 32 == 0 &&
+                  (out_features + kBlockN - 1) / kBlockN == packed.size(0),
+              "linear_amx: the input's features (a multiple of 32) or out_features do not "
+              "match the packed weight");
+#ifdef EAGLE2_AMX
+  const auto xc = x.contiguous();
+  const int64_t K2 = packed.size(1), K = 2 * K2, N = out_features, blocks = packed.size(0);
+  const int64_t M = xc.numel() / K;
+  auto sizes = xc.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  const auto* xp = xc.data_ptr<bf16>();
+  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  auto* yp = y.data_ptr<bf16>();
+  if (M == 0) return y;
+  parallel_blocks((blocks + 1) / 2, [&](int64_t p0, int64_t p1) {
+    int configured = 0;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = 2 * p;
+      const int nb = b + 1 < blocks ? 2 : 1;
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int rows = static_cast<int>(std::min<int64_t>(16, M - m0));
+        if (rows != configured) configure_tiles(configured = rows);
+        amx_blocks(xp + m0 * K, K, wp + b * K2 * kBlockN, K2, nb, yp + m0 * N, N, b * kBlockN,
+                   rows);
+      }
+    }
+    if (configured) _tile_release();
+  });
+  return y;
+#else
+  return torch::Tensor();
+#endif
+}
+
 // o[i] = bf16(bf16(silu(g[i])) * u[i]), i < I (HF's act_fn(gate) * up in bf16), silu(g) =
 // g * sigmoid(g) with sigmoid from exp(-|g|): every lane from its own value.
 #ifdef EAGLE2_AVX512
@@ -1826,7 +1971,8 @@ std::string isa() {
 // result, without the ~10 dispatched calls and the Python between them (docs/DESIGN.md "CPU
 // performance"). The linears are linear_fma's (packed from pack_linear). Each step is a
 // RECORD_FUNCTION under its operator's name, so the profiler still splits the time by kernel.
-// An empty input_norm: no input norm (an EAGLE draft head's layer, `fused.native_head_layer`).
+// An empty input_norm: no input norm (an EAGLE draft head's layer, `fused.native_head_layer`);
+// amx: the linears by linear_amx (the same packed weights).
 torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_norm,
                             const torch::Tensor& post_norm, double eps,
                             const torch::Tensor& qkv_w, int64_t qkv_features,
@@ -1838,9 +1984,13 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
                             const torch::Tensor& slots, const torch::Tensor& write_pos,
                             const torch::Tensor& base, const torch::Tensor& tree_mask,
                             double scale, const std::optional<torch::Tensor>& key_blocks,
-                            const std::optional<torch::Tensor>& key_blocks_valid) {
+                            const std::optional<torch::Tensor>& key_blocks_valid, bool amx) {
   const std::vector<c10::IValue> no_inputs;
   auto fma = [&](const torch::Tensor& in, const torch::Tensor& w, int64_t features) {
+    if (amx) {
+      RECORD_FUNCTION("eagle2_cpu::linear_amx", no_inputs);
+      return linear_amx(in, w, features);
+    }
     RECORD_FUNCTION("eagle2_cpu::linear_fma", no_inputs);
     return linear_fma(in, w, features);
   };
@@ -1896,8 +2046,10 @@ TORCH_LIBRARY(eagle2_cpu, m) {
         "Tensor down_w, int down_features, Tensor cos, Tensor sin, int num_q, int num_kv, "
         "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos, Tensor base, "
         "Tensor tree_mask, float scale, Tensor(c!)? key_blocks=None, "
-        "Tensor(d!)? key_blocks_valid=None) -> Tensor");
+        "Tensor(d!)? key_blocks_valid=None, bool amx=False) -> Tensor");
   m.def("top_log_probs(Tensor logits, int k) -> (Tensor, Tensor)");
+  m.def("linear_amx(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("amx_ready() -> bool");
   m.def("isa() -> str");
 }
 
@@ -1911,6 +2063,7 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("linear_fma", &linear_fma);
   m.impl("silu_mul", &silu_mul);
   m.impl("top_log_probs", &top_log_probs);
+  m.impl("linear_amx", &linear_amx);
   m.impl("pack_argmax", &pack_argmax);
   m.impl("greedy_argmax", &greedy_argmax);
   m.impl("decoder_layer", &decoder_layer);
@@ -1918,4 +2071,5 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(eagle2_cpu, CatchAll, m) {
   m.impl("isa", &isa);
+  m.impl("amx_ready", &amx_ready);
 }
