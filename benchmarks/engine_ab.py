@@ -39,7 +39,8 @@ A variant named twice with a suffix ("shipped,shipped@2") is built twice: each i
 its own copy of the weights, and the spread between the two is what the method itself reads
 between equal engines.
 Greedy runs check that every variant's output equals the
-first's; sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
+first's among those whose target runs the same kernels (FMA and AMX sums differ in the last
+bits); sampled runs (T > 0) seed prompt i with 1000 + i, and their variants differ in
 their tokens (each tree consumes the generator differently).
 """
 
@@ -213,10 +214,14 @@ def main() -> None:
     for v in variants:
         llms[v].generate([groups[0][0].user_message], replace(params, max_tokens=8))
         llms[v].engine.stats = EngineStats()
+    # outputs are compared within a target kernel family (FMA and AMX sums differ in the last
+    # bits, so their greedy texts may part): each variant against the first of its family
+    family = {v: frozenset(llms[v].target.plan.block_bytes.values()) for v in variants}
+    first_of = {v: next(u for u in variants if family[u] == family[v]) for v in variants}
     same = True
     for i, group in enumerate(groups):
         sp = params if params.greedy else replace(params, seed=1000 + i)
-        outputs = []
+        outputs = {}
         for v in variants[i % len(variants):] + variants[: i % len(variants)]:
             t0 = time.perf_counter()
             outs = llms[v].generate([p.user_message for p in group], sp)
@@ -224,8 +229,8 @@ def main() -> None:
             acc[0] += sum(len(o.token_ids) for o in outs)
             acc[1] += time.perf_counter() - t0
             acc[2] += sum(o.num_steps for o in outs)
-            outputs.append([o.token_ids for o in outs])
-        same &= all(o == outputs[0] for o in outputs)
+            outputs[v] = [o.token_ids for o in outs]
+        same &= all(outputs[v] == outputs[first_of[v]] for v in variants)
     result = {"config": vars(args), "lossless": same if params.greedy else None, "variants": {}}
     for v in variants:
         st = llms[v].engine.stats
@@ -242,7 +247,8 @@ def main() -> None:
             "lookup_vetoes": st.lookup_vetoes,
         }
         print(v, json.dumps(result["variants"][v]))
-    print("every output equal to the first variant's:", result["lossless"])
+    print("every output equal to the first variant's of the same target kernels:",
+          result["lossless"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -62,7 +62,8 @@ def test_both_instruction_sets_compile():
     """The source compiles for both of its instruction sets, whichever this CPU has: a machine
     builds only its own (`-march=native`), and an AVX2 kernel's new argument once left the
     AVX-512 path uncompilable, so every AVX512-BF16 machine fell back to ATen (~2.4x slower).
-    AVX2 + FMA; AVX512-BF16 with VNNI (Cooper Lake); AVX512-BF16 without VNNI."""
+    AVX2 + FMA; AVX512-BF16 with VNNI (Cooper Lake); AVX512-BF16 without VNNI; with AMX
+    (Sapphire Rapids: the tile linear)."""
     from torch.utils.cpp_extension import include_paths
 
     from eagle2.native import CFLAGS, SOURCE
@@ -70,7 +71,7 @@ def test_both_instruction_sets_compile():
     flags = [f for f in CFLAGS if not f.startswith(("-march", "-O"))]
     incs = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
     targets = (["-march=haswell"], ["-march=cooperlake"],
-               ["-march=skylake-avx512", "-mavx512bf16"])
+               ["-march=skylake-avx512", "-mavx512bf16"], ["-march=sapphirerapids"])
     runs = [(t, subprocess.Popen(["c++", "-fsyntax-only", "-std=c++20", *t, *flags,
                                   "-DTORCH_EXTENSION_NAME=eagle2_cpu_ops",
                                   "-DTORCH_API_INCLUDE_EXTENSION_H", *incs, str(SOURCE)],
