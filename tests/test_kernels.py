@@ -264,17 +264,25 @@ def greedy_case(vocab: int, features: int, seed: int):
     return proj, GreedyArgmax(proj, ops), weight
 
 
+@pytest.mark.parametrize("int8_pass", ["vnni", "tiles"])
 @pytest.mark.parametrize("shape", [(1000, 64), (4099, 576), (49152, 576), (130, 1000)])
-def test_greedy_argmax_is_the_argmax_of_the_fma_logits(shape):
+def test_greedy_argmax_is_the_argmax_of_the_fma_logits(shape, int8_pass):
     """GreedyArgmax (an int8 pass bounds every logit, the possible winners computed exactly):
     bitwise `argmax(proj.fma(x))` for 1-17 rows of random inputs, spread-out and
     near-uniform logits, exact ties (the lowest index wins), logits that tie only after
     bf16 rounding, a zero row, on one thread and two; a non-finite row or a plan that is not
-    FMA for the row count hands back to the logits (None)."""
+    FMA for the row count hands back to the logits (None). The int8 pass by vpdpwssd, or on
+    the AMX tiles for every row count (where the CPU has them; 16 rows a pass, then 1)."""
     case = greedy_case(*shape, seed=shape[0])
     if case is None:
         pytest.skip("no native FMA linear here (needs AVX2 and FMA, and a C++ compiler)")
     proj, greedy, weight = case
+    if int8_pass == "tiles":
+        if greedy.q_tiles is None:
+            pytest.skip("no AMX tiles here, or inputs that are not a multiple of 64")
+        greedy.tile_rows = 1
+    else:
+        greedy.q_tiles = None
     g = torch.Generator().manual_seed(1)
     x = torch.randn(17, shape[1], generator=g) * 4
     x[3] *= 1e-3  # near-uniform logits: many outputs within the bound of the largest

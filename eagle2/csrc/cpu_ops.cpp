@@ -23,7 +23,7 @@
 #include <string>
 #include <tuple>
 #include <vector>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -1361,7 +1361,8 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
 // one costs (one tile multiply takes the 16 rows at once; the weights stream at the memory's
 // rate). Rows past 16 take further 16-row groups while a block pair's weights are in L2. Needs
 // K % 32 == 0 and the OS's permission for the tile data (`amx_ready`).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(EAGLE2_AVX512)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && \
+    defined(EAGLE2_AVX512)
 #define EAGLE2_AMX 1
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -1375,12 +1376,12 @@ struct alignas(64) TileConfig {
 #endif
 constexpr int64_t kAmxPrefetch = EAGLE2_AMX_PREFETCH;
 
-// tmm0: 16-row group of x (rows x 32 bf16); tmm1-3: weight tiles; tmm4-7: sums (rows x 16 fp32)
-inline void configure_tiles(int rows) {
+// tmm0 (and tmm1 where inputs = 2): a group of input rows (rows x 64 bytes); the rest of
+// tmm1-3: weight tiles (16 x 64 bytes); tmm4-7: sums (rows x 16 fp32 or int32)
+inline void configure_tiles(int rows, int inputs = 1) {
   TileConfig cfg;
-  cfg.rows[0] = static_cast<uint8_t>(rows);
-  cfg.colsb[0] = 64;
-  for (int t = 1; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 0; t < 4; ++t)
+    cfg.rows[t] = static_cast<uint8_t>(t < inputs ? rows : 16), cfg.colsb[t] = 64;
   for (int t = 4; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
 }
@@ -1787,11 +1788,71 @@ inline float fma_output(const uint32_t* packed, int64_t K2, int64_t v, const flo
   return static_cast<float>(bf16(acc));
 }
 
+#ifdef EAGLE2_AMX
+// int32 sums of `rows` rows (<= 16) against one block of 32 outputs on the AMX tiles: out[m][o]
+// = 128 (Q . Xh[m]) + Q . Xl[m] = Q . X[m]. qt: the block in pack_argmax_tiles' layout (two
+// halves of 16 outputs, each [K / 4][16][4]); xh, xl: the rows' int8 parts, K apart.
+// tmm0 / tmm1: the parts, tmm2 / tmm3: the halves' weights, tmm4-7: the four sums
+inline void argmax_tiles(const int8_t* qt, int64_t K, const int8_t* xh, const int8_t* xl,
+                         int rows, int32_t* out) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  const int8_t* q1 = qt + 16 * K;
+  for (int64_t k = 0; k < K; k += 64) {
+    _tile_loadd(2, qt + k * 16, 64);
+    _tile_loadd(3, q1 + k * 16, 64);
+    _tile_loadd(0, xh + k, K);
+    _tile_loadd(1, xl + k, K);
+    _tile_dpbssd(4, 0, 2);
+    _tile_dpbssd(5, 1, 2);
+    _tile_dpbssd(6, 0, 3);
+    _tile_dpbssd(7, 1, 3);
+  }
+  alignas(64) int32_t part[4][16][16];
+  _tile_stored(4, part[0], 64);  // (tile numbers are immediates)
+  _tile_stored(5, part[1], 64);
+  _tile_stored(6, part[2], 64);
+  _tile_stored(7, part[3], 64);
+  for (int m = 0; m < rows; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const __m512i sum = _mm512_add_epi32(
+          _mm512_slli_epi32(_mm512_load_si512(part[2 * h][m]), 7),
+          _mm512_load_si512(part[2 * h + 1][m]));
+      _mm512_storeu_si512(out + m * kArgBlock + 16 * h, sum);
+    }
+}
+#endif
+
+// q from pack_argmax [blocks, K / 2, 32, 2] -> the same int8 weight as AMX B tiles: per block
+// two halves of 16 outputs, each [K / 4][16 outputs][4 inputs] (TDPBSSD's layout); empty where
+// this build or machine has no AMX tiles or K is not a multiple of 64
+torch::Tensor pack_argmax_tiles(const torch::Tensor& q) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == kArgBlock && q.size(3) == 2 &&
+                  q.scalar_type() == at::kChar, "pack_argmax_tiles expects pack_argmax's q");
+  const int64_t blocks = q.size(0), K2 = q.size(1), K = 2 * K2;
+  if (!amx_ready() || K % 64) return torch::empty({0}, q.options());
+  const auto qc = q.contiguous();
+  auto out = torch::empty({blocks, 2, K / 4, 16, 4}, q.options());
+  const int8_t* src = qc.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t o = 0; o < kArgBlock; ++o)
+        for (int64_t k = 0; k < K; ++k)
+          dst[(((b * 2 + o / 16) * (K / 4) + k / 4) * 16 + o % 16) * 4 + k % 4] =
+              src[((b * K2 + k / 2) * kArgBlock + o) * 2 + k % 2];
+  });
+  return out;
+}
+
 // x [R, K] bf16 (R rows of final hidden states), q/stats from pack_argmax, packed from
 // pack_linear of the same weight -> [R] int64: the argmax of linear_fma(x, packed, V) per row,
 // or -1 for a row whose input is not finite (the caller computes the logits then)
 torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
-                            const torch::Tensor& stats, const torch::Tensor& packed, int64_t V) {
+                            const torch::Tensor& stats, const torch::Tensor& packed, int64_t V,
+                            const std::optional<torch::Tensor>& q_tiles, int64_t tile_rows) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
               "greedy_argmax expects bf16 [R, K] on the CPU");
   const int64_t R = x.size(0), K = x.size(1), K2 = K / 2;
@@ -1807,8 +1868,9 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   const int8_t* qp = q.data_ptr<int8_t>();
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   const int64_t blocks = q.size(0);
-  // the input's int16 range: the int32 sums cannot overflow (127 x X x K < 2^31)
-  const double xmax = std::min(16383.0, std::floor(2147483647.0 / (127.0 * K)));
+  // the input's int16 range: the int32 sums cannot overflow (127 x X x K < 2^31), and each
+  // value splits into two int8 parts X = 128 Xh + Xl, |Xh| <= 127 (the AMX pass below)
+  const double xmax = std::min(16256.0, std::floor(2147483647.0 / (127.0 * K)));
   auto result = torch::full({R}, -1, torch::dtype(torch::kInt64));
   int64_t* rp = result.data_ptr<int64_t>();
   // per row: the int16 input (pairs in int32 lanes, vpmaddwd's operand), its scale s_x, |x|_2
@@ -1860,14 +1922,48 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   // than kArgRows read the weights from memory once, not once a group (two threads, 16 rows:
   // 4.1 ms, caches flushed, against 1.9 for 8, when every group streamed the whole lm_head)
   std::vector<float> block_low(R * blocks);
+#ifdef EAGLE2_AMX
+  // the same int32 sums on the AMX tiles (TDPBSSD: int8 x int8), up to 16 rows a pass, from
+  // the input's two int8 parts: sum = 128 (Q . Xh) + Q . Xl exactly, so the bounds, and the
+  // token, are the VNNI pass's whichever runs (tile_rows: from how many rows)
+  const bool tiles = q_tiles.has_value() && q_tiles->numel() && R >= tile_rows &&
+                     K % 64 == 0 && amx_ready();
+  std::vector<int8_t> xhl;
+  if (tiles) {
+    TORCH_CHECK(q_tiles->scalar_type() == at::kChar &&
+                    q_tiles->numel() == blocks * kArgBlock * K,
+                "greedy_argmax: the tile copy does not match the int8 weight");
+    xhl.resize(2 * R * K);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t k = 0; k < K; ++k) {
+        const uint32_t pair = static_cast<uint32_t>(xpairs[r * K2 + k / 2]);
+        const int32_t v = static_cast<int16_t>(k % 2 ? pair >> 16 : pair & 0xFFFF);
+        const int32_t hi = (v + 64) >> 7;  // floor((v + 64) / 128)
+        xhl[r * K + k] = static_cast<int8_t>(hi);
+        xhl[(R + r) * K + k] = static_cast<int8_t>(v - 128 * hi);
+      }
+  }
+#else
+  const bool tiles = false;
+#endif
+  const int64_t group = tiles ? 16 : kArgRows;
   parallel_blocks(blocks, [&](int64_t b0, int64_t b1) {
-    alignas(64) int32_t sums[kArgRows * kArgBlock];
+    alignas(64) int32_t sums[16 * kArgBlock];
+    int configured = 0;
     for (int64_t b = b0; b < b1; ++b) {
       const int8_t* qb = qp + b * K2 * kArgBlock * 2;
-      for (int64_t r0 = 0; r0 < R; r0 += kArgRows) {
-        const int64_t rows = std::min<int64_t>(kArgRows, R - r0);
+      for (int64_t r0 = 0; r0 < R; r0 += group) {
+        const int64_t rows = std::min<int64_t>(group, R - r0);
         const int32_t* xr = xpairs.data() + r0 * K2;
-        switch (rows) {
+#ifdef EAGLE2_AMX
+        if (tiles) {
+          if (rows != configured) configure_tiles(configured = static_cast<int>(rows), 2);
+          argmax_tiles(q_tiles->data_ptr<int8_t>() + b * kArgBlock * K, K,
+                       xhl.data() + r0 * K, xhl.data() + (R + r0) * K, static_cast<int>(rows),
+                       sums);
+        }
+#endif
+        if (!tiles) switch (rows) {
           case 1: argmax_block<1>(qb, K2, xr, sums); break;
           case 2: argmax_block<2>(qb, K2, xr, sums); break;
           case 3: argmax_block<3>(qb, K2, xr, sums); break;
@@ -1914,6 +2010,11 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
         }
       }
     }
+#ifdef EAGLE2_AMX
+    if (configured) _tile_release();
+#else
+    (void)configured;
+#endif
   });
   for (int64_t r = 0; r < R; ++r)
     best_lower[r] = *std::max_element(block_low.begin() + r * blocks,
@@ -2039,8 +2140,9 @@ TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("linear_fma(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("pack_argmax(Tensor weight) -> (Tensor, Tensor)");
-  m.def("greedy_argmax(Tensor x, Tensor q, Tensor stats, Tensor packed, int out_features) "
-        "-> Tensor");
+  m.def("greedy_argmax(Tensor x, Tensor q, Tensor stats, Tensor packed, int out_features, "
+        "Tensor? q_tiles=None, int tile_rows=1) -> Tensor");
+  m.def("pack_argmax_tiles(Tensor q) -> Tensor");
   m.def("decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_w, "
         "int qkv_features, Tensor o_w, int o_features, Tensor gate_up_w, int gate_up_features, "
         "Tensor down_w, int down_features, Tensor cos, Tensor sin, int num_q, int num_kv, "
@@ -2065,6 +2167,7 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("top_log_probs", &top_log_probs);
   m.impl("linear_amx", &linear_amx);
   m.impl("pack_argmax", &pack_argmax);
+  m.impl("pack_argmax_tiles", &pack_argmax_tiles);
   m.impl("greedy_argmax", &greedy_argmax);
   m.impl("decoder_layer", &decoder_layer);
 }
