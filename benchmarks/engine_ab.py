@@ -27,7 +27,9 @@ head's linears and draft vocabulary through oneDNN's packed bf16 kernel, what
 `kernels.small_rows_plan` chose on the Intel Xeon before it measured 1-16 rows, with its own
 draft costs, measured at its first step), fma-target and vanilla-fma-target (the target's
 layers multiplied by the FMA kernel at every row count, as before the AMX kernel, with that
-plan's cost grid), base-kernels
+plan's cost grid), no-argmax-tiles and vanilla-no-argmax-tiles (the greedy argmax's int8
+pass by vpdpwssd at every row count, not on the AMX tiles from `GreedyArgmax.tile_rows`),
+base-kernels
 (the shipped engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
 step: a kernel change A/B'd in one process; greedy tokens through its greedy_argmax too, with
@@ -66,7 +68,7 @@ VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
             "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
             "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head",
-            "fma-target", "vanilla-fma-target")
+            "fma-target", "vanilla-fma-target", "no-argmax-tiles", "vanilla-no-argmax-tiles")
 
 
 class _OpenGates(dict):
@@ -150,6 +152,8 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         head_kernel(llm, PACKED)
     if variant.endswith("fma-target"):
         target_kernel(llm, FMA)
+    if variant.endswith("no-argmax-tiles") and llm.target.greedy_head is not None:
+        llm.target.greedy_head.q_tiles = None
     return llm
 
 

@@ -187,8 +187,9 @@ def native_head_layer(ops: ModuleType, layer: nn.Module, h: torch.Tensor, residu
     layer_k, layer_v = cache.k[0], cache.v[0]
     if fused is not None and h is residual and NATIVE_LAYER and is_silu(mlp.act_fn) \
             and isinstance(attn.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear):
-        # the whole layer as one operator where each linear takes the FMA kernel (an EAGLE-2
-        # head: no input norm, the fc's output both the projections' input and the residual)
+        # the whole layer as one operator where its linears all take the FMA kernel, or all
+        # the AMX one (an EAGLE-2 head: no input norm, the fc's output both the projections'
+        # input and the residual)
         linears = (fused[0], attn.o_proj.blocked(), fused[1], mlp.down_proj.blocked())
         kernel = one_native_kernel(linears, h.numel() // h.shape[-1])
         if kernel is not None:

@@ -205,9 +205,13 @@ class GreedyArgmax:
     (`greedy_argmax_ops`); the int8 copy takes half the bf16 weight's memory."""
 
     # from how many rows the int8 pass runs on the AMX tiles, where it can: the same sums, so
-    # the choice is speed alone (Xeon VM, two threads, caches flushed, ms for 1 / 4 / 8 / 16 /
-    # 32 rows: VNNI 1.19 / 1.60 / 1.80 / 2.65 / 4.51, tiles 1.40 / 1.54 / 1.72 / 2.02 / 2.83)
-    tile_rows = 8
+    # the choice is speed alone. The whole greedy argmax of the embedded model's hidden
+    # states, caches flushed, Xeon VM, ms for 1 / 4 / 8 / 12 / 16 / 32 rows, two threads: VNNI
+    # 1.40-1.47 / 1.70 / 2.01 / 2.36-2.47 / 3.80 / 7.70, tiles 1.44-1.46 / 1.65 / 2.07 / 2.12-2.17
+    # / 3.25 / 5.85-6.15; one thread: VNNI 3.34-3.43 at 8, 6.17-6.30 at 16, tiles 3.47-3.56,
+    # 5.06-5.12 (`runs`-only script over `LocalRunner.head_seconds`). The bounds and the exact
+    # pass, which grow with the rows on both, are most of what 16-32 rows cost.
+    tile_rows = 9
 
     def __init__(self, proj: BlockedWeight, ops):
         if proj._native is None:
