@@ -45,7 +45,7 @@ FMA = -3
 # and this: the same packed weight on the AMX tiles (`eagle2_cpu.linear_amx`, Intel Xeon 4th
 # generation and later): row-invariant as well, not bitwise FMA, so a family of its own. Up to
 # 16 rows cost about one (one tile multiply takes 16 rows), where the FMA kernel's 16 rows
-# cost 2.4 times its one (measured on the target's linears, `benchmarks/native_linears.py`).
+# cost 2.6 times its one (the target's linears, two threads: docs/DESIGN.md "The AMX tiles").
 AMX = -4
 SOLO_KERNELS = (FMA, AMX)  # each row count by the same kernel, or none (`one_family`)
 # Packed bf16 kernels give each output row bitwise the same for any row count only up to
@@ -219,7 +219,7 @@ class GreedyArgmax:
         self.proj, self.ops = proj, ops
         self.q, self.stats = ops.pack_argmax(proj.weight)
         # the int8 weight as AMX tiles (empty without them): the same int32 sums for
-        # TILE_ROWS rows and more, up to 16 a pass (`greedy_argmax`)
+        # `tile_rows` rows and more, up to 16 a pass (`greedy_argmax`)
         tiles = ops.pack_argmax_tiles(self.q) if hasattr(ops, "pack_argmax_tiles") else None
         self.q_tiles = tiles if tiles is not None and tiles.numel() else None
 
@@ -297,7 +297,7 @@ def fma_linear_ops():
 @functools.cache
 def amx_linear_ops():
     """`torch.ops.eagle2_cpu` where its AMX linear was built, the OS lets the process use the
-    tiles and `amx_linear_exact` holds, else None (also where EAGLE2_AMX_LINEAR=0)."""
+    tiles and `linear_exact` holds for it, else None (also where EAGLE2_AMX_LINEAR=0)."""
     from eagle2.native import cpu_ops
 
     if os.environ.get("EAGLE2_AMX_LINEAR", "1") == "0" or "amx_bf16" not in cpu_info()[1]:
@@ -372,14 +372,14 @@ def small_rows_plan() -> BlockPlan:
     """For small, cache-hot bf16 weights (a draft head, whose drafts need no exactness): a
     native kernel where one is available (the bf16 one was 1.3-2.5x faster than oneDNN's on the
     head's linears, 1-32 rows, on an AMD EPYC without AMX), else oneDNN's packed one; and the
-    FMA variant at each row count where it is faster on a head layer's and a draft
-    vocabulary's weight (drafts need no exactness, so the two mix), measured once per machine
-    and cached, so every process drafts alike; the FMA variant alone where oneDNN does not
-    pack bf16 (AVX2 only). On the Intel Xeon (AVX-512, no AMX) the FMA variant costs half of
-    oneDNN's at the 1-2 rows a narrow draft level has at batch 1 (a level's linears, caches
-    flushed, 1.08 -> 0.53 ms) and oneDNN's wins from 16 rows (a catch-up over many
-    positions); measured at 8 rows alone, oneDNN's had won by a hair and taken every row
-    count."""
+    FMA variant or the AMX one at each row count where it is faster on a head layer's and a
+    draft vocabulary's weight (drafts need no exactness, so they mix), measured once per
+    machine and cached, so every process drafts alike; the FMA variant alone where oneDNN
+    does not pack bf16 (AVX2 only). On the Intel Xeon VM of session 30 (AMX, which oneDNN's
+    kernel uses slowly for few rows) the FMA variant costs half of oneDNN's at the 1-2 rows a
+    narrow draft level has at batch 1 (a level's linears, caches flushed, 1.08 -> 0.53 ms),
+    the AMX one wins at 4-32 rows and oneDNN's at 64 (a catch-up over many positions);
+    measured at 8 rows alone, oneDNN's had won by a hair and taken every row count."""
     if not packing_supported(torch.bfloat16, torch.device("cpu")):
         return BlockPlan({rows: FMA for rows in ROW_BUCKETS})  # (exact_bf16_kernels holds)
     kernel = NATIVE if native_linear_ops() is not None else PACKED
