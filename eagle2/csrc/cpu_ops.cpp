@@ -1847,6 +1847,32 @@ torch::Tensor pack_argmax_tiles(const torch::Tensor& q) {
   return out;
 }
 
+#ifdef EAGLE2_AVX512
+// fma_output of 16 outputs vs[0..16) at once, one per lane: each lane's pairs gathered from
+// the packed weight, the same FMAs in the same order as fma_output's, rounded to bf16 (RNE)
+inline void fma_outputs16(const uint32_t* packed, int64_t K2, const int64_t* vs, const float* x,
+                          float* out) {
+  alignas(64) int32_t at[16];
+  for (int l = 0; l < 16; ++l)
+    at[l] = static_cast<int32_t>((vs[l] / kBlockN) * K2 * kBlockN + vs[l] % kBlockN);
+  __m512i idx = _mm512_load_si512(at);
+  const __m512i step = _mm512_set1_epi32(static_cast<int32_t>(kBlockN));
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512i pair = _mm512_i32gather_epi32(idx, packed, 4);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)),
+                          _mm512_set1_ps(x[2 * k]), acc);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(pair, high)),
+                          _mm512_set1_ps(x[2 * k + 1]), acc);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, acc);
+  for (int l = 0; l < 16; ++l) out[l] = static_cast<float>(bf16(sums[l]));
+}
+#endif
+
 // x [R, K] bf16 (R rows of final hidden states), q/stats from pack_argmax, packed from
 // pack_linear of the same weight -> [R] int64: the argmax of linear_fma(x, packed, V) per row,
 // or -1 for a row whose input is not finite (the caller computes the logits then)
@@ -2024,6 +2050,9 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   // floor: bf16 keeps 8 significant bits) rounds below floor. The others, exactly. Rows are
   // independent: split over the threads (a row's scan of V bounds and its exact rescoring
   // are the same on any thread)
+  // the packed weight's uint32 offsets fit the gathers' int32 indices
+  const bool blocks_k2_fit = packed.numel() <= std::numeric_limits<int32_t>::max();
+  (void)blocks_k2_fit;
   at::parallel_for(0, R, 1, [&](int64_t ra, int64_t rb) {
   for (int64_t r = ra; r < rb; ++r) {
     if (!ok[r]) continue;
@@ -2034,6 +2063,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
     const float* up = upper.get() + r * V;
     float best = -INFINITY;
     int64_t arg = -1;
+    std::vector<int64_t> cands;
     for (int64_t v8 = 0; v8 < V; v8 += 8) {
       unsigned bits = 0;
       if (v8 + 8 <= V) {
@@ -2042,13 +2072,23 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
       } else {
         for (int64_t l = 0; v8 + l < V; ++l) bits |= (up[v8 + l] > thr ? 1u : 0u) << l;
       }
-      for (; bits != 0; bits &= bits - 1) {
-        const int64_t v = v8 + __builtin_ctz(bits);
-        const float logit = fma_output(wp, K2, v, row);
-        if (arg < 0 || logit > best) {  // ties: the lowest index, as torch.argmax
-          best = logit;
-          arg = v;
-        }
+      for (; bits != 0; bits &= bits - 1) cands.push_back(v8 + __builtin_ctz(bits));
+    }
+    // the candidates' exact logits, in ascending order: 16 at a time, one per lane, where
+    // this build has AVX-512 (each lane the same FMAs in the same order as fma_output)
+    std::vector<float> logits(cands.size());
+    size_t done = 0;
+#ifdef EAGLE2_AVX512
+    if (blocks_k2_fit) {
+      for (; done + 16 <= cands.size(); done += 16)
+        fma_outputs16(wp, K2, cands.data() + done, row, logits.data() + done);
+    }
+#endif
+    for (size_t c = done; c < cands.size(); ++c) logits[c] = fma_output(wp, K2, cands[c], row);
+    for (size_t c = 0; c < cands.size(); ++c) {
+      if (arg < 0 || logits[c] > best) {  // ties: the lowest index, as torch.argmax
+        best = logits[c];
+        arg = cands[c];
       }
     }
     rp[r] = arg;
