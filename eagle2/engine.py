@@ -234,6 +234,7 @@ class Engine:
         self.threads = None
         self._cost_path_of = None
         self._timing_of: dict[int, tuple] = {}  # thread count -> its timing state
+        self._first_count: int | None = None  # the count the follower began at
         for store in (self.ngram, getattr(drafter, "ngram", None)):
             if store is not None:
                 store.check_vocab(runner.vocab_size)
@@ -248,6 +249,8 @@ class Engine:
         self.threads, self._cost_path_of = follower, cost_path_of
 
     def _follow_load(self) -> None:
+        if self._first_count is None:
+            self._first_count = torch.get_num_threads()
         count = self.threads.poll()
         if count is None or count == torch.get_num_threads():
             return
@@ -407,11 +410,25 @@ class Engine:
             self._draft_key_of = (self.drafter, draft_key(self.drafter))
         return self._draft_key_of[1]
 
+    def _sampled_costs(self, costs: CostModel) -> CostModel:
+        """What a batch with a sampled request decides by: the costs of the thread count the
+        load follower began at, whatever count it has switched to since (`follow_load`), so a
+        seeded request samples the same on a machine that got busy as on a quiet one (its
+        trees, so its sample, depend on the costs; each count has its own). The current
+        costs for greedy batches, or while that count's costs are not known."""
+        first = self._first_count
+        if first is None or first == torch.get_num_threads() \
+                or all(s.req.params.greedy for s in self.seqs):
+            return costs
+        state = self._timing_of.get(first)
+        return state[0] if state is not None and isinstance(state[0], CostModel) else costs
+
     def _draft_costs(self) -> CostModel:
-        """The costs with the drafter's per-level time (measured once, on first need)."""
+        """The costs with the drafter's per-level time (measured once, on first need); a
+        sampled batch's those of the first thread count (`_sampled_costs`)."""
         costs = self.costs
         if self.drafter is None or not self.seqs:
-            return costs
+            return self._sampled_costs(costs)
         # the probe runs on free draft slots (an in-process drafter says how many); batches
         # beyond them are extrapolated, and measured once more slots are free
         free = (len(self.drafter.free) if hasattr(self.drafter, "free") else
@@ -432,7 +449,7 @@ class Engine:
                                           draft_narrow_s=tuple(narrow.values()), draft_head=key)
             if self._cost_path is not None:
                 costs.save(self._cost_path)
-        return costs
+        return self._sampled_costs(costs)
 
     def _timed_costs(self, costs: CostModel):
         """The forward cost function the budget decides by: scaled by the measured step times
@@ -711,7 +728,7 @@ class Engine:
         until two counts in a row gain nothing; and that rate.
         The gate is not told: no draft call was made."""
         num_b, context = len(self.seqs), self._context()
-        forward = self._timed_costs(self.costs)
+        forward = self._timed_costs(self._sampled_costs(self.costs))
         best, length = num_b / forward(num_b, 1, context), 0
         expected = float(num_b)
         for n in range(1, max(map(len, values), default=0) + 1):

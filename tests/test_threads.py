@@ -259,3 +259,49 @@ def test_a_cached_choice_measured_over_other_counts_is_measured_again(tmp_path, 
     assert thr.cached(target) == 2
     path.write_text("{")
     assert thr.cached(target) is None
+
+
+def test_a_seeded_request_samples_the_same_after_a_thread_switch(tmp_path):
+    """A seeded sampled request whose engine switches thread count mid-request (another
+    process took a core) samples what it samples without the switch: a sampled batch's
+    trees are cut by the costs of the count the follower began at, though the other count's
+    costs (here: trees that never pay) differ. Without that (the current count's costs) the
+    sample parts."""
+    import json
+
+    from conftest import make_engine, random_prompts, run
+
+    from eagle2.config import SamplingParams, TreeConfig
+
+    target = tiny_target(seed=5)
+    params = SamplingParams(max_tokens=32, temperature=0.8, ignore_eos=True)
+    prompts = random_prompts(2, target.vocab_size, seed=7)
+    before = torch.get_num_threads()
+
+    def engine_at(path_of):
+        engine = make_engine(target, head_seed=0)
+        engine._costs = engine._cost_path = tmp_path / "costs-2.json"
+        if path_of is not None:
+            engine.follow_load(Scripted([None, None, 1]), path_of)
+        return engine
+
+    try:
+        torch.set_num_threads(2)
+        quiet = run(engine_at(None), prompts, params, TreeConfig(), seeds=[11, 12])
+        data = json.loads((tmp_path / "costs-2.json").read_text())  # what the count-2 run wrote
+        for grid in ("seconds", "long_seconds"):  # at 1 thread, trees cost their size
+            data[grid] = [[row[0] * n for n in data["nodes"]] for row in data.get(grid) or []]
+        (tmp_path / "costs-1.json").write_text(json.dumps(data))
+
+        def path_of():
+            return tmp_path / f"costs-{torch.get_num_threads()}.json"
+
+        switched = engine_at(path_of)
+        assert run(switched, prompts, params, TreeConfig(), seeds=[11, 12]) == quiet
+        assert switched.stats.thread_switches == [1]
+        torch.set_num_threads(2)
+        current = engine_at(path_of)
+        current._sampled_costs = lambda costs: costs  # the count's own costs
+        assert run(current, prompts, params, TreeConfig(), seeds=[11, 12]) != quiet
+    finally:
+        torch.set_num_threads(before)
