@@ -415,13 +415,16 @@ class Engine:
         load follower began at, whatever count it has switched to since (`follow_load`), so a
         seeded request samples the same on a machine that got busy as on a quiet one (its
         trees, so its sample, depend on the costs; each count has its own). The current
-        costs for greedy batches, or while that count's costs are not known."""
+        costs for greedy batches, or while that count's costs (with a drafter: its draft
+        costs too) are not known."""
         first = self._first_count
         if first is None or first == torch.get_num_threads() \
                 or all(s.req.params.greedy for s in self.seqs):
             return costs
-        state = self._timing_of.get(first)
-        return state[0] if state is not None and isinstance(state[0], CostModel) else costs
+        ref = self._timing_of.get(first, (None,))[0]
+        if isinstance(ref, CostModel) and (self.drafter is None or ref.draft_batches):
+            return ref
+        return costs
 
     def _draft_costs(self) -> CostModel:
         """The costs with the drafter's per-level time (measured once, on first need); a
