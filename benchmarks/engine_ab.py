@@ -29,6 +29,8 @@ draft costs, measured at its first step), fma-target and vanilla-fma-target (the
 layers multiplied by the FMA kernel at every row count, as before the AMX kernel, with that
 plan's cost grid), no-argmax-tiles and vanilla-no-argmax-tiles (the greedy argmax's int8
 pass by vpdpwssd at every row count, not on the AMX tiles from `GreedyArgmax.tile_rows`),
+random-head-costs (the lm_head's greedy costs timed after random tokens, as before
+`runner.timing_tokens`, with a cost grid of its own),
 base-kernels
 (the shipped engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
@@ -68,7 +70,8 @@ VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
             "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
             "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head",
-            "fma-target", "vanilla-fma-target", "no-argmax-tiles", "vanilla-no-argmax-tiles")
+            "fma-target", "vanilla-fma-target", "no-argmax-tiles", "vanilla-no-argmax-tiles",
+            "random-head-costs")
 
 
 class _OpenGates(dict):
@@ -154,7 +157,28 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         target_kernel(llm, FMA)
     if variant.endswith("no-argmax-tiles") and llm.target.greedy_head is not None:
         llm.target.greedy_head.q_tiles = None
+    if variant == "random-head-costs":
+        random_head_costs(llm)
     return llm
+
+
+def random_head_costs(llm: Eagle2) -> None:
+    """The lm_head's costs timed after random tokens, as before `runner.timing_tokens` (the
+    target without its tokenizer while they are timed), in a cost cache of their own."""
+    from eagle2.target import cost_cache_path
+
+    runner, target = llm.engine.runner, llm.target
+    timed = runner.head_seconds
+
+    def head_seconds(*a, **k):
+        tokenizer, target.tokenizer = target.tokenizer, None
+        try:
+            return timed(*a, **k)
+        finally:
+            target.tokenizer = tokenizer
+    runner.head_seconds = head_seconds
+    path = cost_cache_path(target)
+    llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-random-head.json")
 
 
 def target_kernel(llm: Eagle2, kernel: int) -> None:

@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 
 # bumped when costs are measured differently: cache files of older ways are measured again
-COSTS_VERSION = 5  # 5: the lm_head's logits and greedy argmax timed apart (`head_rows`)
+# 5: the lm_head's logits and greedy argmax timed apart (`head_rows`); 6: after text, not
+# random tokens (`runner.timing_tokens`)
+COSTS_VERSION = 6
 BATCHES = (1, 2, 4, 8, 16)
 NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # lm_head rows timed (linear past the last)

@@ -933,3 +933,24 @@ def test_step_times_are_scaled_per_batch_size():
     engine.add(Request("b", (4, 5, 6), GREEDY, AUTO))
     engine.step()
     assert engine.scales is not first and engine.scales.plain == first.plain
+
+
+def test_the_lm_head_is_timed_after_text_where_the_target_has_a_tokenizer():
+    """`runner.timing_tokens`: the timing text's tokens, repeated to the length asked, where
+    the target has a tokenizer (the greedy argmax costs less after text than after random
+    tokens); seeded random tokens where it has none."""
+    from types import SimpleNamespace
+
+    from eagle2.runner import TIMING_TEXT, timing_tokens
+
+    words = TIMING_TEXT.split()
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    target = SimpleNamespace(tokenizer=lambda text: {"input_ids": [vocab[w] for w in text.split()]},
+                             vocab_size=100)
+    tokens = timing_tokens(target, 2 * len(words) + 3)
+    assert tokens.shape == (1, 2 * len(words) + 3)
+    expected = [vocab[w] for w in words] * 3
+    assert tokens[0].tolist() == expected[: 2 * len(words) + 3]
+    target.tokenizer = None
+    again = timing_tokens(target, 40)
+    assert torch.equal(again, timing_tokens(target, 40)) and int(again.max()) < 100
