@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle2.attention import KVCache, StepInputs, cached_attention
-from eagle2.kernels import AMX, FMA, BlockedWeight, BlockPlan, PackedLinear, amx_fits
+from eagle2.kernels import AMX, FMA, BlockedWeight, BlockPlan, PackedLinear
 
 # a bf16 CPU layer whose linears all take the FMA kernel (or all the AMX one) at this row count
 # runs as one native operator (`eagle2_cpu::decoder_layer`); False: the same operators called
@@ -135,10 +135,10 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
 
 def one_native_kernel(linears: tuple[BlockedWeight, ...], rows: int) -> int | None:
     """FMA or AMX where every one of the linears takes that kernel at this row count (and,
-    for AMX, fits its tiles: `kernels.amx_fits`), so `decoder_layer` can run them; else
-    None."""
+    for AMX, fits its tiles: `BlockedWeight.fits_amx`), so `decoder_layer` can run them;
+    else None."""
     kernels = {w.plan.for_rows(rows) for w in linears}
-    if kernels == {FMA} or (kernels == {AMX} and amx_fits([w.weight for w in linears])):
+    if kernels == {FMA} or (kernels == {AMX} and all(w.fits_amx for w in linears)):
         return kernels.pop()
     return None
 

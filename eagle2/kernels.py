@@ -121,6 +121,7 @@ class BlockedWeight:
         self._blocks: dict[int, tuple[torch.Tensor, ...]] = {}
         self._packed: list[torch.Tensor] | None = None
         self._native: tuple[object, torch.Tensor] | None = None  # (ops, packed weight)
+        self.fits_amx = amx_fits([weight])  # (known once, asked every call)
         k = weight.shape[1]
         self.chunk_width = -(-k // -(-k // PACKED_MAX_K))  # column chunks of equal widths
 
@@ -141,7 +142,7 @@ class BlockedWeight:
         if block_bytes == FMA:
             return self.fma(x)
         if block_bytes == AMX:  # (a draft head's plan names it for weights that fit)
-            return self.amx(x) if amx_fits([self.weight]) else self.fma(x)
+            return self.amx(x) if self.fits_amx else self.fma(x)
         if block_bytes == 0 or block_bytes >= self.weight.numel() * self.weight.element_size():
             return F.linear(x, self.weight)
         return torch.cat([F.linear(x, w) for w in self.blocks(block_bytes)], dim=-1)
