@@ -30,12 +30,15 @@ layers multiplied by the FMA kernel at every row count, as before the AMX kernel
 plan's cost grid), no-argmax-tiles and vanilla-no-argmax-tiles (the greedy argmax's int8
 pass by vpdpwssd at every row count, not on the AMX tiles from `GreedyArgmax.tile_rows`),
 random-head-costs (the lm_head's greedy costs timed after random tokens, as before
-`runner.timing_tokens`, with a cost grid of its own),
+`runner.timing_tokens`, with a cost grid of its own), narrow-first-round (a greedy
+verification's first argmax round takes the roots and their children only, as before
+`GreedyArgmax.first_rows`),
 base-kernels
 (the shipped engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
 step: a kernel change A/B'd in one process; greedy tokens through its greedy_argmax too, with
-its own int8 pack; the lm_head's logits and the head keep this build's), vanilla-base-kernels
+its own int8 pack, its exact pass reading the weight its source's greedy_argmax takes; the
+lm_head's logits and the head keep this build's), vanilla-base-kernels
 (plain decoding on them),
 multinomial-draw, vanilla-multinomial-draw (sampled tokens drawn by `torch.multinomial`, V
 exponentials a token, not by `verify.draw`, during that variant's calls).
@@ -71,7 +74,7 @@ VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
             "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head",
             "fma-target", "vanilla-fma-target", "no-argmax-tiles", "vanilla-no-argmax-tiles",
-            "random-head-costs")
+            "random-head-costs", "narrow-first-round")
 
 
 class _OpenGates(dict):
@@ -130,7 +133,9 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
 
         llm.target.native = base = load_variant("eagle2_ab_base", Path(base_source))
         if llm.target.greedy_head is not None:
-            llm.target.greedy_head = GreedyArgmax(llm.target.greedy_head.proj, base)
+            llm.target.greedy_head = greedy = GreedyArgmax(llm.target.greedy_head.proj, base)
+            if "Tensor packed" in str(base.greedy_argmax.default._schema):
+                greedy.weight = greedy.proj._native[1]  # a source whose exact pass read it
         path = cost_cache_path(llm.target)  # (keyed by this build: one per base source beside)
         tag = hashlib.sha256(Path(base_source).read_bytes()).hexdigest()[:12]
         llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-ab-{tag}.json")
@@ -157,6 +162,9 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         target_kernel(llm, FMA)
     if variant.endswith("no-argmax-tiles") and llm.target.greedy_head is not None:
         llm.target.greedy_head.q_tiles = None
+        llm.target.greedy_head.first_rows = 0
+    if variant == "narrow-first-round" and llm.target.greedy_head is not None:
+        llm.target.greedy_head.first_rows = 0  # roots and their children, as before
     if variant == "random-head-costs":
         random_head_costs(llm)
     return llm

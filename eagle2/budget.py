@@ -37,7 +37,9 @@ BATCHES = (1, 2, 4, 8, 16)
 NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # lm_head rows timed (linear past the last)
 # rows a request whose argmax a greedy verification takes in its first round (a chain's root
-# and first child: `verify_greedy_lazily`); the later rounds' few rows are left to the scales
+# and first child: `verify_greedy_lazily`), or the batch's first `first_rows` nodes where the
+# runner's first round takes more (`GreedyArgmax.first_rows`); the later rounds' few rows are
+# left to the scales
 GREEDY_ROWS = 2
 
 
@@ -92,18 +94,20 @@ class CostModel:
         frac = (context - self.prefix) / (self.long_prefix - self.prefix)
         return max(short + (long - short) * frac, 0.5 * short)
 
-    def greedy(self, num_b: int, num_n: int, context: float | None = None) -> float:
+    def greedy(self, num_b: int, num_n: int, context: float | None = None,
+               first_rows: int = 0) -> float:
         """c(B, N) of a verification that takes the target's argmax without the logits
         (every request greedy: `LocalRunner.verify_step`): the grid's forward less the logits
-        of its B x N rows, plus the argmax at GREEDY_ROWS of each request. E.g. 30 ms with
-        8 ms of logits, 2 ms for the argmax of 2 rows: 24 ms. Without a greedy head's times,
-        the grid's cost."""
+        of its B x N rows, plus the argmax at GREEDY_ROWS of each request, or at first_rows
+        of the B x N where that is more (`verify_greedy_lazily`'s first round). E.g. 30 ms
+        with 8 ms of logits, 2 ms for the argmax of 2 rows: 24 ms. Without a greedy head's
+        times, the grid's cost."""
         full = self(num_b, num_n, context)
         if not self.head_greedy_s:
             return full
         logits = _interp(self.head_rows, list(self.head_logits_s), num_b * num_n)
-        argmax = _interp(self.head_rows, list(self.head_greedy_s),
-                         num_b * min(num_n, GREEDY_ROWS))
+        rows = max(num_b * min(num_n, GREEDY_ROWS), min(num_b * num_n, first_rows))
+        argmax = _interp(self.head_rows, list(self.head_greedy_s), rows)
         return max(full - logits + argmax, 0.5 * full)
 
     def _read(self, grid, num_b: int, num_n: int) -> float:

@@ -14,6 +14,7 @@ last one's), so the target reads its cache through views. Each step:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -467,7 +468,8 @@ class Engine:
         the runner takes greedy argmaxes so (`CostModel.greedy`), else the grid's."""
         if (costs.head_greedy_s and getattr(self.runner, "greedy_argmax", False)
                 and all(s.req.params.greedy for s in self.seqs)):
-            return costs.greedy
+            first = getattr(self.runner, "greedy_first_rows", 0)
+            return functools.partial(costs.greedy, first_rows=first) if first else costs.greedy
         return costs
 
     def _greedy_timed(self) -> bool:

@@ -218,11 +218,19 @@ class GreedyArgmax:
         if proj._native is None:
             proj._native = ops, ops.pack_linear(proj.weight)
         self.proj, self.ops = proj, ops
-        self.q, self.stats = ops.pack_argmax(proj.weight)
+        # the exact pass reads candidates' rows of the weight itself (contiguous: a view of
+        # the lm_head's weight where it is, no copy)
+        self.weight = proj.weight.contiguous()
+        self.q, self.stats = ops.pack_argmax(self.weight)
         # the int8 weight as AMX tiles (empty without them): the same int32 sums for
         # `tile_rows` rows and more, up to 16 a pass (`greedy_argmax`)
         tiles = ops.pack_argmax_tiles(self.q) if hasattr(ops, "pack_argmax_tiles") else None
         self.q_tiles = tiles if tiles is not None and tiles.numel() else None
+        # rows a greedy verification's first round takes (`verify.verify_greedy_lazily`):
+        # one tile pass, where 16 rows cost about what 9 do and a later round of 1-2 rows
+        # reads the whole int8 copy again; with the vpdpwssd pass every row costs more, and
+        # the first round keeps to the roots and their children
+        self.first_rows = 16 if self.q_tiles is not None else 0
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [..., H] bf16 -> tokens [...] (int64); None where the lm_head's plan does not
@@ -231,9 +239,8 @@ class GreedyArgmax:
         rows = hidden.reshape(-1, hidden.shape[-1])
         if self.proj.plan.for_rows(rows.shape[0]) != FMA:
             return None
-        tokens = self.ops.greedy_argmax(rows, self.q, self.stats, self.proj._native[1],
-                                        self.proj.weight.shape[0], self.q_tiles,
-                                        self.tile_rows)
+        tokens = self.ops.greedy_argmax(rows, self.q, self.stats, self.weight,
+                                        self.proj.weight.shape[0], self.q_tiles, self.tile_rows)
         if bool((tokens < 0).any()):
             return None
         return tokens.reshape(hidden.shape[:-1])

@@ -110,6 +110,12 @@ class LocalRunner:
         prices them so: `CostModel.greedy`)."""
         return self.target.greedy_head is not None
 
+    @property
+    def greedy_first_rows(self) -> int:
+        """Rows the first round of a greedy verification's argmax takes (`GreedyArgmax.
+        first_rows`, `verify.verify_greedy_lazily`; the cost model prices them so)."""
+        return getattr(self.target.greedy_head, "first_rows", 0)
+
     def _greedy_only(self, params) -> bool:
         """Whether this step needs only argmaxes, which the target can find without logits
         (`TargetModel.greedy_tokens`)."""
@@ -160,7 +166,8 @@ class LocalRunner:
                                       slots.to(dev))
             hidden = out.hidden
             verified = verify_greedy_lazily(
-                tree, lambda rows, nodes: self.target.greedy_tokens(hidden[rows, nodes]))
+                tree, lambda rows, nodes: self.target.greedy_tokens(hidden[rows, nodes]),
+                self.greedy_first_rows)
             return verified, accepted_features(out.features, verified.nodes)
         features, logits = self.forward(tree.tokens, positions.to(dev), tree.tree_mask,
                                         slots.to(dev))  # [B, N, V]

@@ -78,8 +78,8 @@ def verify_greedy_tokens(tree: DraftTree, pred: torch.Tensor) -> Verified:
     return Verified(nodes, tokens)
 
 
-def verify_greedy_lazily(tree: DraftTree, argmax: Callable[[list[int], list[int]], torch.Tensor]
-                         ) -> Verified:
+def verify_greedy_lazily(tree: DraftTree, argmax: Callable[[list[int], list[int]], torch.Tensor],
+                         first_rows: int = 0) -> Verified:
     """`verify_greedy_tokens` with the target's argmax computed only where acceptance reaches:
     first at every root and its children, then, level by level, at the accepted nodes not
     yet computed (a node is accepted when its parent is and its token is the parent's
@@ -89,13 +89,25 @@ def verify_greedy_lazily(tree: DraftTree, argmax: Callable[[list[int], list[int]
     with the rows for more than two of them: a 4-node chain whose first token is rejected
     needs the argmax at 2 nodes, not 4. A round of one node also takes its first child, in
     case it is accepted (a second row costs GreedyArgmax ~5% of the first, a round ~1.4 ms on
-    the AVX2 EPYC): a 6-node chain accepted whole takes 3 rounds, not 5."""
+    the AVX2 EPYC): a 6-node chain accepted whole takes 3 rounds, not 5.
+
+    first_rows: the first round also takes the other nodes most likely accepted (`tree.values`,
+    highest first: a node below is never worth more than its parent, so they hang together)
+    until it has that many rows, where rows are cheap up to a count (the AMX tiles' int8 pass
+    costs about the same for 9-16 rows as 8) and each later round reads the whole int8 lm_head
+    again (~1.4 ms): a 16-node lookup chain accepted whole takes 1 round, not 9."""
     num_b, num_n = tree.tokens.shape
     pred = torch.full((num_b, num_n), -1, dtype=torch.long)
     parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
     counts = tree.num_nodes.tolist()
     kids = [children_lists(parents[b], counts[b]) for b in range(num_b)]
     todo = [(b, n) for b in range(num_b) for n in [0, *kids[b][0]]]
+    if first_rows > len(todo):
+        values = tree.values.tolist()
+        taken = set(todo)
+        more = sorted(((values[b][n], -b, -n) for b in range(num_b) for n in range(counts[b])
+                       if (b, n) not in taken), reverse=True)  # (ties: the earlier node)
+        todo += [(-b, -n) for _, b, n in more[:first_rows - len(todo)]]
     accepted = [(b, 0) for b in range(num_b)]  # accepted nodes whose argmax is not yet known
     while todo:
         rows, nodes = [b for b, _ in todo], [n for _, n in todo]

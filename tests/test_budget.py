@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,6 +125,10 @@ def test_greedy_costs_trade_the_logits_of_every_row_for_the_argmax_of_a_few():
     assert costs.greedy(1, 8) == pytest.approx(0.030 - 0.008 + 0.001)
     assert costs.greedy(1, 1) == pytest.approx(0.010 - 0.001 + 0.0005)
     assert costs.greedy(2, 8) == pytest.approx(0.060 - 0.016 + 0.002)  # 16 rows, then 4
+    # a first round of up to 16 rows (`GreedyArgmax.first_rows`): 8 of 1 x 8, 16 of 2 x 8
+    assert costs.greedy(1, 8, first_rows=16) == pytest.approx(0.030 - 0.008 + 0.004)
+    assert costs.greedy(2, 8, first_rows=16) == pytest.approx(0.060 - 0.016 + 0.008)
+    assert costs.greedy(1, 1, first_rows=16) == costs.greedy(1, 1)
     assert CostModel.from_json(costs.to_json()) == costs
     without = replace(costs, head_greedy_s=())
     assert without.greedy(2, 8) == without(2, 8) == costs(2, 8)
@@ -142,6 +147,10 @@ def test_the_engine_prices_greedy_batches_without_logits_where_the_runner_takes_
     engine.runner.target.greedy_head = object()  # what a bf16 target's `fuse` sets
     assert engine._forward_costs(costs) == costs.greedy
     assert engine._timed_costs(costs)(1, 8) == pytest.approx(costs.greedy(1, 8))
+    # a greedy head whose first round takes 16 rows: priced so
+    engine.runner.target.greedy_head = SimpleNamespace(first_rows=16)
+    assert engine._forward_costs(costs)(1, 8) == costs.greedy(1, 8, first_rows=16)
+    assert costs.greedy(1, 8, first_rows=16) > costs.greedy(1, 8)
     engine.add(Request("s", (4, 5), SamplingParams(temperature=1.0, seed=1, max_tokens=4), AUTO))
     engine.runner.target.greedy_head = None
     engine.step()

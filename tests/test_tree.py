@@ -168,11 +168,14 @@ def test_root_only_is_what_finish_tree_derives_for_one_node():
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-def lazy_greedy_case(seed: int) -> bool:
+def lazy_greedy_case(seed: int, first_rows: int = 0) -> bool:
     """verify_greedy_lazily (the argmax only where acceptance reaches) gives verify_greedy's
     result on random batches of trees of different sizes (padding), sibling tokens that repeat
     (two accepted branches: the first longest path wins) and argmaxes that often match; it
-    asks for fewer rows than the trees have and never for a node off the accepted subtree."""
+    asks for fewer rows than the trees have and never for a node off the accepted subtree.
+    With first_rows, its first round has that many rows (or every node, or its roots and their
+    children where they are more), the rest of the nodes of highest value, and no node is
+    asked twice."""
     from eagle2.tree import tree_from_rows
     from eagle2.verify import verify_greedy, verify_greedy_lazily
 
@@ -190,19 +193,32 @@ def lazy_greedy_case(seed: int) -> bool:
         parents = [-1 if parents[i] < 0 else where[parents[i]] for i in order]
         depths = [depths[i] for i in order]
         tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
-        rows.append((tokens, parents, depths, [1.0] * n, [False] * n))
+        values = [1.0] + torch.rand(n - 1, generator=g).tolist()
+        rows.append((tokens, parents, depths, values, [False] * n))
     tree = tree_from_rows(rows)
     logits = torch.randn(tree.batch_size, tree.tokens.shape[1], vocab, generator=g)
-    asked = []
+    asked, rounds = [], []
 
     def argmax(b, n):
         asked.extend(zip(b, n, strict=True))
+        rounds.append(list(zip(b, n, strict=True)))
         return logits[b, n].argmax(-1)
 
-    lazy = verify_greedy_lazily(tree, argmax)
+    lazy = verify_greedy_lazily(tree, argmax, first_rows)
     full = verify_greedy(tree, logits)
     assert lazy == full
     assert len(asked) == len(set(asked)) <= int(tree.num_nodes.sum())
+    if first_rows:
+        base = [(b, n) for b, row in enumerate(rows) for n in range(len(row[1]))
+                if row[1][n] <= 0]
+        assert rounds[0][:len(base)] == base
+        total = sum(len(row[1]) for row in rows)
+        assert len(rounds[0]) == max(len(base), min(first_rows, total))
+        rest = sorted(((rows[b][3][n], -b, -n) for b, row in enumerate(rows)
+                       for n in range(len(row[1])) if (b, n) not in base), reverse=True)
+        assert rounds[0][len(base):] == [(-b, -n) for _, b, n in rest[:len(rounds[0])
+                                                                           - len(base)]]
+        return True
     pred = logits.argmax(-1).tolist()
 
     def accepted(b: int, n: int) -> bool:
@@ -223,3 +239,9 @@ def lazy_greedy_case(seed: int) -> bool:
 
 def test_lazy_greedy_verification_equals_verifying_with_every_argmax():
     assert sum(lazy_greedy_case(seed) for seed in range(12)) >= 6  # and rows were skipped
+
+
+def test_lazy_greedy_verification_with_a_wider_first_round():
+    for seed in range(12):
+        for first_rows in (1, 6, 16, 64):
+            assert lazy_greedy_case(seed, first_rows)

@@ -1769,12 +1769,14 @@ inline void argmax_block(const int8_t* qb, int64_t K2, const int32_t* xpairs, in
 #endif
 
 // the bf16 value (RNE, as linear_fma stores it) of the fp32 FMA sum linear_fma computes for
-// output v: each input pair's even product, then its odd one, in order
-inline float fma_output(const uint32_t* packed, int64_t K2, int64_t v, const float* x) {
-  const uint32_t* wv = packed + (v / kBlockN) * K2 * kBlockN + v % kBlockN;
+// output v: each input pair's even product, then its odd one, in order. wv: output v's row of
+// the bf16 weight [V, K] as K / 2 pairs (even feature in the low half, as pack_linear pairs
+// them), read where it lies contiguous rather than from the packed weight, where one output's
+// pairs are 128 bytes apart (a cache line for each 4 bytes read)
+inline float fma_output(const uint32_t* wv, int64_t K2, const float* x) {
   float acc = 0.0f;
   for (int64_t k = 0; k < K2; ++k) {
-    const uint32_t pair = wv[k * kBlockN], lo = pair << 16, hi = pair & 0xFFFF0000u;
+    const uint32_t pair = wv[k], lo = pair << 16, hi = pair & 0xFFFF0000u;
     float even, odd;
     std::memcpy(&even, &lo, 4);
     std::memcpy(&odd, &hi, 4);
@@ -1844,24 +1846,24 @@ torch::Tensor pack_argmax_tiles(const torch::Tensor& q) {
 }
 
 #ifdef EAGLE2_AVX512
-// fma_output of 16 outputs vs[0..16) at once, one per lane: each lane's pairs gathered from
-// the packed weight, the same FMAs in the same order as fma_output's, rounded to bf16 (RNE)
-inline void fma_outputs16(const uint32_t* packed, int64_t K2, const int64_t* vs, const float* x,
+// fma_output of 16 outputs vs[0..16) at once, one per lane: each lane's pairs gathered from its
+// row of the weight (rows: [V, K / 2] pairs), the same FMAs in the same order as fma_output's,
+// rounded to bf16 (RNE). A lane reads its row's cache lines in order, 16 pairs a line
+inline void fma_outputs16(const uint32_t* rows, int64_t K2, const int64_t* vs, const float* x,
                           float* out) {
   alignas(64) int32_t at[16];
-  for (int l = 0; l < 16; ++l)
-    at[l] = static_cast<int32_t>((vs[l] / kBlockN) * K2 * kBlockN + vs[l] % kBlockN);
+  for (int l = 0; l < 16; ++l) at[l] = static_cast<int32_t>(vs[l] * K2);
   __m512i idx = _mm512_load_si512(at);
-  const __m512i step = _mm512_set1_epi32(static_cast<int32_t>(kBlockN));
+  const __m512i one = _mm512_set1_epi32(1);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512 acc = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; ++k) {
-    const __m512i pair = _mm512_i32gather_epi32(idx, packed, 4);
+    const __m512i pair = _mm512_i32gather_epi32(idx, rows, 4);
     acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)),
                           _mm512_set1_ps(x[2 * k]), acc);
     acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(pair, high)),
                           _mm512_set1_ps(x[2 * k + 1]), acc);
-    idx = _mm512_add_epi32(idx, step);
+    idx = _mm512_add_epi32(idx, one);
   }
   alignas(64) float sums[16];
   _mm512_store_ps(sums, acc);
@@ -1869,11 +1871,12 @@ inline void fma_outputs16(const uint32_t* packed, int64_t K2, const int64_t* vs,
 }
 #endif
 
-// x [R, K] bf16 (R rows of final hidden states), q/stats from pack_argmax, packed from
-// pack_linear of the same weight -> [R] int64: the argmax of linear_fma(x, packed, V) per row,
+// x [R, K] bf16 (R rows of final hidden states), q/stats from pack_argmax of weight (the bf16
+// lm_head weight [V, K] itself) -> [R] int64: the argmax of linear_fma(x, pack_linear(weight),
+// V) per row,
 // or -1 for a row whose input is not finite (the caller computes the logits then)
 torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
-                            const torch::Tensor& stats, const torch::Tensor& packed, int64_t V,
+                            const torch::Tensor& stats, const torch::Tensor& weight, int64_t V,
                             const std::optional<torch::Tensor>& q_tiles, int64_t tile_rows) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
               "greedy_argmax expects bf16 [R, K] on the CPU");
@@ -1881,14 +1884,15 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   TORCH_CHECK(q.dim() == 4 && q.size(1) == K2 && q.size(2) == kArgBlock &&
                   q.size(0) * kArgBlock >= V && stats.dim() == 2 && stats.size(0) == 3 &&
                   stats.size(1) == V && stats.scalar_type() == at::kFloat &&
-                  packed.dim() == 3 && packed.size(1) == K2 &&
-                  packed.size(0) * kBlockN >= V && K % 2 == 0,
-              "greedy_argmax: the input's features or V do not match the packed weights");
+                  weight.dim() == 2 && weight.size(0) == V && weight.size(1) == K &&
+                  weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  K % 2 == 0,
+              "greedy_argmax: the input's features or V do not match the weights");
   const std::vector<float> xf = widened(x.contiguous());
   const auto st = stats.contiguous();
   const float* xp = xf.data();
   const int8_t* qp = q.data_ptr<int8_t>();
-  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  const auto* wp = reinterpret_cast<const uint32_t*>(weight.data_ptr());
   const int64_t blocks = q.size(0);
   // the input's int16 range: the int32 sums cannot overflow (127 x X x K < 2^31), and each
   // value splits into two int8 parts X = 128 Xh + Xl, |Xh| <= 127 (the AMX pass below)
@@ -1931,19 +1935,42 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   const float* scale = st.data_ptr<float>();
   const float* coef_x = scale + V;
   const float* coef_e = scale + 2 * V;
-  // pass 1: the int32 sums -> each output's upper bound, and each row's largest lower bound.
-  // In float: each of the ~8 roundings is within 2^-24 of its result, and 1e-6 x (|estimate|
-  // + bound) more covers them all
-  std::unique_ptr<float[]> upper(new float[R * V]);  // every entry written in pass 1
-  std::vector<float> best_lower(R, -INFINITY);
+  // pass 1: the int32 sums -> each output's bounds: estimate -/+ margin. No output whose bf16
+  // logit can be below floor (the largest lower bound, rounded as the logits are) can win or
+  // tie; an upper bound <= thr(floor) (at most the bf16 value below floor: bf16 keeps 8
+  // significant bits) rounds below it. The outputs above thr are the candidates, computed
+  // exactly in pass 2. In float: each of the ~8 roundings is within 2^-24 of its result, and
+  // 1e-6 x (|estimate| + bound) more covers them all
+  auto thr_of = [](float floor) {
+    const float floor_bf16 = static_cast<float>(bf16(floor));
+    return floor_bf16 - std::fabs(floor_bf16) * (1.0f / 128.0f) - 1e-30f;
+  };
   const __m256 rel = _mm256_set1_ps(1e-6f), tiny = _mm256_set1_ps(1e-30f);
   const __m256 sign = _mm256_set1_ps(-0.0f), none = _mm256_set1_ps(-INFINITY);
-  // each block's largest lower bound per row, reduced after the threads: the blocks are split
-  // over them (parallel_blocks), and a maximum does not depend on the split. A block's rows go
-  // kArgRows at a time while its weights stay in L1 (18 KB for the embedded model): more rows
-  // than kArgRows read the weights from memory once, not once a group (two threads, 16 rows:
-  // 4.1 ms, caches flushed, against 1.9 for 8, when every group streamed the whole lm_head)
-  std::vector<float> block_low(R * blocks);
+  // a screen before the bounds: per row, the bound with the largest coefficients of all
+  // outputs, which no output's exceeds (the same float operations on larger non-negative
+  // operands: rounding is monotone), so est + that margin <= thr proves upper <= thr with the
+  // output's own coefficients unread. A thread keeps its running floor (at most the final
+  // one, so its thr is too, and what it keeps is a superset); the first blocks screen little,
+  // then nearly every output is out after the estimate alone. The floor is exact: an output
+  // whose lower bound could raise it has est >= lower > thr and passes the screen
+  float top_cx = 0.0f, top_ce = 0.0f;
+  for (int64_t v = 0; v < V; ++v) {
+    top_cx = std::max(top_cx, coef_x[v]);
+    top_ce = std::max(top_ce, coef_e[v]);
+  }
+  std::vector<float> screen(R);
+  for (int64_t r = 0; r < R; ++r) screen[r] = top_cx * xn[r] + top_ce * en[r];
+  // the blocks in equal contiguous shares, a task a thread (as parallel_blocks splits them),
+  // each task its own floors and candidates: the final floor is their maximum and the
+  // candidates their union (each output in one task), whatever the split
+  struct Found {
+    int64_t v;
+    float upper;
+  };
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  std::vector<float> task_floor(tasks * R, -INFINITY);
+  std::vector<std::vector<Found>> task_found(tasks * R);
 #ifdef EAGLE2_AMX
   // the same int32 sums on the AMX tiles (TDPBSSD: int8 x int8), up to 16 rows a pass, from
   // the input's two int8 parts: sum = 128 (Q . Xh) + Q . Xl exactly, so the bounds, and the
@@ -1968,8 +1995,17 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
 #else
   const bool tiles = false;
 #endif
+  // a block's rows go kArgRows (or 16 on the tiles) at a time while its weights stay in L1
+  // (18 KB for the embedded model): more rows read the weights from memory once, not once a
+  // group (two threads, 16 rows: 4.1 ms, caches flushed, against 1.9 for 8, when every group
+  // streamed the whole lm_head)
   const int64_t group = tiles ? 16 : kArgRows;
-  parallel_blocks(blocks, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t b0 = blocks * t / tasks, b1 = blocks * (t + 1) / tasks;
+    float* floors = task_floor.data() + t * R;
+    std::vector<Found>* found = task_found.data() + t * R;
+    std::vector<float> thrs(R, -INFINITY);
     alignas(64) int32_t sums[16 * kArgBlock];
     int configured = 0;
     for (int64_t b = b0; b < b1; ++b) {
@@ -2003,32 +2039,42 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
         for (int64_t m = 0; m < rows; ++m) {
           const int64_t r = r0 + m;
           const __m256 vsx = _mm256_set1_ps(sx[r]), vxn = _mm256_set1_ps(xn[r]);
-          const __m256 ven = _mm256_set1_ps(en[r]);
-          __m256 low = none;
+          const __m256 ven = _mm256_set1_ps(en[r]), vscreen = _mm256_set1_ps(screen[r]);
           for (int64_t j = 0; j < n; j += 8) {
             const int64_t v = v0 + j;
             const __m256i lanes = _mm256_cmpgt_epi32(
                 _mm256_set1_epi32(static_cast<int>(n - j)),
                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
             const __m256 sc = _mm256_maskload_ps(scale + v, lanes);
-            const __m256 cx = _mm256_maskload_ps(coef_x + v, lanes);
-            const __m256 ce = _mm256_maskload_ps(coef_e + v, lanes);
             const __m256 estimate = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_load_si256(
                     reinterpret_cast<const __m256i*>(sums + m * kArgBlock + j))),
                 _mm256_mul_ps(sc, vsx));
+            const __m256 wide = _mm256_add_ps(estimate, _mm256_add_ps(vscreen, _mm256_add_ps(
+                _mm256_mul_ps(rel, _mm256_add_ps(_mm256_andnot_ps(sign, estimate), vscreen)),
+                tiny)));
+            const int live = _mm256_movemask_ps(_mm256_castsi256_ps(lanes));
+            if (!(_mm256_movemask_ps(_mm256_cmp_ps(wide, _mm256_set1_ps(thrs[r]), _CMP_GT_OQ)) &
+                  live))
+              continue;
+            const __m256 cx = _mm256_maskload_ps(coef_x + v, lanes);
+            const __m256 ce = _mm256_maskload_ps(coef_e + v, lanes);
             const __m256 bound = _mm256_add_ps(_mm256_mul_ps(cx, vxn),
                                                _mm256_mul_ps(ce, ven));
             const __m256 margin = _mm256_add_ps(bound, _mm256_add_ps(_mm256_mul_ps(
                 rel, _mm256_add_ps(_mm256_andnot_ps(sign, estimate), bound)), tiny));
-            _mm256_maskstore_ps(upper.get() + r * V + v, lanes,
-                                _mm256_add_ps(estimate, margin));
-            low = _mm256_max_ps(low, _mm256_blendv_ps(none, _mm256_sub_ps(estimate, margin),
-                                                      _mm256_castsi256_ps(lanes)));
+            alignas(32) float up[8], low[8];
+            _mm256_store_ps(up, _mm256_add_ps(estimate, margin));
+            _mm256_store_ps(low, _mm256_blendv_ps(none, _mm256_sub_ps(estimate, margin),
+                                                  _mm256_castsi256_ps(lanes)));
+            const float lowest = *std::max_element(low, low + 8);
+            if (lowest > floors[r]) {
+              floors[r] = lowest;
+              thrs[r] = thr_of(lowest);
+            }
+            for (int l = 0; l < 8; ++l)
+              if (((live >> l) & 1) && up[l] > thrs[r]) found[r].push_back({v + l, up[l]});
           }
-          alignas(32) float lows[8];
-          _mm256_store_ps(lows, low);
-          block_low[r * blocks + b] = *std::max_element(lows, lows + 8);
         }
       }
     }
@@ -2037,50 +2083,38 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
 #else
     (void)configured;
 #endif
+  }
   });
-  for (int64_t r = 0; r < R; ++r)
-    best_lower[r] = *std::max_element(block_low.begin() + r * blocks,
-                                      block_low.begin() + (r + 1) * blocks);
-  // pass 2: no output whose bf16 logit can be below floor (the largest lower bound, rounded
-  // as the logits are) can win or tie; an upper bound <= thr (at most the bf16 value below
-  // floor: bf16 keeps 8 significant bits) rounds below floor. The others, exactly. Rows are
-  // independent: split over the threads (a row's scan of V bounds and its exact rescoring
-  // are the same on any thread)
-  // the packed weight's uint32 offsets fit the gathers' int32 indices
-  const bool blocks_k2_fit = packed.numel() <= std::numeric_limits<int32_t>::max();
-  (void)blocks_k2_fit;
+  // pass 2: per row, the tasks' candidates above the final thr, exactly. Rows are
+  // independent: split over the threads (a row's exact rescoring is the same on any thread)
+  // the weight's pair offsets fit the gathers' int32 indices
+  const bool pairs_fit = V * K2 <= std::numeric_limits<int32_t>::max();
+  (void)pairs_fit;
   at::parallel_for(0, R, 1, [&](int64_t ra, int64_t rb) {
   for (int64_t r = ra; r < rb; ++r) {
     if (!ok[r]) continue;
-    const float floor_bf16 = static_cast<float>(bf16(best_lower[r]));
-    const float thr = floor_bf16 - std::fabs(floor_bf16) * (1.0f / 128.0f) - 1e-30f;
-    const __m256 vthr = _mm256_set1_ps(thr);
+    float best_lower = -INFINITY;
+    for (int64_t t = 0; t < tasks; ++t) best_lower = std::max(best_lower, task_floor[t * R + r]);
+    const float row_thr = thr_of(best_lower);
     const float* row = xp + r * K;
-    const float* up = upper.get() + r * V;
     float best = -INFINITY;
     int64_t arg = -1;
-    std::vector<int64_t> cands;
-    for (int64_t v8 = 0; v8 < V; v8 += 8) {
-      unsigned bits = 0;
-      if (v8 + 8 <= V) {
-        bits = static_cast<unsigned>(
-            _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(up + v8), vthr, _CMP_GT_OQ)));
-      } else {
-        for (int64_t l = 0; v8 + l < V; ++l) bits |= (up[v8 + l] > thr ? 1u : 0u) << l;
-      }
-      for (; bits != 0; bits &= bits - 1) cands.push_back(v8 + __builtin_ctz(bits));
-    }
+    std::vector<int64_t> cands;  // ascending: the tasks' shares in order, each ascending
+    for (int64_t t = 0; t < tasks; ++t)
+      for (const Found& f : task_found[t * R + r])
+        if (f.upper > row_thr) cands.push_back(f.v);
     // the candidates' exact logits, in ascending order: 16 at a time, one per lane, where
     // this build has AVX-512 (each lane the same FMAs in the same order as fma_output)
     std::vector<float> logits(cands.size());
     size_t done = 0;
 #ifdef EAGLE2_AVX512
-    if (blocks_k2_fit) {
+    if (pairs_fit) {
       for (; done + 16 <= cands.size(); done += 16)
         fma_outputs16(wp, K2, cands.data() + done, row, logits.data() + done);
     }
 #endif
-    for (size_t c = done; c < cands.size(); ++c) logits[c] = fma_output(wp, K2, cands[c], row);
+    for (size_t c = done; c < cands.size(); ++c)
+      logits[c] = fma_output(wp + cands[c] * K2, K2, row);
     for (size_t c = 0; c < cands.size(); ++c) {
       if (arg < 0 || logits[c] > best) {  // ties: the lowest index, as torch.argmax
         best = logits[c];
@@ -2176,7 +2210,7 @@ TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("linear_fma(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("pack_argmax(Tensor weight) -> (Tensor, Tensor)");
-  m.def("greedy_argmax(Tensor x, Tensor q, Tensor stats, Tensor packed, int out_features, "
+  m.def("greedy_argmax(Tensor x, Tensor q, Tensor stats, Tensor weight, int out_features, "
         "Tensor? q_tiles=None, int tile_rows=1) -> Tensor");
   m.def("pack_argmax_tiles(Tensor q) -> Tensor");
   m.def("decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_w, "
