@@ -5,8 +5,9 @@
 #   export   the chunks into data/smollm2-135m-instruct/*.tar.xz (kept in git)
 #   import   those archives back into DATA_DIR (a fresh machine); then `data` goes on after them
 #   train    the training-time test from the previous head (INIT), TRAIN_MINUTES (default 55),
-#            EPOCHS, LR (default 3e-4), 2 threads, into DATA_DIR/FT (default ft; a new FT for a
-#            new head: an existing one resumes)
+#            EPOCHS, LR (default 3e-4), EVAL_EVERY steps (default 200), PATIENCE evaluations
+#            without improvement (default 3), 2 threads, into DATA_DIR/FT (default ft; a new
+#            FT for a new head: an existing one resumes)
 #   calib    the value calibration of the trained head (held-out prompts: the last 32
 #            synthetic prompts, which `data` never answers, and code stubs)
 #   ngram    the n-gram store of the target's answers (the archives in data/) beside HEAD
@@ -28,10 +29,10 @@ case $STAGE in
   import)
     for s in synthetic self; do $E train-head --out $D/$s --stages "" --import-data $A/$s.tar.xz; done ;;
   train)
-    $E train-head --ttt --init-head ${INIT:-eagle2/heads/smollm2-135m-instruct-v3} --out $D/$FT \
+    $E train-head --ttt --init-head ${INIT:-eagle2/heads/smollm2-135m-instruct-v5} --out $D/$FT \
       --extra-data $D/synthetic --extra-data $D/self --stages train --epochs ${EPOCHS:-1} \
       --batch-tokens 2048 --lr ${LR:-3e-4} --warmup 20 --noise 0.1 --ttt-steps 4 --eval-every ${EVAL_EVERY:-200} \
-      --patience 3 --threads 2 --train-minutes ${TRAIN_MINUTES:-55} --save $D/$FT/head ;;
+      --patience ${PATIENCE:-3} --threads 2 --train-minutes ${TRAIN_MINUTES:-55} --save $D/$FT/head ;;
   calib)
     $E calibrate --draft $D/$FT/head --num-chat $CALIB --num-code 16 --first-chat $((CHAT - CALIB)) \
       --max-tokens 128 --bins 24 --threads ${THREADS:-1} --lookup 16 ;;

@@ -1954,10 +1954,19 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   // one, so its thr is too, and what it keeps is a superset); the first blocks screen little,
   // then nearly every output is out after the estimate alone. The floor is exact: an output
   // whose lower bound could raise it has est >= lower > thr and passes the screen
-  float top_cx = 0.0f, top_ce = 0.0f;
-  for (int64_t v = 0; v < V; ++v) {
-    top_cx = std::max(top_cx, coef_x[v]);
-    top_ce = std::max(top_ce, coef_e[v]);
+  __m256 tops_x = _mm256_setzero_ps(), tops_e = _mm256_setzero_ps();
+  int64_t v8 = 0;
+  for (; v8 + 8 <= V; v8 += 8) {
+    tops_x = _mm256_max_ps(tops_x, _mm256_loadu_ps(coef_x + v8));
+    tops_e = _mm256_max_ps(tops_e, _mm256_loadu_ps(coef_e + v8));
+  }
+  alignas(32) float tx[8], te[8];
+  _mm256_store_ps(tx, tops_x);
+  _mm256_store_ps(te, tops_e);
+  float top_cx = *std::max_element(tx, tx + 8), top_ce = *std::max_element(te, te + 8);
+  for (; v8 < V; ++v8) {
+    top_cx = std::max(top_cx, coef_x[v8]);
+    top_ce = std::max(top_ce, coef_e[v8]);
   }
   std::vector<float> screen(R);
   for (int64_t r = 0; r < R; ++r) screen[r] = top_cx * xn[r] + top_ce * en[r];
