@@ -95,7 +95,7 @@ def verify_greedy_lazily(tree: DraftTree, argmax: Callable[[list[int], list[int]
     highest first: a node below is never worth more than its parent, so they hang together)
     until it has that many rows, where rows are cheap up to a count (the AMX tiles' int8 pass
     costs about the same for 9-16 rows as 8) and each later round reads the whole int8 lm_head
-    again (~1.4 ms): a 16-node lookup chain accepted whole takes 1 round, not 9."""
+    again (~1.4 ms): a 15-token lookup chain accepted whole takes 1 round, not 8."""
     num_b, num_n = tree.tokens.shape
     pred = torch.full((num_b, num_n), -1, dtype=torch.long)
     parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
