@@ -32,7 +32,9 @@ pass by vpdpwssd at every row count, not on the AMX tiles from `GreedyArgmax.til
 random-head-costs (the lm_head's greedy costs timed after random tokens, as before
 `runner.timing_tokens`, with a cost grid of its own), narrow-first-round (a greedy
 verification's first argmax round takes the roots and their children only, as before
-`GreedyArgmax.first_rows`),
+`GreedyArgmax.first_rows`), call-by-call-head and always-draft-call-by-call-head (the draft
+head's calls as the native operators one by one with Python between them, as before
+`drafter._HeadStep` ran each as one `head_step` operator, with their own draft costs),
 base-kernels
 (the shipped engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
@@ -74,7 +76,8 @@ VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
             "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head",
             "fma-target", "vanilla-fma-target", "no-argmax-tiles", "vanilla-no-argmax-tiles",
-            "random-head-costs", "narrow-first-round")
+            "random-head-costs", "narrow-first-round", "call-by-call-head",
+            "always-draft-call-by-call-head")
 
 
 class _OpenGates(dict):
@@ -108,8 +111,11 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         llm.engine.scales_per_batch = False
     if variant == "one-branch":
         llm.engine.lookup_branches = 1
-    if variant == "always-draft":
+    if variant.startswith("always-draft"):
         llm.engine.gates = _OpenGates()
+    if variant.endswith("call-by-call-head"):
+        llm.engine.drafter._head_step = lambda end, window: None
+        own_draft_costs(llm, "call-by-call")
     if variant == "never-draft":
         llm.engine.gates = _OpenGates(open_=False)
         llm.engine._could_pay = lambda drafting: False  # no newcomer probes either
@@ -216,13 +222,19 @@ def head_kernel(llm: Eagle2, kernel: int) -> None:
     if drafter._fused is not None:
         seen, weights = drafter._fused
         drafter._fused = seen, tuple(BlockedWeight(w.weight, plan) for w in weights)
+    own_draft_costs(llm, f"kernel{kernel}")
+
+
+def own_draft_costs(llm: Eagle2, tag: str) -> None:
+    """The variant measures its own draft costs (at its first step) in a copy of the cost
+    file beside the shipped one."""
     from eagle2.budget import draft_key
     from eagle2.target import cost_cache_path
 
     engine = llm.engine
-    engine._draft_key_of = drafter, f"{draft_key(drafter)}|kernel{kernel}"
+    engine._draft_key_of = engine.drafter, f"{draft_key(engine.drafter)}|{tag}"
     path = cost_cache_path(llm.target)  # a copy beside: the variant's draft costs its own
-    engine._costs = engine._cost_path = path.with_name(f"{path.stem}-kernel{kernel}.json")
+    engine._costs = engine._cost_path = path.with_name(f"{path.stem}-{tag}.json")
     if path.exists() and not engine._cost_path.exists():
         shutil.copy(path, engine._cost_path)
 

@@ -20,10 +20,13 @@ from torch import nn
 from eagle2.attention import causal_mask, step_inputs, vocab_projection
 from eagle2.config import TreeConfig
 from eagle2.eagle3 import Eagle3Head
-from eagle2.fused import native_head_layer
+from eagle2.fused import fused_native_layer, is_silu, native_head_layer, one_native_kernel
 from eagle2.head import DraftHead
 from eagle2.kernels import (
+    AMX,
+    FMA,
     BlockedWeight,
+    PackedLinear,
     exact_bf16_kernels,
     pack_linears,
     small_rows_plan,
@@ -44,6 +47,70 @@ class _Level:
     cand_idx: torch.Tensor  # [B, M] index into the candidate list
     features: torch.Tensor  # [B, M, H] the parent's predicted feature
     anc: torch.Tensor  # [B, M, T] which earlier scratch entries are ancestors
+
+
+def _widest(total_tokens: int) -> int:
+    """The most children a node of the static tree of this size has (its top k)."""
+    return max(rank for lvl in static_shape(total_tokens) for _, rank in lvl) + 1
+
+
+class _HeadStep:
+    """An EAGLE-1/2 head's call as one `head_step` operator (csrc/cpu_ops.cpp): the embedding,
+    fc, decoder layer and draft-vocabulary log-probs that `Drafter._run` and
+    `Drafter._log_probs` run one by one, bitwise theirs, for ~0.5 ms less Python and
+    dispatch a call at the few rows of a draft level. Holds the constant arguments; each linear
+    takes the kernel its plan names for the call's row count."""
+
+    def __init__(self, ops, head: DraftHead, embed: torch.Tensor, fused: tuple[BlockedWeight, ...],
+                 vocab: BlockedWeight, rope: tuple[torch.Tensor, torch.Tensor], cache,
+                 d2t: torch.Tensor | None):
+        layer = head.decoder
+        attn, norm = layer.self_attn, layer.post_attention_layernorm
+        self.ops, self.embed, self.vocab, self.rope, self.cache, self.d2t = \
+            ops, embed, vocab, rope, cache, d2t
+        self.fc = head.fc.blocked()
+        self.layer = (fused[0], attn.o_proj.blocked(), fused[1], layer.mlp.down_proj.blocked())
+        head_dim = cache.k.shape[-1]
+        num_kv = cache.k.shape[2]
+        self.norm = norm.weight, norm.variance_epsilon
+        self.heads = self.layer[0].weight.shape[0] // head_dim - 2 * num_kv, num_kv
+        self.scale = head_dim ** -0.5
+        self._kernels: dict[tuple[int, int], tuple[bool, bool, bool] | None] = {}
+
+    def kernels(self, rows: int, logit_rows: int) -> tuple[bool, bool, bool] | None:
+        """(fc, layer, vocab) on AMX (else FMA) at these row counts, None where a plan names
+        another kernel (the module path then runs the call)."""
+        key = rows, logit_rows
+        if key not in self._kernels:
+            def solo(w: BlockedWeight, n: int) -> bool | None:
+                kernel = w.plan.for_rows(n)
+                return None if kernel not in (FMA, AMX) else kernel == AMX and w.fits_amx
+            layer = one_native_kernel(self.layer, rows)
+            found = (solo(self.fc, rows), None if layer is None else layer == AMX,
+                     solo(self.vocab, logit_rows) if logit_rows else False)
+            self._kernels[key] = None if None in found else found
+        return self._kernels[key]
+
+    def __call__(self, slots, base, tokens, features, positions, mask, append_eye: bool, k: int,
+                 logit_rows: torch.Tensor | None = None):
+        """-> (outputs [B, N, H], the mask [B, N, T], top-k log-probs [B, N, k] ([B, k] with
+        logit_rows) and their tokens, or Nones for k = 0), or None where the kernels do not
+        fit (`kernels`)."""
+        num_logits = 0 if not k else tokens.numel() if logit_rows is None else tokens.shape[0]
+        kernels = self.kernels(tokens.numel(), num_logits)
+        if kernels is None:
+            return None
+        qkv, o, gate_up, down = self.layer
+        k_cache, v_cache = self.cache.k[0], self.cache.v[0]
+        out, mask, logp, toks = self.ops.head_step(
+            tokens, features, self.embed, self.fc.fma_packed(), self.fc.weight.shape[0],
+            kernels[0], self.norm[0], self.norm[1], qkv.fma_packed(), qkv.weight.shape[0],
+            o.fma_packed(), o.weight.shape[0], gate_up.fma_packed(), gate_up.weight.shape[0],
+            down.fma_packed(), down.weight.shape[0], kernels[1], self.rope[0], self.rope[1],
+            positions, self.heads[0], self.heads[1], k_cache, v_cache, slots, base, mask,
+            append_eye, self.scale, self.vocab.fma_packed(), self.vocab.weight.shape[0],
+            kernels[2], k, self.d2t, logit_rows)
+        return (out, mask, logp, toks) if k else (out, mask, None, None)
 
 
 class Drafter:
@@ -90,6 +157,8 @@ class Drafter:
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [S, Dh]
         # (the weights' versions, (q|k|v, gate|up)) of `_fused_weights`
         self._fused: tuple[tuple, tuple[BlockedWeight, BlockedWeight]] | None = None
+        # this draft call's one-operator head call (`_head_step`), None where it does not apply
+        self._step: _HeadStep | None = None
         self.d2t = head.d2t.to(self.device) if head.d2t.numel() else None
         self.cache = head.allocate_cache(max_slots, max_len + tree_margin)
         self.max_len = max_len
@@ -193,15 +262,69 @@ class Drafter:
                     features: torch.Tensor, positions: torch.Tensor,
                     tree_mask: torch.Tensor) -> torch.Tensor:
         """`_run` through `eagle2.fused.native_head_layer` (bf16 CPU)."""
-        if self._rope is None:  # RoPE of every cache position, once
-            cos, sin = self.head.rotary(embeds, torch.arange(self.cache.max_len)[None])
-            self._rope = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        cos, sin = self._rope_table()
         num_t, num_n = tree_mask.shape[2], positions.shape[1]
         write_pos = base[:, None] + torch.arange(num_t - num_n, num_t, device=self.device)
         h, residual = self.head.layer_input(embeds, features)
         return native_head_layer(self.native, self.head.decoder, h, residual, self.cache, slots,
-                                 base, write_pos, tree_mask, self._rope[0][positions],
-                                 self._rope[1][positions], self._fused_weights())
+                                 base, write_pos, tree_mask, cos[positions], sin[positions],
+                                 self._fused_weights())
+
+    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [S, Dh] of every cache position (built once)."""
+        if self._rope is None:
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.head.rotary(probe, torch.arange(self.cache.max_len)[None])
+            self._rope = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        return self._rope
+
+    def _head_step(self, end: torch.Tensor, window: int) -> _HeadStep | None:
+        """The one-operator head call for this draft (`_HeadStep`), or None where the module
+        path or the call-by-call native path must run: not a bf16 CPU, an EAGLE-3 head, a
+        projection with a bias, or the sliding window hides entries (end: [B] cache lengths
+        after this call's new pairs)."""
+        ops, head = self.native, self.head
+        if ops is None or not hasattr(ops, "head_step") or not isinstance(head, DraftHead) \
+                or self._vocab_proj is None or int(end.max()) > window:
+            return None
+        layer = head.decoder
+        fused = self._fused_weights()
+        if fused is None or not fused_native_layer() or not is_silu(layer.mlp.act_fn) or not all(
+                isinstance(m, PackedLinear)
+                for m in (head.fc, layer.self_attn.o_proj, layer.mlp.down_proj)):
+            return None
+        step = self._step
+        if step is None or step.layer[0] is not fused[0] or step.layer[2] is not fused[1] \
+                or step.fc is not head.fc.blocked() \
+                or step.layer[1] is not layer.self_attn.o_proj.blocked() \
+                or step.layer[3] is not layer.mlp.down_proj.blocked():
+            step = _HeadStep(ops, head, self.embed.weight, fused, self._vocab_proj,
+                             self._rope_table(), self.cache, self.d2t)
+        return step
+
+    def _call_head(self, slots: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
+                   positions: torch.Tensor, mask: torch.Tensor, window: int, k: int = 0,
+                   append_eye: bool = False, logit_rows: torch.Tensor | None = None):
+        """One head call over [B, N] new entries (`_run`) and, with k > 0, its top-k draft
+        log-probs (`_log_probs`): through the draft's `_HeadStep` where it applies.
+        append_eye: mask [B, N, T0] holds the nodes' ancestors and each also sees itself;
+        logit_rows [B]: the log-probs of that output of each request only ([B, k]).
+        -> outputs [B, N, H], the mask [B, N, T], log-probs and tokens (or Nones)."""
+        if self._step is not None:
+            got = self._step(slots, self.cache.lengths[slots], tokens, features, positions,
+                             mask, append_eye, k, logit_rows)
+            if got is not None:
+                return got
+        if append_eye:
+            num_b, num_m = tokens.shape
+            eye = torch.eye(num_m, dtype=torch.bool, device=self.device)
+            mask = torch.cat([mask, eye.expand(num_b, num_m, num_m)], dim=2)
+        out = self._run(slots, tokens, features, positions, mask, window)
+        if not k:
+            return out, mask, None, None
+        picked = out if logit_rows is None else \
+            out[torch.arange(out.shape[0], device=self.device), logit_rows]
+        return out, mask, *self._log_probs(picked, k)
 
     def _fused_weights(self) -> tuple[BlockedWeight, BlockedWeight] | None:
         """The head layer's q|k|v and gate|up weights, each concatenated into one packed
@@ -248,8 +371,13 @@ class Drafter:
             raise ValueError(f"sequence longer than the draft context ({self.max_len})")
         rows = torch.arange(num_b, device=self.device)
         positions = base[:, None] + torch.arange(num_a, device=self.device)
-        out = self._run(slots, tokens, features, positions, causal_mask(counts, num_a),
-                        config.draft_window)
+        self._step = self._head_step(base + counts, config.draft_window)
+        # the root step's top k (the first level) with the update: one call where it applies
+        first_k = {"vanilla": 0, "chain": 1, "static": _widest(config.total_tokens)}.get(
+            config.mode, config.top_k)
+        out, _, *first = self._call_head(slots, tokens, features, positions,
+                                         causal_mask(counts, num_a), config.draft_window,
+                                         first_k, logit_rows=counts - 1)
         self.cache.lengths[slots] += counts
         for sid, toks in zip(seq_ids, new_tokens, strict=True):
             self.histories[sid].extend(toks)
@@ -258,13 +386,14 @@ class Drafter:
             return root_only(root)
         last = out[rows, counts - 1]  # [B, H] predicted feature at the root's position
         if config.mode == "static":
-            return self._expand_static(slots, root, last, config)
+            return self._expand_static(slots, root, last, first, config)
         if config.mode == "chain":  # one child per level: a chain of depth + 1 drafts
-            return self._expand_dynamic(slots, root, last, replace(config, top_k=1), min_gain)
+            return self._expand_dynamic(slots, root, last, first, replace(config, top_k=1),
+                                        min_gain)
         branches = propose_branches([self.histories[s] for s in seq_ids],
                                     [config.lookup] * len(seq_ids), self.lookup_table,
                                     self.ngram) if config.lookup else None
-        tree = self._expand_dynamic(slots, root, last, config, min_gain, branches)
+        tree = self._expand_dynamic(slots, root, last, first, config, min_gain, branches)
         if self.lookup_log is not None and branches:
             self._log_chains(seq_ids, branches)
         return tree
@@ -273,35 +402,35 @@ class Drafter:
         """Raw path values -> acceptance estimates (the head's calibration, if any)."""
         return raw if self.calibration is None else self.calibration(raw)
 
-    def _first_level(self, last: torch.Tensor, k: int) -> _Level:
-        scores, tokens = self._log_probs(last, k)  # [B, K]
-        num_b = last.shape[0]
+    def _first_level(self, last: torch.Tensor, first: list[torch.Tensor]) -> _Level:
+        """last: [B, H] the root step's output; first: its top-k log-probs and tokens [B, K]."""
+        scores, tokens = first
+        num_b, k = tokens.shape
         cand = torch.arange(k, device=self.device).expand(num_b, k)
         feats = last[:, None, :].expand(num_b, k, last.shape[-1])
         return _Level(tokens, scores, cand, feats, last.new_zeros(num_b, k, 0, dtype=torch.bool))
 
-    def _feed(self, slots: torch.Tensor, level: _Level, depth: int, window: int):
-        """Run the head over one level (depth `depth`): -> its outputs [B, M, H], mask rows."""
+    def _feed(self, slots: torch.Tensor, level: _Level, depth: int, window: int, k: int):
+        """Run the head over one level (depth `depth`): -> its outputs [B, M, H], mask rows
+        [B, M, T + M], the top-k log-probs of each output and their tokens [B, M, k]."""
         num_b, num_m = level.tokens.shape
-        eye = torch.eye(num_m, dtype=torch.bool, device=self.device).expand(num_b, num_m, num_m)
-        tree_mask = torch.cat([level.anc, eye], dim=2)  # [B, M, T + M]
         positions = (self.cache.lengths[slots] + depth - 1)[:, None].expand(num_b, num_m)
-        return self._run(slots, level.tokens, level.features, positions, tree_mask, window), \
-            tree_mask
+        return self._call_head(slots, level.tokens, level.features, positions, level.anc,
+                               window, k, append_eye=True)
 
-    def _expand_dynamic(self, slots, root, last, config: TreeConfig, min_gain: float = 0.0,
+    def _expand_dynamic(self, slots, root, last, first, config: TreeConfig,
+                        min_gain: float = 0.0,
                         branches: list[list[tuple[list[int], list[float], int]]] | None = None
                         ) -> DraftTree:
         k = config.top_k
-        level = self._first_level(last, k)
+        level = self._first_level(last, first)
         cands = [(level.tokens, level.scores, torch.full_like(level.tokens, -1), 1)]
         num_cands = k
         for depth in range(1, config.depth + 1):
             best_next = self.values(level.scores.max(dim=1).values.exp())  # [B] bound
             if min_gain > 0 and float(best_next.sum()) < min_gain:
                 break
-            out, mask = self._feed(slots, level, depth, config.draft_window)
-            logp, toks = self._log_probs(out, k)  # [B, M, K]
+            out, mask, logp, toks = self._feed(slots, level, depth, config.draft_window, k)
             num_b, num_m = level.tokens.shape
             scores = (level.scores[:, :, None] + logp).reshape(num_b, num_m * k)
             toks = toks.reshape(num_b, num_m * k)
@@ -320,10 +449,10 @@ class Drafter:
             num_cands += num_m * k
         return self._build(root, cands, config.num_nodes, branches)
 
-    def _expand_static(self, slots, root, last, config: TreeConfig) -> DraftTree:
+    def _expand_static(self, slots, root, last, first, config: TreeConfig) -> DraftTree:
         shape = static_shape(config.total_tokens)
-        widest = max(rank for lvl in shape for _, rank in lvl) + 1
-        scores, toks = self._log_probs(last, widest)  # [B, W]
+        widest = _widest(config.total_tokens)
+        scores, toks = first  # [B, W]
         ranks = torch.tensor([r for _, r in shape[0]], device=self.device)
         num_b = root.shape[0]
         level = _Level(toks[:, ranks], scores[:, ranks],
@@ -333,8 +462,8 @@ class Drafter:
         cands = [(level.tokens, level.scores, torch.full_like(level.tokens, -1), 1)]
         num_cands = len(ranks)
         for depth, spec in enumerate(shape[1:], start=1):
-            out, mask = self._feed(slots, level, depth, config.draft_window)
-            logp, ctoks = self._log_probs(out, widest)  # [B, M, W]
+            out, mask, logp, ctoks = self._feed(slots, level, depth, config.draft_window,
+                                                widest)  # [B, M, W]
             par = torch.tensor([p for p, _ in spec], device=self.device)
             rank = torch.tensor([r for _, r in spec], device=self.device)
             parent_cand = level.cand_idx[:, par]

@@ -97,6 +97,12 @@ class FusedLayer:
         return tuple(a for w in self.linears for a in (w.fma_packed(), w.weight.shape[0]))
 
 
+def fused_native_layer() -> bool:
+    """Whether decoder layers run as one `decoder_layer` operator where they can
+    (`NATIVE_LAYER`, which tests turn off to compare with the call-by-call path)."""
+    return NATIVE_LAYER
+
+
 def is_silu(act: nn.Module) -> bool:
     """The activation is SiLU (the native path fuses it with the multiply by up)."""
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"

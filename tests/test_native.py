@@ -559,3 +559,70 @@ def test_the_heads_layer_runs_as_one_operator(ops):
         fused.NATIVE_LAYER = True
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("kernel", ["fma", "amx"])
+def test_the_heads_calls_run_as_one_operator(ops, kernel):
+    """An EAGLE-2 head's calls (embedding, fc, layer, draft-vocabulary top k) run as one
+    `eagle2_cpu::head_step` each (`drafter._HeadStep`) and draft bitwise the trees of the
+    native calls one by one: dynamic and static trees, two requests at different lengths, the
+    first draft and one after two more accepted positions each, the head cache's entries too."""
+    from conftest import tiny_target
+
+    from eagle2.config import TreeConfig
+    from eagle2.drafter import Drafter
+    from eagle2.head import new_head
+    from eagle2.kernels import (
+        AMX,
+        FMA,
+        ROW_BUCKETS,
+        BlockPlan,
+        PackedLinear,
+        amx_linear_ops,
+        exact_bf16_kernels,
+        fma_linear_ops,
+    )
+    from eagle2.tree import static_shape
+
+    if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")) or fma_linear_ops() is None:
+        pytest.skip("no bf16 FMA kernels on this CPU")
+    if kernel == "amx" and amx_linear_ops() is None:
+        pytest.skip("no AMX tiles here")
+    target = tiny_target(seed=7, hidden=64, heads=4, kv_heads=2)
+    head = new_head(target.config, seed=1, dtype=torch.bfloat16)
+    plan = BlockPlan({rows: FMA if kernel == "fma" else AMX for rows in ROW_BUCKETS})
+    one, by_calls = (Drafter(head, target.embed, target.lm_head, 4, 96) for _ in range(2))
+    for d in (one, by_calls):
+        d._vocab_proj.plan = plan
+        for w in (*d._fused_weights(), *(m.blocked() for m in head.modules()
+                                         if isinstance(m, PackedLinear))):
+            w.plan = plan
+    by_calls._head_step = lambda end, window: None
+    gen = torch.Generator().manual_seed(3)
+    feats = torch.randn(2, 30, 64, generator=gen).bfloat16()
+    tokens = torch.randint(0, 64, (2, 30), generator=gen)
+    configs = (TreeConfig(total_tokens=12, depth=3, top_k=3, budget="fixed", lookup=4),
+               TreeConfig(mode="static", total_tokens=10, budget="fixed"))
+    for config in configs:
+        trees, calls = [], []
+        for d in (one, by_calls):
+            for sid in ("a", "b"):
+                d.release(sid)
+            with torch.profiler.profile() as prof:
+                first = d.draft(["a", "b"], feats, tokens, torch.tensor([30, 17]), config)
+                later = d.draft(["a", "b"], feats[:, :2], tokens[:, 5:7], torch.tensor([2, 2]),
+                                config)
+            calls.append(sum(e.count for e in prof.key_averages()
+                             if e.key == "eagle2_cpu::head_step"))
+            slots = d._slots(["a", "b"])
+            trees.append((first, later, d.cache.k[0, slots, :, :32].clone(),
+                          d.cache.v[0, slots, :, :32].clone()))
+        levels = config.depth + 1 if config.mode == "eagle2" else len(
+            static_shape(config.total_tokens))
+        assert calls == [2 * levels, 0]  # the update and each expanded level, both drafts
+        for a, b in zip(*trees, strict=True):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+                continue
+            for name in a.__dataclass_fields__:
+                assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -2205,6 +2205,81 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
   return res + fma(act, down_w, down_features);  // (the add is dispatched: aten::add)
 }
 
+// One call of an EAGLE-1/2 draft head as one operator (docs/DESIGN.md "CPU performance"): the
+// embeddings of `tokens` [B, N] beside `features` [B, N, H] -> fc -> `decoder_layer` (no input
+// norm: the fc's output is both the projections' input and the residual) over the head's cache,
+// and, with k > 0, the top-k log-probs of the draft vocabulary (`top_log_probs` of the vocab
+// linear's fp32 logits; d2t maps them to target tokens) for every output row, or for one row a
+// request (`logit_rows`). The same calls
+// in the same order as `Drafter._run` + `Drafter._log_probs` make one by one on this path, so
+// bitwise their result, without the ~40 dispatched operations and the Python around them
+// that cost more than the head's arithmetic at the few rows of a draft level. RoPE rows are
+// taken at `positions` [B, N] from the tables [S, Dh]; the N new entries are written at the
+// end of the tree mask's columns (base + T - N ..); append_eye: the mask given is the nodes'
+// ancestors [B, N, T0] and each node also sees itself (-> [B, N, T0 + N], returned). Each
+// linear by linear_amx where its flag says so, else linear_fma (the same packed weights).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> head_step(
+    const torch::Tensor& tokens, const torch::Tensor& features, const torch::Tensor& embed,
+    const torch::Tensor& fc_w, int64_t fc_features, bool fc_amx, const torch::Tensor& post_norm,
+    double eps, const torch::Tensor& qkv_w, int64_t qkv_features, const torch::Tensor& o_w,
+    int64_t o_features, const torch::Tensor& gate_up_w, int64_t gate_up_features,
+    const torch::Tensor& down_w, int64_t down_features, bool layer_amx,
+    const torch::Tensor& cos_table, const torch::Tensor& sin_table,
+    const torch::Tensor& positions, int64_t num_q, int64_t num_kv, torch::Tensor cache_k,
+    torch::Tensor cache_v, const torch::Tensor& slots, const torch::Tensor& base,
+    const torch::Tensor& mask, bool append_eye, double scale, const torch::Tensor& vocab_w,
+    int64_t vocab_features, bool vocab_amx, int64_t k, const std::optional<torch::Tensor>& d2t,
+    const std::optional<torch::Tensor>& logit_rows) {
+  TORCH_CHECK(tokens.dim() == 2 && features.dim() == 3 &&
+                  features.size(0) == tokens.size(0) && features.size(1) == tokens.size(1) &&
+                  positions.sizes() == tokens.sizes() && mask.dim() == 3 &&
+                  mask.size(0) == tokens.size(0) && mask.size(1) == tokens.size(1),
+              "head_step: tokens [B, N], features [B, N, H], positions [B, N] and mask "
+              "[B, N, T] disagree");
+  const std::vector<c10::IValue> no_inputs;
+  const int64_t B = tokens.size(0), N = tokens.size(1);
+  auto linear = [&](const torch::Tensor& in, const torch::Tensor& w, int64_t features_out,
+                    bool amx) {
+    if (amx) {
+      RECORD_FUNCTION("eagle2_cpu::linear_amx", no_inputs);
+      return linear_amx(in, w, features_out);
+    }
+    RECORD_FUNCTION("eagle2_cpu::linear_fma", no_inputs);
+    return linear_fma(in, w, features_out);
+  };
+  const auto embeds =
+      embed.index_select(0, tokens.reshape(-1)).view({B, N, embed.size(1)}).to(at::kBFloat16);
+  const auto h = linear(at::cat({embeds, features.to(at::kBFloat16)}, -1), fc_w, fc_features,
+                        fc_amx);
+  const auto tree_mask =
+      append_eye ? at::cat({mask, at::eye(N, mask.options()).expand({B, N, N})}, 2) : mask;
+  const int64_t T = tree_mask.size(2);
+  const auto write_pos = base.unsqueeze(1) + at::arange(T - N, T, base.options());
+  const auto flat = positions.reshape(-1);
+  const int64_t dh = cos_table.size(1);
+  const auto cos = cos_table.index_select(0, flat).view({B, N, dh});
+  const auto sin = sin_table.index_select(0, flat).view({B, N, dh});
+  auto out = decoder_layer(h, at::empty({0}, post_norm.options()), post_norm, eps, qkv_w, qkv_features, o_w,
+                           o_features, gate_up_w, gate_up_features, down_w, down_features, cos,
+                           sin, num_q, num_kv, cache_k, cache_v, slots, write_pos, base,
+                           tree_mask, scale, std::nullopt, std::nullopt, layer_amx);
+  torch::Tensor values, indices;
+  if (k > 0) {
+    // logit_rows [B]: the log-probs of one output a request (its last new position) -> [B, k]
+    const auto rows = logit_rows.has_value()
+                          ? out.index({at::arange(B, logit_rows->options()), *logit_rows})
+                          : out;
+    const auto logits = linear(rows, vocab_w, vocab_features, vocab_amx).to(at::kFloat);
+    {
+      RECORD_FUNCTION("eagle2_cpu::top_log_probs", no_inputs);
+      std::tie(values, indices) = top_log_probs(logits, k);
+    }
+    if (d2t.has_value() && d2t->numel())
+      indices = d2t->index_select(0, indices.reshape(-1)).view(indices.sizes());
+  }
+  return {out, tree_mask, values, indices};
+}
+
 // Registered as torch operators (torch.ops.eagle2_cpu.*): the profiler sees them by name.
 TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -2229,6 +2304,14 @@ TORCH_LIBRARY(eagle2_cpu, m) {
         "Tensor tree_mask, float scale, Tensor(c!)? key_blocks=None, "
         "Tensor(d!)? key_blocks_valid=None, bool amx=False) -> Tensor");
   m.def("top_log_probs(Tensor logits, int k) -> (Tensor, Tensor)");
+  m.def("head_step(Tensor tokens, Tensor features, Tensor embed, Tensor fc_w, int fc_features, "
+        "bool fc_amx, Tensor post_norm, float eps, Tensor qkv_w, int qkv_features, Tensor o_w, "
+        "int o_features, Tensor gate_up_w, int gate_up_features, Tensor down_w, "
+        "int down_features, bool layer_amx, Tensor cos_table, Tensor sin_table, "
+        "Tensor positions, int num_q, int num_kv, Tensor(a!) cache_k, Tensor(b!) cache_v, "
+        "Tensor slots, Tensor base, Tensor mask, bool append_eye, float scale, Tensor vocab_w, "
+        "int vocab_features, bool vocab_amx, int k, Tensor? d2t=None, Tensor? logit_rows=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("linear_amx(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("amx_ready() -> bool");
   m.def("isa() -> str");
@@ -2249,6 +2332,7 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("pack_argmax_tiles", &pack_argmax_tiles);
   m.impl("greedy_argmax", &greedy_argmax);
   m.impl("decoder_layer", &decoder_layer);
+  m.impl("head_step", &head_step);
 }
 
 TORCH_LIBRARY_IMPL(eagle2_cpu, CatchAll, m) {
