@@ -70,6 +70,14 @@ inline void norm_row(const bf16* x, const bf16* w, float eps, int64_t n, bf16* o
   }
 }
 
+// rows a task of the row-wise operators below takes: enough that a second thread pays for its
+// share (~4K elements; a region costs ~1-2 us where the thread is awake, `import eagle2`'s
+// bounded spin), so the 4-16 rows of a verified tree split over the threads and a decode
+// step's one row stays on the caller's
+inline int64_t row_grain(int64_t width) {
+  return std::max<int64_t>(1, 4096 / std::max<int64_t>(width, 1));
+}
+
 void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "expected a contiguous bf16 CPU tensor");
@@ -87,7 +95,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = w.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * n, wp, static_cast<float>(eps), n,
                                                op + r * n);
   });
@@ -109,7 +117,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
   const bf16* wp = w.data_ptr<bf16>();
   bf16* sp = sum.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t h = 0; h < n; ++h)
         sp[r * n + h] = bf16(static_cast<float>(xp[r * n + h]) +
@@ -159,7 +167,7 @@ torch::Tensor qkv_rope_write(const torch::Tensor& qkv, const torch::Tensor& cos,
   const auto ks = cache_k.strides();
   const auto vs = cache_v.strides();
   const int64_t heads = num_q + 2 * num_kv;
-  at::parallel_for(0, B * N, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, B * N, row_grain(heads * dh), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / N, n = r % N;
       const bf16* row = src + r * heads * dh;
@@ -1553,7 +1561,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   auto out = torch::empty(sizes, in.options());
   const bf16* ip = in.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {  // rows as the norms above
+  at::parallel_for(0, rows, row_grain(2 * I), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) silu_mul_row(ip + r * 2 * I, ip + r * 2 * I + I, op + r * I, I);
   });
   return out;
