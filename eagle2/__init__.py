@@ -8,7 +8,7 @@ OpenMP threads that spin while they wait collapse as soon as another process wan
 passive waiting is put into the environment here, where the OpenMP runtime that torch loads
 still reads it. Passive alone makes every parallel region wake its threads from sleep (~120
 regions a forward: two threads had decoded slower than one), so a thread that finishes a region
-first spins for a short, bounded while (GOMP_SPINCOUNT, ~50 us), long enough to catch the
+first spins for a short, bounded while (GOMP_SPINCOUNT, ~0.2 ms), long enough to catch the
 layer's next region, too short to hold a core between steps. An explicit OMP_WAIT_POLICY or
 GOMP_SPINCOUNT is kept.
 """
@@ -16,7 +16,12 @@ GOMP_SPINCOUNT is kept.
 import os as _os
 import sys as _sys
 
-SPIN_COUNT = "5000"  # libgomp spins (~10 ns each) before a waiting thread sleeps
+# libgomp spins (~9 ns each: a `pause`, Xeon VM) before a waiting thread sleeps. 5,000 (~50
+# us) let the thread sleep within a verified tree's forward (10-16 tokens: the serial parts
+# of a layer and the threads' uneven shares of its attention), and the next region woke it:
+# forwards of 10 / 16 tokens 11.3 / 13.1 ms at 5,000, 10.7 / 12.0 at 20,000 (docs/DESIGN.md
+# "CPU performance")
+SPIN_COUNT = "20000"
 
 if "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
