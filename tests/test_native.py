@@ -213,6 +213,26 @@ def test_fused_layers_match_the_aten_layers(ops):
     assert F.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0) > 0.999
 
 
+def one_kernel_plan(kernel: str):
+    """A plan that multiplies every row count by the FMA kernel ("fma") or the AMX one
+    ("amx"); skips the test where this CPU has not that kernel."""
+    from eagle2.kernels import (
+        AMX,
+        FMA,
+        ROW_BUCKETS,
+        BlockPlan,
+        amx_linear_ops,
+        exact_bf16_kernels,
+        fma_linear_ops,
+    )
+
+    if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")) or fma_linear_ops() is None:
+        pytest.skip("no exact bf16 FMA kernels on this CPU")
+    if kernel == "amx" and amx_linear_ops() is None:
+        pytest.skip("no AMX tiles here")
+    return BlockPlan({bucket: FMA if kernel == "fma" else AMX for bucket in ROW_BUCKETS})
+
+
 @pytest.mark.parametrize("kernel", ["fma", "amx"])
 def test_the_native_layer_operator_equals_its_calls_one_by_one(ops, kernel):
     """`eagle2_cpu::decoder_layer` (fused.NATIVE_LAYER) gives bitwise the features and cache
@@ -223,25 +243,11 @@ def test_the_native_layer_operator_equals_its_calls_one_by_one(ops, kernel):
 
     from eagle2 import fused
     from eagle2.attention import causal_mask
-    from eagle2.kernels import (
-        AMX,
-        FMA,
-        ROW_BUCKETS,
-        BlockPlan,
-        amx_linear_ops,
-        exact_bf16_kernels,
-        fma_linear_ops,
-    )
     from eagle2.target import TargetModel
 
-    if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")) or fma_linear_ops() is None:
-        pytest.skip("no exact bf16 FMA kernels on this CPU")
-    if kernel == "amx" and amx_linear_ops() is None:
-        pytest.skip("no AMX tiles here")
+    plan = one_kernel_plan(kernel)  # the operator's condition: one of them throughout
     hf = tiny_target(seed=5, layers=3).hf.to(torch.bfloat16)
     target = TargetModel(hf, name="tiny-native").fuse()
-    chosen = FMA if kernel == "fma" else AMX  # the operator's condition: one of them throughout
-    plan = BlockPlan({bucket: chosen for bucket in ROW_BUCKETS})
     for lw in target.fused:
         for w in (lw.qkv, lw.o, lw.gate_up, lw.down):
             w.plan = plan
@@ -572,25 +578,12 @@ def test_the_heads_calls_run_as_one_operator(ops, kernel):
     from eagle2.config import TreeConfig
     from eagle2.drafter import Drafter
     from eagle2.head import new_head
-    from eagle2.kernels import (
-        AMX,
-        FMA,
-        ROW_BUCKETS,
-        BlockPlan,
-        PackedLinear,
-        amx_linear_ops,
-        exact_bf16_kernels,
-        fma_linear_ops,
-    )
+    from eagle2.kernels import PackedLinear
     from eagle2.tree import static_shape
 
-    if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")) or fma_linear_ops() is None:
-        pytest.skip("no bf16 FMA kernels on this CPU")
-    if kernel == "amx" and amx_linear_ops() is None:
-        pytest.skip("no AMX tiles here")
+    plan = one_kernel_plan(kernel)
     target = tiny_target(seed=7, hidden=64, heads=4, kv_heads=2)
     head = new_head(target.config, seed=1, dtype=torch.bfloat16)
-    plan = BlockPlan({rows: FMA if kernel == "fma" else AMX for rows in ROW_BUCKETS})
     one, by_calls = (Drafter(head, target.embed, target.lm_head, 4, 96) for _ in range(2))
     for d in (one, by_calls):
         d._vocab_proj.plan = plan
