@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from eagle2.attention import KVCache, decoder_layer, step_inputs
+from eagle2.attention import KVCache, RopeTable, decoder_layer, step_inputs
 from eagle2.fused import FusedLayer, can_fuse, fused_layer
 from eagle2.kernels import (
     AMX,
@@ -183,6 +183,7 @@ class TargetModel:
         self.layers = hf_model.model.layers
         self.norm = hf_model.model.norm
         self.rotary = hf_model.model.rotary_emb
+        self.rope = RopeTable(self.rotary)  # the forward's cos / sin, read from a table
         weight = self.embed.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.feature_layers: tuple[int, ...] | None = None  # see set_feature_layers
@@ -288,8 +289,9 @@ class TargetModel:
         x = self.embed(tokens)  # [B, N, H]
         # exact bf16 attention: the fused CPU operations' own kernel, else canonical_attention
         native = self.native_attention
-        inp = step_inputs(cache, slots, tree_mask, positions, self.rotary, x,
-                          canonical=self.canonical and native is None)
+        inp = step_inputs(cache, slots, tree_mask, positions, self.rope, x,
+                          canonical=self.canonical and native is None,
+                          dense_mask=native is None)
         keep = self.feature_layers or ()
         kept: dict[int, torch.Tensor] = {}
         num_heads = self.config.num_attention_heads
