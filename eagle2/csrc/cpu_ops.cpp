@@ -2232,10 +2232,10 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
 // norm: the fc's output is both the projections' input and the residual) over the head's cache,
 // and, with k > 0, the top-k log-probs of the draft vocabulary (`top_log_probs` of the vocab
 // linear's fp32 logits; d2t maps them to target tokens) for every output row, or for one row a
-// request (`logit_rows`). The same calls
-// in the same order as `Drafter._run` + `Drafter._log_probs` make one by one on this path, so
-// bitwise their result, without the ~40 dispatched operations and the Python around them
-// that cost more than the head's arithmetic at the few rows of a draft level. RoPE rows are
+// request (`logit_rows`). The same calls in the same order as `Drafter._run` +
+// `Drafter._log_probs` make one by one on this path, so bitwise their result, without the ~40
+// dispatched operations and the Python around them that cost more than the head's arithmetic
+// at the few rows of a draft level. RoPE rows are
 // taken at `positions` [B, N] from the tables [S, Dh]; the N new entries are written at the
 // end of the tree mask's columns (base + T - N ..); append_eye: the mask given is the nodes'
 // ancestors [B, N, T0] and each node also sees itself (-> [B, N, T0 + N], returned). Each
