@@ -275,14 +275,19 @@ class RopeTable:
 
     def __call__(self, like: torch.Tensor, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.table(like, int(positions.max()) + 1 if positions.numel() else 1)
+        return cos[positions], sin[positions]
+
+    def table(self, like: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [>= size, Dh] in like's dtype and device (the whole table, for operators
+        that index it themselves: `drafter._HeadStep`)."""
         table = self._table
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if table is None or table[0].shape[0] < need or table[0].dtype != like.dtype \
+        if table is None or table[0].shape[0] < size or table[0].dtype != like.dtype \
                 or table[0].device != like.device:
-            size = max(need, 2 * table[0].shape[0] if table is not None else 1024)
+            size = max(size, 2 * table[0].shape[0] if table is not None else 1024)
             cos, sin = self.rotary(like, torch.arange(size, device=like.device)[None])
             self._table = table = cos[0], sin[0]
-        return table[0][positions], table[1][positions]
+        return table
 
 
 def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache: KVCache,

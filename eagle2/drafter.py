@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from eagle2.attention import causal_mask, step_inputs, vocab_projection
+from eagle2.attention import RopeTable, causal_mask, step_inputs, vocab_projection
 from eagle2.config import TreeConfig
 from eagle2.eagle3 import Eagle3Head
 from eagle2.fused import fused_native_layer, is_silu, native_head_layer, one_native_kernel
@@ -154,7 +154,8 @@ class Drafter:
             pack_linears(head)
             self._vocab_proj = BlockedWeight(self.draft_lm_head, small_rows_plan())
             self.native = cpu_ops()
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [S, Dh]
+        self._rope = RopeTable(head.rotary)  # cos, sin of every cache position
+        self._rope_like = torch.zeros(1, dtype=self.dtype, device=self.device)  # (its dtype)
         # (the weights' versions, (q|k|v, gate|up)) of `_fused_weights`
         self._fused: tuple[tuple, tuple[BlockedWeight, BlockedWeight]] | None = None
         # this draft call's one-operator head call (`_head_step`), None where it does not apply
@@ -271,12 +272,8 @@ class Drafter:
                                  self._fused_weights())
 
     def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [S, Dh] of every cache position (built once)."""
-        if self._rope is None:
-            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = self.head.rotary(probe, torch.arange(self.cache.max_len)[None])
-            self._rope = cos[0].to(self.dtype), sin[0].to(self.dtype)
-        return self._rope
+        """cos, sin [>= S, Dh] of every cache position (built once)."""
+        return self._rope.table(self._rope_like, self.cache.max_len)
 
     def _head_step(self, end: torch.Tensor, window: int) -> _HeadStep | None:
         """The one-operator head call for this draft (`_HeadStep`), or None where the module
