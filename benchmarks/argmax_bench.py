@@ -41,13 +41,12 @@ def main() -> None:
                          "kernel for every row count)")
     heads = {"greedy": llm.target.greedy_head}
     if args.against:
-        from eagle2.kernels import GreedyArgmax
+        from engine_ab import base_greedy_argmax  # (beside this script)
+
         from eagle2.native import load_variant
 
         base = load_variant("eagle2_ab_base", Path(args.against))
-        heads["base-greedy"] = greedy = GreedyArgmax(llm.target.greedy_head.proj, base)
-        if "Tensor packed" in str(base.greedy_argmax.default._schema):
-            greedy.weight = greedy.proj._native[1]  # a source whose exact pass read it
+        heads["base-greedy"] = base_greedy_argmax(llm.target.greedy_head.proj, base)
     flush = torch.ones(128 * 1024 * 1024)
     out = {}
     for cold in (True, False):

@@ -133,15 +133,12 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
     if variant.endswith("base-kernels"):
         if not base_source:
             raise SystemExit("base-kernels needs --base-source OTHER/eagle2/csrc/cpu_ops.cpp")
-        from eagle2.kernels import GreedyArgmax
         from eagle2.native import load_variant
         from eagle2.target import cost_cache_path
 
         llm.target.native = base = load_variant("eagle2_ab_base", Path(base_source))
         if llm.target.greedy_head is not None:
-            llm.target.greedy_head = greedy = GreedyArgmax(llm.target.greedy_head.proj, base)
-            if "Tensor packed" in str(base.greedy_argmax.default._schema):
-                greedy.weight = greedy.proj._native[1]  # a source whose exact pass read it
+            llm.target.greedy_head = base_greedy_argmax(llm.target.greedy_head.proj, base)
         path = cost_cache_path(llm.target)  # (keyed by this build: one per base source beside)
         tag = hashlib.sha256(Path(base_source).read_bytes()).hexdigest()[:12]
         llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-ab-{tag}.json")
@@ -174,6 +171,18 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
     if variant == "random-head-costs":
         random_head_costs(llm)
     return llm
+
+
+def base_greedy_argmax(proj, base):
+    """`kernels.GreedyArgmax` through another build's operators (`--base-source`): its own int8
+    pack, its exact pass reading the weight that source's greedy_argmax takes (the packed copy,
+    before it read the bf16 rows)."""
+    from eagle2.kernels import GreedyArgmax
+
+    greedy = GreedyArgmax(proj, base)
+    if "Tensor packed" in str(base.greedy_argmax.default._schema):
+        greedy.weight = greedy.proj._native[1]
+    return greedy
 
 
 def random_head_costs(llm: Eagle2) -> None:
