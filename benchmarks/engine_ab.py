@@ -43,7 +43,10 @@ its own int8 pack, its exact pass reading the weight its source's greedy_argmax 
 lm_head's logits and the head keep this build's), vanilla-base-kernels
 (plain decoding on them),
 multinomial-draw, vanilla-multinomial-draw (sampled tokens drawn by `torch.multinomial`, V
-exponentials a token, not by `verify.draw`, during that variant's calls).
+exponentials a token, not by `verify.draw`, during that variant's calls), per-layer-op and
+vanilla-per-layer-op (the target's layers one `decoder_layer` operator call each, as before
+`fused.LayerStack` ran consecutive layers as one `decoder_layers` call, with their own cost
+grid).
 A variant named twice with a suffix ("shipped,shipped@2") is built twice: each instance loads
 its own copy of the weights, and the spread between the two is what the method itself reads
 between equal engines.
@@ -60,6 +63,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
 import torch
@@ -77,7 +81,7 @@ VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head",
             "fma-target", "vanilla-fma-target", "no-argmax-tiles", "vanilla-no-argmax-tiles",
             "random-head-costs", "narrow-first-round", "call-by-call-head",
-            "always-draft-call-by-call-head")
+            "always-draft-call-by-call-head", "per-layer-op", "vanilla-per-layer-op")
 
 
 class _OpenGates(dict):
@@ -148,15 +152,16 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         def multinomial(p, generator):
             return int(torch.multinomial(p / p.sum(), 1, generator=generator))
 
-        generate = llm.generate
+        _during_generate(llm, lambda: mock.patch.object(eagle2.verify, "draw", multinomial))
+    if variant.endswith("per-layer-op"):
+        # the target's layers one `decoder_layer` call each, not one `decoder_layers` call
+        # (fused.NATIVE_STACK off while this variant decodes), with its own forward costs
+        from eagle2 import fused
+        from eagle2.target import cost_cache_path
 
-        def with_multinomial(*a, **k):
-            draw, eagle2.verify.draw = eagle2.verify.draw, multinomial
-            try:
-                return generate(*a, **k)
-            finally:
-                eagle2.verify.draw = draw
-        llm.generate = with_multinomial
+        _during_generate(llm, lambda: mock.patch.object(fused, "NATIVE_STACK", False))
+        path = cost_cache_path(llm.target)
+        llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-per-layer.json")
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
     if variant == "packed-head":
@@ -171,6 +176,17 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
     if variant == "random-head-costs":
         random_head_costs(llm)
     return llm
+
+
+def _during_generate(llm, context) -> None:
+    """llm.generate inside `context()` (a context manager: a module switch this variant alone
+    flips while it decodes; the other variants of the process run without it)."""
+    generate = llm.generate
+
+    def wrapped(*a, **k):
+        with context():
+            return generate(*a, **k)
+    llm.generate = wrapped
 
 
 def base_greedy_argmax(proj, base):

@@ -32,6 +32,9 @@ from eagle2.kernels import AMX, FMA, BlockedWeight, BlockPlan, PackedLinear
 # runs as one native operator (`eagle2_cpu::decoder_layer`); False: the same operators called
 # one by one from Python (the tests compare the two)
 NATIVE_LAYER = True
+# with NATIVE_LAYER, consecutive target layers run as one `eagle2_cpu::decoder_layers` call
+# (`LayerStack`); False: one `decoder_layer` call a layer (the tests compare the two)
+NATIVE_STACK = True
 _NO_NORM = torch.empty(0, dtype=torch.bfloat16)  # `decoder_layer` without its input norm
 
 
@@ -95,6 +98,50 @@ class FusedLayer:
         """(packed weight, out features) of q|k|v, o, gate|up and down, as `decoder_layer`
         takes them: built on first use and kept (the packed weights are kept too)."""
         return tuple(a for w in self.linears for a in (w.fma_packed(), w.weight.shape[0]))
+
+
+class LayerStack:
+    """The target's fused layers as `eagle2_cpu::decoder_layers` takes them: one list a kind
+    of norm and packed weight, made on first use and kept. `run` takes consecutive layers in
+    one call where every layer's linears share one plan (the per-layer operator's condition,
+    `one_native_kernel`, then holds for all or none); else it returns None and the caller goes
+    layer by layer (`fused_layer`)."""
+
+    def __init__(self, layers: list[FusedLayer]):
+        self.layers = layers
+        first = layers[0]
+        self.uniform = all(
+            lw.silu and lw.eps == first.eps
+            and all(w.plan is w0.plan and w.fits_amx == w0.fits_amx
+                    and w.weight.shape == w0.weight.shape
+                    for w, w0 in zip(lw.linears, first.linears, strict=True))
+            for lw in layers)
+
+    @functools.cached_property
+    def _lists(self) -> tuple[list[torch.Tensor], ...]:
+        """(input norms, post norms, q|k|v, o, gate|up, down), each a list over the layers."""
+        packed = [lw.fma_arguments[::2] for lw in self.layers]
+        return ([lw.input_norm for lw in self.layers], [lw.post_norm for lw in self.layers],
+                *(list(kind) for kind in zip(*packed, strict=True)))
+
+    def run(self, ops: ModuleType, start: int, stop: int, x: torch.Tensor, cache: KVCache,
+            inp: StepInputs, num_q_heads: int) -> torch.Tensor | None:
+        """Layers start .. stop - 1 on x [B, N, H] as one operator (bitwise `_native_layer`
+        for each in turn), or None where that operator does not apply."""
+        if not (NATIVE_LAYER and NATIVE_STACK and self.uniform) or inp.base is None \
+                or inp.tree_mask is None:
+            return None
+        first = self.layers[start]
+        kernel = one_native_kernel(first.linears, x.numel() // x.shape[-1])
+        if kernel is None:
+            return None
+        in_norms, post_norms, qkv, o, gate_up, down = (kind[start:stop] for kind in self._lists)
+        features = first.fma_arguments[1::2]
+        return ops.decoder_layers(
+            x, in_norms, post_norms, first.eps, qkv, features[0], o, features[1], gate_up,
+            features[2], down, features[3], inp.cos, inp.sin, num_q_heads, cache.k.shape[2],
+            cache.k, cache.v, start, inp.slots, inp.write_pos, inp.base, inp.tree_mask,
+            cache.k.shape[-1] ** -0.5, cache.key_blocks, cache.key_blocks_valid, kernel == AMX)
 
 
 def fused_native_layer() -> bool:

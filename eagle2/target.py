@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from eagle2.attention import KVCache, RopeTable, decoder_layer, step_inputs
-from eagle2.fused import FusedLayer, can_fuse, fused_layer
+from eagle2.fused import FusedLayer, LayerStack, can_fuse, fused_layer
 from eagle2.kernels import (
     AMX,
     FMA,
@@ -267,6 +267,15 @@ class TargetModel:
         return proj.weight.shape[0] // self.head_dim
 
     @property
+    def layer_stack(self) -> LayerStack:
+        """The fused layers as one native call's arguments (`fused.LayerStack`), made once
+        per list of fused layers."""
+        if self.__dict__.get("_stack_of") is not self.fused:
+            self.__dict__["_stack"] = LayerStack(self.fused)
+            self.__dict__["_stack_of"] = self.fused
+        return self.__dict__["_stack"]
+
+    @property
     def native_attention(self) -> ModuleType | None:
         """The fused CPU operations where the layers run them with their exact attention
         (bf16, fused layers, `eagle2.native` built), else None."""
@@ -295,14 +304,23 @@ class TargetModel:
         keep = self.feature_layers or ()
         kept: dict[int, torch.Tensor] = {}
         num_heads = self.config.num_attention_heads
-        for i in range(self.num_layers):
+        stack = self.layer_stack if native is not None else None
+        i = 0
+        while i < self.num_layers:
             if i in keep:
                 kept[i] = x
+            if stack is not None:  # up to the next kept layer's input in one native call
+                stop = min([k for k in keep if k > i] + [self.num_layers])
+                out = stack.run(native, i, stop, x, cache, inp, num_heads)
+                if out is not None:
+                    x, i = out, stop
+                    continue
             if self.fused is not None:
                 x = fused_layer(self.fused[i], i, x, cache, inp, self.head_dim, num_heads,
                                 native)
             else:
                 x = decoder_layer(self.layers[i], i, x, cache, inp, self.head_dim)
+            i += 1
         hidden = self.norm(x)
         return TargetOutput(hidden, torch.cat([kept[i] for i in keep], dim=-1) if keep else hidden)
 

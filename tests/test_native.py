@@ -234,11 +234,13 @@ def one_kernel_plan(kernel: str):
 
 
 @pytest.mark.parametrize("kernel", ["fma", "amx"])
-def test_the_native_layer_operator_equals_its_calls_one_by_one(ops, kernel):
-    """`eagle2_cpu::decoder_layer` (fused.NATIVE_LAYER) gives bitwise the features and cache
+def test_the_native_layer_operators_equal_their_calls_one_by_one(ops, kernel):
+    """`eagle2_cpu::decoder_layer` (fused.NATIVE_LAYER) and the layers in one
+    `eagle2_cpu::decoder_layers` call (fused.NATIVE_STACK) give bitwise the features and cache
     entries of the same operators called one by one from Python: a prefill of two prompts and
-    a tree step of two requests with different trees; its linears by the FMA kernel, or by
-    the AMX one where the CPU has it."""
+    a tree step of two requests with different trees, with and without layers whose inputs the
+    target keeps (an EAGLE-3 head's features: the stack is cut there); the linears by the FMA
+    kernel, or by the AMX one where the CPU has it."""
     from conftest import tiny_target
 
     from eagle2 import fused
@@ -260,21 +262,30 @@ def test_the_native_layer_operator_equals_its_calls_one_by_one(ops, kernel):
     steps = [(torch.randint(0, 64, (2, 40), generator=gen), torch.arange(40).expand(2, 40),
               causal_mask(torch.tensor([40, 40]), 40)),
              (torch.randint(0, 64, (2, 5), generator=gen), depth, tree)]
+    ways = {"one by one": (False, False), "decoder_layer": (True, False),
+            "decoder_layers": (True, True)}
     try:
-        for tokens, pos, mask in steps:
-            outs = []
-            for native_layer in (False, True):
-                fused.NATIVE_LAYER = native_layer
-                cache = target.allocate_cache(2, 64)
-                with torch.profiler.profile() as prof:
-                    hidden = target.forward(tokens, pos, mask, cache, torch.arange(2)).hidden
-                called = any(e.key == "eagle2_cpu::decoder_layer" for e in prof.key_averages())
-                assert called == native_layer
-                outs.append((hidden, cache.k.clone(), cache.v.clone()))
-            for a, b in zip(*outs, strict=True):
-                assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        for keep in (None, (1,)):
+            target.feature_layers = keep
+            for tokens, pos, mask in steps:
+                outs = []
+                for op, (native_layer, stack) in ways.items():
+                    fused.NATIVE_LAYER, fused.NATIVE_STACK = native_layer, stack
+                    cache = target.allocate_cache(2, 64)
+                    with torch.profiler.profile() as prof:
+                        out = target.forward(tokens, pos, mask, cache, torch.arange(2))
+                    called = {e.key for e in prof.key_averages()}
+                    assert native_layer == (f"eagle2_cpu::{op}" in called)
+                    # the stack runs layers 0 and 1-2 apart where layer 1's input is kept
+                    calls = [e.count for e in prof.key_averages()
+                             if e.key == "eagle2_cpu::decoder_layers"]
+                    assert calls == ([] if not stack else [1 if keep is None else 2])
+                    outs.append((out.hidden, out.features, cache.k.clone(), cache.v.clone()))
+                for other in outs[1:]:
+                    for a, b in zip(outs[0], other, strict=True):
+                        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     finally:
-        fused.NATIVE_LAYER = True
+        fused.NATIVE_LAYER, fused.NATIVE_STACK = True, True
 
 
 def reference_attention(q, cache_k, cache_v, slots, base, tree_mask):

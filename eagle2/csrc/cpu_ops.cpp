@@ -2227,6 +2227,47 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
   return y;
 }
 
+// Consecutive decoder layers of the target, first_layer .. first_layer + L - 1, as one operator:
+// `decoder_layer` for each in turn, so bitwise the per-layer calls `fused._native_layer`
+// makes, without the dispatch of a 26-argument operator and the Python between layers
+// (~12 us a layer: ~0.35 ms of a 9 ms one-token forward of a 30-layer model; docs/DESIGN.md
+// "CPU performance"). The lists hold one tensor per layer (input and post norms, the packed
+// q|k|v, o, gate|up and down weights); cache_k / cache_v [num_layers, slots, KVH, S, Dh(+1)]
+// and key_blocks / key_blocks_valid (empty: none) are the whole cache, indexed by layer.
+torch::Tensor decoder_layers(
+    const torch::Tensor& x, at::TensorList input_norms, at::TensorList post_norms, double eps,
+    at::TensorList qkv_w, int64_t qkv_features, at::TensorList o_w, int64_t o_features,
+    at::TensorList gate_up_w, int64_t gate_up_features, at::TensorList down_w,
+    int64_t down_features, const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_q,
+    int64_t num_kv, torch::Tensor cache_k, torch::Tensor cache_v, int64_t first_layer,
+    const torch::Tensor& slots, const torch::Tensor& write_pos, const torch::Tensor& base,
+    const torch::Tensor& tree_mask, double scale, const std::optional<torch::Tensor>& key_blocks,
+    const std::optional<torch::Tensor>& key_blocks_valid, bool amx) {
+  const size_t L = input_norms.size();
+  TORCH_CHECK(post_norms.size() == L && qkv_w.size() == L && o_w.size() == L &&
+                  gate_up_w.size() == L && down_w.size() == L,
+              "decoder_layers: one norm and packed weight of each kind per layer");
+  TORCH_CHECK(first_layer >= 0 && first_layer + static_cast<int64_t>(L) <= cache_k.size(0) &&
+                  cache_v.size(0) == cache_k.size(0),
+              "decoder_layers: layers ", first_layer, "..", first_layer + L, " beyond the "
+              "cache's ", cache_k.size(0));
+  const bool blocks = key_blocks.has_value() && key_blocks->numel();
+  auto h = x;
+  for (size_t j = 0; j < L; ++j) {
+    const int64_t i = first_layer + static_cast<int64_t>(j);
+    std::optional<torch::Tensor> kb, kbv;
+    if (blocks) {
+      kb = key_blocks->select(0, i);
+      kbv = key_blocks_valid->select(0, i);
+    }
+    h = decoder_layer(h, input_norms[j], post_norms[j], eps, qkv_w[j], qkv_features, o_w[j],
+                      o_features, gate_up_w[j], gate_up_features, down_w[j], down_features, cos,
+                      sin, num_q, num_kv, cache_k.select(0, i), cache_v.select(0, i), slots,
+                      write_pos, base, tree_mask, scale, kb, kbv, amx);
+  }
+  return h;
+}
+
 // One call of an EAGLE-1/2 draft head as one operator (docs/DESIGN.md "CPU performance"): the
 // embeddings of `tokens` [B, N] beside `features` [B, N, H] -> fc -> `decoder_layer` (no input
 // norm: the fc's output is both the projections' input and the residual) over the head's cache,
@@ -2325,6 +2366,13 @@ TORCH_LIBRARY(eagle2_cpu, m) {
         "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos, Tensor base, "
         "Tensor tree_mask, float scale, Tensor(c!)? key_blocks=None, "
         "Tensor(d!)? key_blocks_valid=None, bool amx=False) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] input_norms, Tensor[] post_norms, float eps, "
+        "Tensor[] qkv_w, int qkv_features, Tensor[] o_w, int o_features, Tensor[] gate_up_w, "
+        "int gate_up_features, Tensor[] down_w, int down_features, Tensor cos, Tensor sin, "
+        "int num_q, int num_kv, Tensor(a!) cache_k, Tensor(b!) cache_v, int first_layer, "
+        "Tensor slots, Tensor write_pos, Tensor base, Tensor tree_mask, float scale, "
+        "Tensor(c!)? key_blocks=None, Tensor(d!)? key_blocks_valid=None, bool amx=False) "
+        "-> Tensor");
   m.def("top_log_probs(Tensor logits, int k) -> (Tensor, Tensor)");
   m.def("head_step(Tensor tokens, Tensor features, Tensor embed, Tensor fc_w, int fc_features, "
         "bool fc_amx, Tensor post_norm, float eps, Tensor qkv_w, int qkv_features, Tensor o_w, "
@@ -2354,6 +2402,7 @@ TORCH_LIBRARY_IMPL(eagle2_cpu, CPU, m) {
   m.impl("pack_argmax_tiles", &pack_argmax_tiles);
   m.impl("greedy_argmax", &greedy_argmax);
   m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layers", &decoder_layers);
   m.impl("head_step", &head_step);
 }
 
