@@ -46,7 +46,8 @@ multinomial-draw, vanilla-multinomial-draw (sampled tokens drawn by `torch.multi
 exponentials a token, not by `verify.draw`, during that variant's calls), per-layer-op and
 vanilla-per-layer-op (the target's layers one `decoder_layer` operator call each, as before
 `fused.LayerStack` ran consecutive layers as one `decoder_layers` call, with their own cost
-grid).
+grid), other-ngram (the shipped engine with the n-gram store of `--ngram PATH`, e.g. one built
+from more answers).
 A variant named twice with a suffix ("shipped,shipped@2") is built twice: each instance loads
 its own copy of the weights, and the spread between the two is what the method itself reads
 between equal engines.
@@ -81,7 +82,8 @@ VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head",
             "fma-target", "vanilla-fma-target", "no-argmax-tiles", "vanilla-no-argmax-tiles",
             "random-head-costs", "narrow-first-round", "call-by-call-head",
-            "always-draft-call-by-call-head", "per-layer-op", "vanilla-per-layer-op")
+            "always-draft-call-by-call-head", "per-layer-op", "vanilla-per-layer-op",
+            "other-ngram")
 
 
 class _OpenGates(dict):
@@ -101,7 +103,7 @@ class _OpenGates(dict):
 
 
 def build(variant: str, max_batch: int = 8, base_source: str | None = None,
-          threads: int = 1) -> Eagle2:
+          threads: int = 1, ngram: str | None = None) -> Eagle2:
     variant = variant.split("@")[0]  # "shipped@2": another instance of the same variant
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
@@ -164,6 +166,12 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-per-layer.json")
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
+    if variant == "other-ngram":
+        if not ngram:
+            raise SystemExit("other-ngram needs --ngram PATH/ngram.npz")
+        from eagle2.ngram import NgramStore
+
+        llm.engine.ngram = llm.engine.drafter.ngram = NgramStore.load(ngram)
     if variant == "packed-head":
         head_kernel(llm, PACKED)
     if variant.endswith("fma-target"):
@@ -273,11 +281,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1,
                     help="prompts decoded together (groups of one suite's consecutive prompts)")
     ap.add_argument("--base-source", default=None, help="for base-kernels")
+    ap.add_argument("--ngram", default=None, help="for other-ngram: an ngram.npz")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every variant")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = args.variants.split(",")
-    llms = {v: build(v, max(8, args.batch), args.base_source, args.threads) for v in variants}
+    llms = {v: build(v, max(8, args.batch), args.base_source, args.threads, args.ngram)
+            for v in variants}
     suites = [load_suite(s, args.num_prompts) for s in ("mt_bench", "humaneval")]
     groups = [ps[i: i + args.batch] for ps in suites for i in range(0, len(ps), args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
