@@ -1807,6 +1807,12 @@ inline void argmax_tiles(const int8_t* qt, int64_t K, const int8_t* xh, const in
   _tile_zero(7);
   const int8_t* q1 = qt + 16 * K;
   for (int64_t k = 0; k < K; k += 64) {
+    // this step's 1 KB of each half asked into L1 kArgPrefetch ahead (the halves and the
+    // blocks lie one after another, so the second half's stream runs on into the next block)
+    for (int l = 0; l < 1024; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(qt + k * 16 + kArgPrefetch + l), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q1 + k * 16 + kArgPrefetch + l), _MM_HINT_T0);
+    }
     _tile_loadd(2, qt + k * 16, 64);
     _tile_loadd(3, q1 + k * 16, 64);
     _tile_loadd(0, xh + k, K);
@@ -2053,6 +2059,52 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
 #endif
         }
         const int64_t v0 = b * kArgBlock, n = std::min<int64_t>(kArgBlock, V - v0);
+#ifdef EAGLE2_AVX512
+        // the same float operations per lane as the AVX2 build's 8-lane loop (#else), 16
+        // outputs at a time and every row of the group against each 16 (their scales read
+        // once for all rows): at 12 rows that loop, a row at a time, had taken ~40% of the
+        // pass. A row's floor follows its lower bounds every 16 outputs, not 8: what a row
+        // keeps may be a larger superset, cut to the same candidates by the final floor in
+        // pass 2, so the token is the same
+        for (int64_t j = 0; j < n; j += 16) {
+          const int64_t v = v0 + j;
+          const __mmask16 lanes = V::first(n - j);
+          const __m512 sc = _mm512_maskz_loadu_ps(lanes, scale + v);
+          const __m512 rel16 = _mm512_set1_ps(1e-6f), tiny16 = _mm512_set1_ps(1e-30f);
+          __m512 cx = _mm512_setzero_ps(), ce = _mm512_setzero_ps();
+          bool coefs = false;
+          for (int64_t m = 0; m < rows; ++m) {
+            const int64_t r = r0 + m;
+            const __m512 vscreen = _mm512_set1_ps(screen[r]);
+            const __m512 estimate = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + m * kArgBlock + j)),
+                _mm512_mul_ps(sc, _mm512_set1_ps(sx[r])));
+            const __m512 wide = _mm512_add_ps(estimate, _mm512_add_ps(vscreen, _mm512_add_ps(
+                _mm512_mul_ps(rel16, _mm512_add_ps(_mm512_abs_ps(estimate), vscreen)), tiny16)));
+            if (!_mm512_mask_cmp_ps_mask(lanes, wide, _mm512_set1_ps(thrs[r]), _CMP_GT_OQ))
+              continue;
+            if (!coefs) {
+              cx = _mm512_maskz_loadu_ps(lanes, coef_x + v);
+              ce = _mm512_maskz_loadu_ps(lanes, coef_e + v);
+              coefs = true;
+            }
+            const __m512 bound = _mm512_add_ps(_mm512_mul_ps(cx, _mm512_set1_ps(xn[r])),
+                                               _mm512_mul_ps(ce, _mm512_set1_ps(en[r])));
+            const __m512 margin = _mm512_add_ps(bound, _mm512_add_ps(_mm512_mul_ps(
+                rel16, _mm512_add_ps(_mm512_abs_ps(estimate), bound)), tiny16));
+            alignas(64) float up[16];
+            _mm512_store_ps(up, _mm512_add_ps(estimate, margin));
+            const float lowest = _mm512_reduce_max_ps(_mm512_mask_blend_ps(
+                lanes, _mm512_set1_ps(-INFINITY), _mm512_sub_ps(estimate, margin)));
+            if (lowest > floors[r]) {
+              floors[r] = lowest;
+              thrs[r] = thr_of(lowest);
+            }
+            for (int l = 0; l < 16; ++l)
+              if (((lanes >> l) & 1) && up[l] > thrs[r]) found[r].push_back({v + l, up[l]});
+          }
+        }
+#else
         for (int64_t m = 0; m < rows; ++m) {
           const int64_t r = r0 + m;
           const __m256 vsx = _mm256_set1_ps(sx[r]), vxn = _mm256_set1_ps(xn[r]);
@@ -2093,6 +2145,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
               if (((live >> l) & 1) && up[l] > thrs[r]) found[r].push_back({v + l, up[l]});
           }
         }
+#endif
       }
     }
 #ifdef EAGLE2_AMX
