@@ -196,6 +196,45 @@ torch::Tensor qkv_rope_write(const torch::Tensor& qkv, const torch::Tensor& cos,
   return q;
 }
 
+// ---- AMX tiles (Intel Xeon 4th generation and later): their configuration and the OS's
+// permission, for the linear, the attention's scores and the greedy argmax's int8 pass ----
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && \
+    defined(EAGLE2_AVX512)
+#define EAGLE2_AMX 1
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0 (and tmm1 where inputs = 2): a group of input rows (rows x 64 bytes); the rest of
+// tmm1-3: weight tiles (16 x 64 bytes); tmm4-7: sums (rows x 16 fp32 or int32)
+inline void configure_tiles(int rows, int inputs = 1) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t)
+    cfg.rows[t] = static_cast<uint8_t>(t < inputs ? rows : 16), cfg.colsb[t] = 64;
+  for (int t = 4; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+bool request_amx() {
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+#endif
+
+// 1 where this build has the AMX tiles and the OS lets the process use them
+bool amx_ready() {
+#ifdef EAGLE2_AMX
+  static const bool ready = request_amx();
+  return ready;
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 constexpr int kMaxG = 8;  // query heads per KV head handled together
@@ -226,6 +265,7 @@ struct Unit {
 struct Scratch {
   std::vector<uint32_t> kc, kt;  // transposed committed keys, tree entries
   std::vector<float> qe, qo, s, ts, total, sums;
+  std::vector<bf16> qb;  // the queries as bf16 rows, for the AMX scores
   std::vector<const bf16*> values, tree;
   std::vector<int64_t> counts;
 };
@@ -535,6 +575,53 @@ void score_queries(const float* qe, const float* qo, int64_t nq, int64_t pairs,
                    stride);
 }
 
+#ifdef EAGLE2_AMX
+// score_queries on the AMX tiles: nq query rows (bf16, dh apart at qb) against nblk key blocks
+// ([dh / 2][16] uint32: a block is dh / 32 VNNI B tiles of 16 pair rows), up to 16 rows a tile
+// multiply, two blocks at a time. A score is the tile unit's fp32 sum of the query's and the
+// key's products, 32 dimensions a TDPBF16PS in dimension order from zero, then times scale: a
+// function of the query and the key alone, whatever block, lane or other rows come with it
+// (so a tree node and plain decoding still get the same bits), but not the FMA kernel's
+// bits (its two chains of even and odd dimensions). Where the tiles exist every attention
+// call scores this way, prefills, decoding and trees alike. tmm0 / tmm1: the rows' 32
+// dimensions for the first / second block, tmm2 / tmm3: the blocks' tiles, tmm4 / tmm5: sums
+void score_queries_amx(const bf16* qb, int64_t nq, int64_t dh, const uint32_t* blk,
+                       int64_t nblk, float scale, float* s, int64_t stride) {
+  const int64_t block = dh / 2 * W;  // uint32 a block
+  alignas(64) float part[2][16][16];
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t q0 = 0; q0 < nq; q0 += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, nq - q0));
+    configure_tiles(rows, 2);
+    const bf16* a = qb + q0 * dh;
+    for (int64_t b = 0; b < nblk; b += 2) {
+      const int nb = b + 1 < nblk ? 2 : 1;
+      const uint32_t* k0 = blk + b * block;
+      const uint32_t* k1 = k0 + block;
+      _tile_zero(4);
+      _tile_zero(5);
+      for (int64_t d = 0; d < dh; d += 32) {  // 32 dimensions = 16 pair rows a tile
+        _tile_loadd(0, a + d, dh * 2);
+        _tile_loadd(2, k0 + d / 2 * W, W * 4);
+        _tile_dpbf16ps(4, 0, 2);
+        if (nb == 2) {
+          _tile_loadd(1, a + d, dh * 2);
+          _tile_loadd(3, k1 + d / 2 * W, W * 4);
+          _tile_dpbf16ps(5, 1, 3);
+        }
+      }
+      _tile_stored(4, part[0], 64);
+      if (nb == 2) _tile_stored(5, part[1], 64);
+      for (int t = 0; t < nb; ++t)
+        for (int m = 0; m < rows; ++m)
+          _mm512_storeu_ps(s + (q0 + m) * stride + W * (b + t),
+                           _mm512_mul_ps(_mm512_load_ps(part[t][m]), sc));
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // max of s[j], j < L (-inf for none; a NaN is passed over, as std::max(top, s[j]) in order
 // passes it over). A max is exact in any order (of two zeros it may keep either sign, which
 // s[j] - max cannot tell apart), so W lanes take it: the scalar loop was a chain of
@@ -643,24 +730,41 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
       }
   const int64_t nbt = (last + W) / W;  // tree blocks scored
   const int64_t nq = (n1 - n0) * G;  // query (n, g) is row (n - n0) G + g
-  w.qe.resize(static_cast<size_t>(nq * pairs));
-  w.qo.resize(static_cast<size_t>(nq * pairs));
-  for (int64_t r = 0; r < nq; ++r) {
-    const bf16* src = u.q + ((r % G) * u.N + n0 + r / G) * u.dh;
-    for (int64_t i = 0; i < pairs; ++i) {
-      w.qe[r * pairs + i] = static_cast<float>(src[2 * i]);
-      w.qo[r * pairs + i] = static_cast<float>(src[2 * i + 1]);
+#ifdef EAGLE2_AMX
+  const bool amx = u.dh % 32 == 0 && amx_ready();  // (the same for every call of a process)
+#else
+  const bool amx = false;
+#endif
+  if (amx) {
+    w.qb.resize(static_cast<size_t>(nq * u.dh));
+    for (int64_t r = 0; r < nq; ++r)
+      std::memcpy(w.qb.data() + r * u.dh, u.q + ((r % G) * u.N + n0 + r / G) * u.dh,
+                  static_cast<size_t>(u.dh) * sizeof(bf16));
+  } else {
+    w.qe.resize(static_cast<size_t>(nq * pairs));
+    w.qo.resize(static_cast<size_t>(nq * pairs));
+    for (int64_t r = 0; r < nq; ++r) {
+      const bf16* src = u.q + ((r % G) * u.N + n0 + r / G) * u.dh;
+      for (int64_t i = 0; i < pairs; ++i) {
+        w.qe[r * pairs + i] = static_cast<float>(src[2 * i]);
+        w.qo[r * pairs + i] = static_cast<float>(src[2 * i + 1]);
+      }
     }
   }
+  // every query row's scores against nblk key blocks at blk -> score rows `stride` apart
+  const auto score = [&](const uint32_t* blk, int64_t nblk, float* s, int64_t stride) {
+#ifdef EAGLE2_AMX
+    if (amx) return score_queries_amx(w.qb.data(), nq, u.dh, blk, nblk, u.scale, s, stride);
+#endif
+    score_queries(w.qe.data(), w.qo.data(), nq, pairs, blk, nblk, u.scale, s, stride);
+  };
   // a score row: the committed keys' (W a block), then the tree entries' the mask keeps
   const int64_t R = nbc * W + u.T, RT = std::max<int64_t>(nbt, 1) * W;
   w.s.resize(static_cast<size_t>(nq * R));
   w.ts.resize(static_cast<size_t>(nq * RT));
-  if (u.kept > 0)
-    score_queries(w.qe.data(), w.qo.data(), nq, pairs, u.blocks, u.kept, u.scale, w.s.data(), R);
-  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kc.data(), nbc - u.kept, u.scale,
-                w.s.data() + W * u.kept, R);
-  score_queries(w.qe.data(), w.qo.data(), nq, pairs, w.kt.data(), nbt, u.scale, w.ts.data(), RT);
+  if (u.kept > 0) score(u.blocks, u.kept, w.s.data(), R);
+  score(w.kc.data(), nbc - u.kept, w.s.data() + W * u.kept, R);
+  score(w.kt.data(), nbt, w.ts.data(), RT);
   // per query position: its heads' scores, the tree entries its mask keeps appended; softmax
   w.total.resize(static_cast<size_t>(nq));
   w.tree.resize(static_cast<size_t>((n1 - n0) * std::max<int64_t>(u.T, 1)));
@@ -1369,34 +1473,10 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
 // one costs (one tile multiply takes the 16 rows at once; the weights stream at the memory's
 // rate). Rows past 16 take further 16-row groups while a block pair's weights are in L2. Needs
 // K % 32 == 0 and the OS's permission for the tile data (`amx_ready`).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && \
-    defined(EAGLE2_AVX512)
-#define EAGLE2_AMX 1
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+#ifdef EAGLE2_AMX
 // bytes ahead of each block's stream asked into L1 (none: 12% slower at one row; 2, 6, 8 and
 // 16 KB and the L2 hint within the spread)
 constexpr int64_t kAmxPrefetch = 4096;
-
-// tmm0 (and tmm1 where inputs = 2): a group of input rows (rows x 64 bytes); the rest of
-// tmm1-3: weight tiles (16 x 64 bytes); tmm4-7: sums (rows x 16 fp32 or int32)
-inline void configure_tiles(int rows, int inputs = 1) {
-  TileConfig cfg;
-  for (int t = 0; t < 4; ++t)
-    cfg.rows[t] = static_cast<uint8_t>(t < inputs ? rows : 16), cfg.colsb[t] = 64;
-  for (int t = 4; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
-
-bool request_amx() {
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 
 // rows [m0, m0 + rows) of y, outputs of blocks b and b + 1 (nb = 1 or 2)
 inline void amx_blocks(const bf16* x, int64_t K, const uint32_t* w, int64_t K2, int nb,
@@ -1444,16 +1524,6 @@ inline void amx_blocks(const bf16* x, int64_t K, const uint32_t* w, int64_t K2, 
   }
 }
 #endif
-
-// 1 where this build has the AMX linear and the OS lets the process use the tiles
-bool amx_ready() {
-#ifdef EAGLE2_AMX
-  static const bool ready = request_amx();
-  return ready;
-#else
-  return false;
-#endif
-}
 
 // x [..., K] bf16, packed from pack_linear -> [..., out_features] bf16 on the AMX tiles
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& packed,
