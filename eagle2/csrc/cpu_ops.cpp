@@ -1877,12 +1877,6 @@ inline void argmax_tiles(const int8_t* qt, int64_t K, const int8_t* xh, const in
   _tile_zero(7);
   const int8_t* q1 = qt + 16 * K;
   for (int64_t k = 0; k < K; k += 64) {
-    // this step's 1 KB of each half asked into L1 kArgPrefetch ahead (the halves and the
-    // blocks lie one after another, so the second half's stream runs on into the next block)
-    for (int l = 0; l < 1024; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(qt + k * 16 + kArgPrefetch + l), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(q1 + k * 16 + kArgPrefetch + l), _MM_HINT_T0);
-    }
     _tile_loadd(2, qt + k * 16, 64);
     _tile_loadd(3, q1 + k * 16, 64);
     _tile_loadd(0, xh + k, K);
