@@ -105,7 +105,8 @@ class LayerStack:
     of norm and packed weight, made on first use and kept. `run` takes consecutive layers in
     one call where every layer's linears share one plan (the per-layer operator's condition,
     `one_native_kernel`, then holds for all or none); else it returns None and the caller goes
-    layer by layer (`fused_layer`)."""
+    layer by layer (`fused_layer`). The plans are compared once, when the stack is made: a
+    `BlockPlan` is measured and updated in place, and every layer gets the target's own."""
 
     def __init__(self, layers: list[FusedLayer]):
         self.layers = layers

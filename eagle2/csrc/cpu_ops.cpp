@@ -2095,6 +2095,17 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
     std::vector<float> thrs(R, -INFINITY);
     alignas(64) int32_t sums[16 * kArgBlock];
     int configured = 0;
+    // row r's bounds of outputs v .. v + width - 1 (the lanes set in live): the floor raised
+    // to their largest lower bound, and the outputs whose upper bound clears its thr kept
+    const auto keep = [&](int64_t r, int64_t v, const float* up, float lowest, unsigned live,
+                          int width) {
+      if (lowest > floors[r]) {
+        floors[r] = lowest;
+        thrs[r] = thr_of(lowest);
+      }
+      for (int l = 0; l < width; ++l)
+        if (((live >> l) & 1) && up[l] > thrs[r]) found[r].push_back({v + l, up[l]});
+    };
     for (int64_t b = b0; b < b1; ++b) {
       const int8_t* qb = qp + b * K2 * kArgBlock * 2;
       for (int64_t r0 = 0; r0 < R; r0 += group) {
@@ -2160,12 +2171,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
             _mm512_store_ps(up, _mm512_add_ps(estimate, margin));
             const float lowest = _mm512_reduce_max_ps(_mm512_mask_blend_ps(
                 lanes, _mm512_set1_ps(-INFINITY), _mm512_sub_ps(estimate, margin)));
-            if (lowest > floors[r]) {
-              floors[r] = lowest;
-              thrs[r] = thr_of(lowest);
-            }
-            for (int l = 0; l < 16; ++l)
-              if (((lanes >> l) & 1) && up[l] > thrs[r]) found[r].push_back({v + l, up[l]});
+            keep(r, v, up, lowest, lanes, 16);
           }
         }
 #else
@@ -2201,12 +2207,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
             _mm256_store_ps(low, _mm256_blendv_ps(none, _mm256_sub_ps(estimate, margin),
                                                   _mm256_castsi256_ps(lanes)));
             const float lowest = *std::max_element(low, low + 8);
-            if (lowest > floors[r]) {
-              floors[r] = lowest;
-              thrs[r] = thr_of(lowest);
-            }
-            for (int l = 0; l < 8; ++l)
-              if (((live >> l) & 1) && up[l] > thrs[r]) found[r].push_back({v + l, up[l]});
+            keep(r, v, up, lowest, live, 8);
           }
         }
 #endif
