@@ -2023,8 +2023,12 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
     const float floor_bf16 = static_cast<float>(bf16(floor));
     return floor_bf16 - std::fabs(floor_bf16) * (1.0f / 128.0f) - 1e-30f;
   };
+#ifdef EAGLE2_AVX512
+  const __m512 rel = _mm512_set1_ps(1e-6f), tiny = _mm512_set1_ps(1e-30f);
+#else
   const __m256 rel = _mm256_set1_ps(1e-6f), tiny = _mm256_set1_ps(1e-30f);
   const __m256 sign = _mm256_set1_ps(-0.0f), none = _mm256_set1_ps(-INFINITY);
+#endif
   // a screen before the bounds: per row, the bound with the largest coefficients of all
   // outputs, which no output's exceeds (the same float operations on larger non-negative
   // operands: rounding is monotone), so est + that margin <= thr proves upper <= thr with the
@@ -2145,7 +2149,6 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
           const int64_t v = v0 + j;
           const __mmask16 lanes = V::first(n - j);
           const __m512 sc = _mm512_maskz_loadu_ps(lanes, scale + v);
-          const __m512 rel16 = _mm512_set1_ps(1e-6f), tiny16 = _mm512_set1_ps(1e-30f);
           __m512 cx = _mm512_setzero_ps(), ce = _mm512_setzero_ps();
           bool coefs = false;
           for (int64_t m = 0; m < rows; ++m) {
@@ -2155,7 +2158,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
                 _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + m * kArgBlock + j)),
                 _mm512_mul_ps(sc, _mm512_set1_ps(sx[r])));
             const __m512 wide = _mm512_add_ps(estimate, _mm512_add_ps(vscreen, _mm512_add_ps(
-                _mm512_mul_ps(rel16, _mm512_add_ps(_mm512_abs_ps(estimate), vscreen)), tiny16)));
+                _mm512_mul_ps(rel, _mm512_add_ps(_mm512_abs_ps(estimate), vscreen)), tiny)));
             if (!_mm512_mask_cmp_ps_mask(lanes, wide, _mm512_set1_ps(thrs[r]), _CMP_GT_OQ))
               continue;
             if (!coefs) {
@@ -2166,7 +2169,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
             const __m512 bound = _mm512_add_ps(_mm512_mul_ps(cx, _mm512_set1_ps(xn[r])),
                                                _mm512_mul_ps(ce, _mm512_set1_ps(en[r])));
             const __m512 margin = _mm512_add_ps(bound, _mm512_add_ps(_mm512_mul_ps(
-                rel16, _mm512_add_ps(_mm512_abs_ps(estimate), bound)), tiny16));
+                rel, _mm512_add_ps(_mm512_abs_ps(estimate), bound)), tiny));
             alignas(64) float up[16];
             _mm512_store_ps(up, _mm512_add_ps(estimate, margin));
             const float lowest = _mm512_reduce_max_ps(_mm512_mask_blend_ps(
