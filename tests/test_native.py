@@ -266,7 +266,7 @@ def test_the_native_layer_operators_equal_their_calls_one_by_one(ops, kernel):
             "decoder_layers": (True, True)}
     try:
         for keep in (None, (1,)):
-            target.feature_layers = keep
+            target.set_feature_layers(keep)
             for tokens, pos, mask in steps:
                 outs = []
                 for op, (native_layer, stack) in ways.items():
