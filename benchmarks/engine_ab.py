@@ -140,14 +140,12 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         if not base_source:
             raise SystemExit("base-kernels needs --base-source OTHER/eagle2/csrc/cpu_ops.cpp")
         from eagle2.native import load_variant
-        from eagle2.target import cost_cache_path
 
         llm.target.native = base = load_variant("eagle2_ab_base", Path(base_source))
         if llm.target.greedy_head is not None:
             llm.target.greedy_head = base_greedy_argmax(llm.target.greedy_head.proj, base)
-        path = cost_cache_path(llm.target)  # (keyed by this build: one per base source beside)
         tag = hashlib.sha256(Path(base_source).read_bytes()).hexdigest()[:12]
-        llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-ab-{tag}.json")
+        own_costs(llm, f"ab-{tag}")  # (one per base source)
     if variant.endswith("multinomial-draw"):
         import eagle2.verify
 
@@ -159,11 +157,9 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         # the target's layers one `decoder_layer` call each, not one `decoder_layers` call
         # (fused.NATIVE_STACK off while this variant decodes), with its own forward costs
         from eagle2 import fused
-        from eagle2.target import cost_cache_path
 
         _during_generate(llm, lambda: mock.patch.object(fused, "NATIVE_STACK", False))
-        path = cost_cache_path(llm.target)
-        llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-per-layer.json")
+        own_costs(llm, "per-layer")
     if variant == "no-ngram":
         llm.engine.ngram = llm.engine.drafter.ngram = None
     if variant == "other-ngram":
@@ -212,8 +208,6 @@ def base_greedy_argmax(proj, base):
 def random_head_costs(llm: Eagle2) -> None:
     """The lm_head's costs timed after random tokens, as before `runner.timing_tokens` (the
     target without its tokenizer while they are timed), in a cost cache of their own."""
-    from eagle2.target import cost_cache_path
-
     runner, target = llm.engine.runner, llm.target
     timed = runner.head_seconds
 
@@ -224,8 +218,7 @@ def random_head_costs(llm: Eagle2) -> None:
         finally:
             target.tokenizer = tokenizer
     runner.head_seconds = head_seconds
-    path = cost_cache_path(target)
-    llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-random-head.json")
+    own_costs(llm, "random-head")
 
 
 def target_kernel(llm: Eagle2, kernel: int) -> None:
@@ -262,14 +255,23 @@ def own_draft_costs(llm: Eagle2, tag: str) -> None:
     """The variant measures its own draft costs (at its first step) in a copy of the cost
     file beside the shipped one."""
     from eagle2.budget import draft_key
-    from eagle2.target import cost_cache_path
 
     engine = llm.engine
     engine._draft_key_of = engine.drafter, f"{draft_key(engine.drafter)}|{tag}"
-    path = cost_cache_path(llm.target)  # a copy beside: the variant's draft costs its own
-    engine._costs = engine._cost_path = path.with_name(f"{path.stem}-{tag}.json")
+    path = own_costs(llm, tag)  # a copy beside: the variant's draft costs its own
     if path.exists() and not engine._cost_path.exists():
         shutil.copy(path, engine._cost_path)
+
+
+def own_costs(llm: Eagle2, tag: str):
+    """The variant's cost grid in a cache file of its own beside the shipped one
+    (`<stem>-<tag>.json`, measured at its first step where missing); -> the shipped one's
+    path."""
+    from eagle2.target import cost_cache_path
+
+    path = cost_cache_path(llm.target)
+    llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-{tag}.json")
+    return path
 
 
 def main() -> None:
