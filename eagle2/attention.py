@@ -238,7 +238,9 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     base = cache.lengths[slots]  # [B]
     scratch = base[:, None] + torch.arange(num_t, device=positions.device)  # [B, T]
     write_pos = scratch[:, num_t - num_n:]  # [B, N]
-    s_used = int(scratch[:, -1].max()) + 1
+    # what the checks below read, as lists (each tensor reduction here had cost ~5-15 us)
+    starts, slot_ids = base.tolist(), slots.tolist()
+    s_used = max(starts, default=0) + num_t
     assert s_used <= cache.max_len, f"sequence needs {s_used} cache entries > {cache.max_len}"
     mask = None
     if dense_mask:
@@ -250,12 +252,10 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
         mask.scatter_(2, scratch[:, None, :].expand(num_b, num_n, num_t), tree_mask)
         mask = mask[:, None]
     cos, sin = rotary(like, positions)
-    contiguous = bool(
-        num_b > 0 and torch.equal(slots, torch.arange(num_b, device=slots.device))
-    )
+    contiguous = num_b > 0 and slot_ids == list(range(num_b))
     write_start = None
-    if contiguous and bool((base == base[0]).all()):
-        write_start = int(base[0]) + num_t - num_n
+    if contiguous and starts.count(starts[0]) == num_b:
+        write_start = starts[0] + num_t - num_n
     found = (canonical_window(base, tree_mask, slots, cache.k.shape[1:])
              if canonical and window is None else None)
     return StepInputs(slots, write_pos, mask, cos, sin, contiguous, write_start, found,

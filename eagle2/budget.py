@@ -105,9 +105,14 @@ class CostModel:
         full = self(num_b, num_n, context)
         if not self.head_greedy_s:
             return full
-        logits = _interp(self.head_rows, list(self.head_logits_s), num_b * num_n)
-        rows = max(num_b * min(num_n, GREEDY_ROWS), min(num_b * num_n, first_rows))
-        argmax = _interp(self.head_rows, list(self.head_greedy_s), rows)
+        key = ("greedy", num_b, num_n, first_rows)
+        head = self._reads.get(key)  # (the budget asks ~10 times a step)
+        if head is None:
+            rows = max(num_b * min(num_n, GREEDY_ROWS), min(num_b * num_n, first_rows))
+            head = self._reads[key] = (
+                _interp(self.head_rows, list(self.head_logits_s), num_b * num_n),
+                _interp(self.head_rows, list(self.head_greedy_s), rows))
+        logits, argmax = head
         return max(full - logits + argmax, 0.5 * full)
 
     def _read(self, grid, num_b: int, num_n: int) -> float:
@@ -119,9 +124,10 @@ class CostModel:
         return seconds
 
     @functools.cached_property
-    def _reads(self) -> dict[tuple[bool, int, int], float]:
-        """(short grid?, B, N) -> seconds read off a grid: the budget reads the same cells
-        every step (~50 a step, ~4 us each)."""
+    def _reads(self) -> dict[tuple, float | tuple[float, float]]:
+        """(short grid?, B, N) -> seconds read off a grid, and ("greedy", B, N, first rows)
+        -> the lm_head's (logits, argmax) seconds of `greedy`: the budget reads the same
+        cells every step (~50 a step, ~4 us each)."""
         return {}
 
     def draft_level(self, num_b: int, width: int = 0) -> float:

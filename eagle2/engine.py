@@ -395,7 +395,8 @@ class Engine:
     def _context(self) -> float:
         """Committed tokens per running request, mean over the batch (what the forward's
         attention reads; costs depend on it)."""
-        return float(self.runner.lengths[: len(self.seqs)].float().mean())
+        lengths = self.runner.lengths[: len(self.seqs)].tolist()
+        return sum(lengths) / len(lengths) if lengths else float("nan")
 
     @property
     def known_costs(self) -> CostModel | None:

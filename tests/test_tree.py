@@ -168,6 +168,27 @@ def test_root_only_is_what_finish_tree_derives_for_one_node():
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+def longest_path_by_tensors(tree, pred: torch.Tensor):
+    """The reference for `verify.verify_greedy_tokens`: its acceptance as tensor operations
+    (what it ran before it walked the lists): each path's accepted prefix by cumprod, the
+    first longest by argmax."""
+    from eagle2.verify import Verified
+
+    paths = tree.retrieve_indices  # [B, P, D + 1]
+    safe = paths.clamp(min=0)
+    tok = torch.gather(tree.tokens[:, None, :].expand(-1, paths.shape[1], -1), 2, safe)
+    parent_pred = torch.gather(pred[:, None, :].expand(-1, paths.shape[1], -1), 2, safe[:, :, :-1])
+    ok = (tok[:, :, 1:] == parent_pred) & (paths[:, :, 1:] >= 0)  # [B, P, D]
+    num_acc = ok.long().cumprod(-1).sum(-1)  # [B, P]
+    best = num_acc.argmax(-1)
+    rows = torch.arange(paths.shape[0])
+    nodes = [p[: a + 1] for p, a in zip(paths[rows, best].tolist(),
+                                        num_acc[rows, best].tolist(), strict=True)]
+    tokens = [[tree.tokens[b, n].item() for n in path[1:]] + [pred[b, path[-1]].item()]
+              for b, path in enumerate(nodes)]
+    return Verified(nodes, tokens)
+
+
 def lazy_greedy_case(seed: int, first_rows: int = 0) -> bool:
     """verify_greedy_lazily (the argmax only where acceptance reaches) gives verify_greedy's
     result on random batches of trees of different sizes (padding), sibling tokens that repeat
@@ -206,7 +227,7 @@ def lazy_greedy_case(seed: int, first_rows: int = 0) -> bool:
 
     lazy = verify_greedy_lazily(tree, argmax, first_rows)
     full = verify_greedy(tree, logits)
-    assert lazy == full
+    assert lazy == full == longest_path_by_tensors(tree, logits.argmax(-1))
     assert len(asked) == len(set(asked)) <= int(tree.num_nodes.sum())
     if first_rows:
         base = [(b, n) for b, row in enumerate(rows) for n in range(len(row[1]))
