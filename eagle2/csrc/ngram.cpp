@@ -23,6 +23,7 @@ namespace {
 
 constexpr uint64_t kMult = 0x9E3779B97F4A7C15ULL;  // ngram._MULT
 constexpr uint64_t kSeed = 0x2545F4914F6CDD1DULL;  // ngram._SEED
+constexpr int64_t kMaxOrder = 16;  // the longest context a store may key (it keys MAX_ORDER)
 
 // keys [K] int64 (the store's uint64 keys, same bits, sorted as unsigned), starts [2^bits + 1]
 // int64 (the first key whose top `bits` bits are >= b), next [K] int32, rates [K] float64
@@ -48,7 +49,8 @@ std::tuple<at::Tensor, at::Tensor> ngram_chains(const at::Tensor& keys, const at
               "ngram_chains: rates must be a contiguous float64 tensor, one per key");
   TORCH_CHECK(contexts.dim() == 2 && contexts.scalar_type() == at::kLong,
               "ngram_chains: contexts must be a 2-d int64 tensor");
-  TORCH_CHECK(depth >= 0 && max_order >= 1, "ngram_chains: depth >= 0 and max_order >= 1");
+  TORCH_CHECK(depth >= 0 && max_order >= 1 && max_order <= kMaxOrder,
+              "ngram_chains: depth >= 0 and 1 <= max_order <= 16");
   const auto ctx = contexts.contiguous();
   const int64_t num_b = ctx.size(0), width = ctx.size(1);
   auto out_tokens = at::full({num_b, depth}, -1, at::kLong);
@@ -67,15 +69,21 @@ std::tuple<at::Tensor, at::Tensor> ngram_chains(const at::Tensor& keys, const at
       if (c[b * width + j] >= 0) seq.push_back(c[b * width + j]);
     double value = 1.0;
     for (int64_t d = 0; d < depth; ++d) {
-      // the longest known context ending the sequence (order max_order first)
+      // the longest known context ending the sequence: the keys of orders 1 .. max_order
+      // (each hash extends the shorter one's), then searched from the longest down, so a
+      // known long context costs one bucket's cache misses, not one for every order
       const int64_t orders = std::min<int64_t>(max_order, static_cast<int64_t>(seq.size()));
+      uint64_t hashes[kMaxOrder];
       uint64_t h = kSeed;
-      int64_t found = -1;
       for (int64_t o = 1; o <= orders; ++o) {
         h = (h ^ static_cast<uint64_t>(seq[seq.size() - o] + 1)) * kMult;
-        const uint64_t bucket = h >> shift;
+        hashes[o - 1] = h;
+      }
+      int64_t found = -1;
+      for (int64_t o = orders; o >= 1 && found < 0; --o) {
+        const uint64_t hk = hashes[o - 1], bucket = hk >> shift;
         for (int64_t i = start[bucket]; i < start[bucket + 1]; ++i)
-          if (key[i] == h) found = i;  // (a longer order overrides)
+          if (key[i] == hk) found = i;
       }
       if (found < 0 || value * rate[found] < min_value) break;
       value *= rate[found];
