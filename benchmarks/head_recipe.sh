@@ -29,7 +29,7 @@ case $STAGE in
   import)
     for s in synthetic self; do $E train-head --out $D/$s --stages "" --import-data $A/$s.tar.xz; done ;;
   train)
-    $E train-head --ttt --init-head ${INIT:-eagle2/heads/smollm2-135m-instruct-v5} --out $D/$FT \
+    $E train-head --ttt --init-head ${INIT:-eagle2/heads/smollm2-135m-instruct-v6} --out $D/$FT \
       --extra-data $D/synthetic --extra-data $D/self --stages train --epochs ${EPOCHS:-1} \
       --batch-tokens 2048 --lr ${LR:-3e-4} --warmup 20 --noise 0.1 --ttt-steps 4 --eval-every ${EVAL_EVERY:-200} \
       --patience ${PATIENCE:-3} --threads 2 --train-minutes ${TRAIN_MINUTES:-55} --save $D/$FT/head ;;
