@@ -57,9 +57,10 @@ def keeps_blocks(ops) -> bool:
 
 
 def key_blocks(cache_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key_blocks, key_blocks_valid) for one layer's K cache [slots, KVH, S, Dh], none valid."""
+    """(key_blocks, key_blocks_valid) for one layer's K cache [slots, KVH, S, Dh], none valid
+    (with room for the values' AMX tiles, which a build with them keeps there)."""
     slots, kv_heads, size, dh = cache_k.shape
-    return empty_key_blocks((slots, kv_heads), size, dh)
+    return empty_key_blocks((slots, kv_heads), size, dh, value_tiles=True)
 
 
 def time_round(ops, args: tuple, reps: int) -> tuple[float, torch.Tensor]:

@@ -36,26 +36,29 @@ class KVCache:
     v: torch.Tensor  # [L, slots, KVH, S, Dh]
     lengths: torch.Tensor  # [slots] committed length, long
     # the committed keys kept transposed in blocks for the native attention (docs/DESIGN.md
-    # "Exact bf16 attention"): [L, slots, KVH, ceil(S / 16), Dh / 2 * 16] int32, and per
-    # layer, slot and KV head how many blocks are valid [L, slots, KVH]
+    # "Exact bf16 attention"), and with AMX the committed values as its tiles after them:
+    # [L, slots, KVH, blocks, Dh / 2 * 16] int32 (`empty_key_blocks`), and per layer, slot
+    # and KV head how many key blocks are valid [L, slots, KVH]
     key_blocks: torch.Tensor | None = None
     key_blocks_valid: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 ones_column: bool = False, key_blocks: bool = False) -> KVCache:
+                 ones_column: bool = False, key_blocks: bool = False,
+                 value_tiles: bool = False) -> KVCache:
         """ones_column: V gets a last column of ones (`canonical_attention` reads the sums of
         its probabilities from the same matmul as the values). key_blocks: keep the committed
-        keys transposed as well (`eagle2.native`'s attention; the K cache's memory again)."""
+        keys transposed as well (`eagle2.native`'s attention; the K cache's memory again);
+        value_tiles: and the committed values as AMX tiles (the V cache's memory again)."""
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         v = torch.zeros(*shape[:-1], head_dim + int(ones_column), dtype=dtype, device=device)
         v[..., head_dim:] = 1
         cache = cls(torch.zeros(shape, dtype=dtype, device=device), v,
                     torch.zeros(num_slots, dtype=torch.long, device=device))
         if key_blocks:
-            cache.key_blocks, cache.key_blocks_valid = empty_key_blocks(shape[:3], max_len,
-                                                                        head_dim, device)
+            cache.key_blocks, cache.key_blocks_valid = empty_key_blocks(
+                shape[:3], max_len, head_dim, device, value_tiles)
         return cache
 
     def layer_key_blocks(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -120,12 +123,15 @@ class KVCache:
 
 
 def empty_key_blocks(leading: tuple[int, ...], max_len: int, head_dim: int,
-                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+                     device: torch.device | str = "cpu", value_tiles: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(key_blocks, key_blocks_valid) for K caches [*leading, max_len, head_dim], no block
     valid: [*leading, ceil(max_len / 16), head_dim / 2 * 16] int32 (room for blocks of 16
-    keys, or of 8 with AVX2) and [*leading] int32 (`KVCache.key_blocks`)."""
-    blocks = torch.empty(*leading, -(-max_len // 16), head_dim // 2 * 16, dtype=torch.int32,
-                         device=device)
+    keys, or of 8 with AVX2) and [*leading] int32 (`KVCache.key_blocks`). value_tiles: room
+    for the values as AMX tiles too, in chunks of 32 after the keys (the native attention
+    keeps them there where the room is: [*leading, 4 ceil(max_len / 32), ...])."""
+    count = 4 * -(-max_len // 32) if value_tiles else -(-max_len // 16)
+    blocks = torch.empty(*leading, count, head_dim // 2 * 16, dtype=torch.int32, device=device)
     return blocks, torch.zeros(leading, dtype=torch.int32, device=device)
 
 

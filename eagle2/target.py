@@ -286,7 +286,9 @@ class TargetModel:
         return KVCache.allocate(self.num_layers, num_slots, self.local_kv_heads(), max_len,
                                 self.head_dim, self.dtype, self.device,
                                 ones_column=self.canonical,
-                                key_blocks=self.native_attention is not None)
+                                key_blocks=self.native_attention is not None,
+                                value_tiles=self.native_attention is not None
+                                and self.native_attention.amx_ready())
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,

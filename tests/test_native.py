@@ -379,8 +379,10 @@ def test_attention_of_a_long_chain_equals_each_token_decoded_alone_bitwise(attn_
             assert torch.equal(outs[0][b, n].view(torch.int16), alone[0, 0].view(torch.int16))
 
 
-def test_kept_key_blocks_give_the_bits_of_transposing_every_call(attn_ops):
-    """The committed keys kept transposed from call to call (`KVCache.key_blocks`) through a
+@pytest.mark.parametrize("value_tiles", [False, True])
+def test_kept_key_blocks_give_the_bits_of_transposing_every_call(attn_ops, value_tiles):
+    """The committed keys kept transposed from call to call (`KVCache.key_blocks`; with
+    value_tiles the committed values too, as AMX tiles, where the tiles exist) through a
     request's life as the engine drives the cache: prefill, tree steps whose K land at the
     base and after, a step that rewinds the committed length below blocks kept earlier, a
     finished request's slot taken over by `copy_slot`, a new request in a used slot. Every
@@ -390,7 +392,7 @@ def test_kept_key_blocks_give_the_bits_of_transposing_every_call(attn_ops):
     g = torch.Generator().manual_seed(13)
     num_q, num_kv, dim, size = 9, 3, 64, 160
     cache = KVCache.allocate(1, 3, num_kv, size, dim, torch.bfloat16, "cpu", ones_column=True,
-                             key_blocks=True)
+                             key_blocks=True, value_tiles=value_tiles)
     cache.key_blocks.fill_(-1)  # whatever the memory held
     width = 8 if attn_ops.isa() == "avx2" else 16  # keys a block
 

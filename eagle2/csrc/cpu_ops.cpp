@@ -259,6 +259,10 @@ struct Unit {
   // into the scratch
   const uint32_t* blocks = nullptr;
   int64_t kept = 0;
+  // the first `vkept` chunks of 32 committed values as AMX tiles (`pack_value_chunk`), kept
+  // in the cache's key blocks after the keys (`update_value_chunks`); nullptr: packed anew
+  const uint32_t* vblocks = nullptr;
+  int64_t vkept = 0;
 };
 
 // per-thread buffers, reused across units
@@ -266,6 +270,10 @@ struct Scratch {
   std::vector<uint32_t> kc, kt;  // transposed committed keys, tree entries
   std::vector<float> qe, qo, s, ts, total, sums;
   std::vector<bf16> qb;  // the queries as bf16 rows, for the AMX scores
+  std::vector<bf16> pb;  // the probabilities' numerators as bf16 rows (AMX value sums)
+  std::vector<uint32_t> vc, vt;  // values as VNNI tiles: committed chunks, a group's own ones
+  std::vector<float> acc;  // per query row its dh fp32 sums (AMX value sums)
+  std::vector<int64_t> order, lead;  // positions by their entry count; a position's group
   std::vector<const bf16*> values, tree;
   std::vector<int64_t> counts;
 };
@@ -709,6 +717,213 @@ void store_values(const float* sums, float total, int64_t dh, bf16* out) {
     out[d] = bf16(buf[2 * W * (d / (2 * W)) + W * (d % 2) + (d % (2 * W)) / 2]);
 }
 
+#ifdef EAGLE2_AMX
+// ---- The weighted sums of values on the AMX tiles ----
+// docs/DESIGN.md "Exact bf16 attention". Where the tiles exist, a query row's sums are
+// sum_j bf16(p_j) v_j over its logical keys j (committed keys in position order, then its
+// tree entries in order: the sequence plain decoding has them in), in chunks of 32 aligned
+// to the logical index (keys [32c, 32c + 32) a chunk), each chunk one TDPBF16PS per 16
+// dimensions into the row's fp32 sums, chunks in order from zero. A chunk's result is a
+// function of the row's sums before it, its 32 probabilities (zeros past the row's last
+// key) and the chunk's 32 value rows alone, whatever other rows share the tile multiply, so
+// a tree node gets the bits of the same token decoded alone after its path was committed:
+// a chunk the node reads through the tree (the committed keys from the last full chunk on,
+// then its ancestors) holds the values that chunk holds in plain decoding, where they are
+// committed. Lanes past a row's last key may hold other nodes' values (rows whose entries
+// are a prefix of another's share its tiles); their probability is zero, so they add zeros
+// (an exactly-zero sum could come out as -0 instead of +0, nothing else).
+
+// n uint32 of v at a 64-byte boundary (v grown to hold them)
+inline uint32_t* aligned64(std::vector<uint32_t>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n + 16) v.resize(static_cast<size_t>(n + 16));
+  const auto at = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - at % 64) % 64) / 4;
+}
+
+// 32 value rows (rows[i]; nullptr: zeros) of dh (a multiple of 32) -> dh / 16 VNNI B tiles
+// at dst, 256 uint32 each: tile t's row i holds dimensions 16t .. 16t + 15 of rows 2i and
+// 2i + 1 as bf16 pairs (first row's value in the low half)
+void pack_value_chunk(const bf16* const* rows, int64_t dh, uint32_t* dst) {
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
+                                               6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
+                                               12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kLo);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int i = 0; i < 16; ++i) {
+    const bf16* a = rows[2 * i];
+    const bf16* b = rows[2 * i + 1];
+    for (int64_t d = 0; d < dh; d += 32) {
+      const __m512i va = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
+      const __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + (d / 16 * 16 + i) * 16, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(dst + (d / 16 * 16 + 16 + i) * 16,
+                          _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+
+// rows (<= 16, the tiles configured for them) of sums at c (fp32, ldc floats apart), dims
+// [16 t0, 16 (t0 + nt)), nt <= 4: += (from zero where !load) the chunks' products, chunk k's
+// probabilities at a + 32 k (lda bf16 apart) and its tiles at vb + k chunk_words
+inline void value_tiles(const bf16* a, int64_t lda, const uint32_t* vb, int64_t chunk_words,
+                        int64_t chunks, int t0, int nt, float* c, int64_t ldc, bool load) {
+  float* c0 = c + 16 * t0;
+  if (load) {
+    _tile_loadd(4, c0, ldc * 4);
+    if (nt > 1) _tile_loadd(5, c0 + 16, ldc * 4);
+    if (nt > 2) _tile_loadd(6, c0 + 32, ldc * 4);
+    if (nt > 3) _tile_loadd(7, c0 + 48, ldc * 4);
+  } else {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  for (int64_t k = 0; k < chunks; ++k) {
+    const uint32_t* b = vb + k * chunk_words + 256 * t0;
+    _tile_loadd(0, a + 32 * k, lda * 2);
+    _tile_loadd(1, b, 64);
+    _tile_dpbf16ps(4, 0, 1);
+    if (nt > 1) {
+      _tile_loadd(2, b + 256, 64);
+      _tile_dpbf16ps(5, 0, 2);
+    }
+    if (nt > 2) {
+      _tile_loadd(3, b + 512, 64);
+      _tile_dpbf16ps(6, 0, 3);
+    }
+    if (nt > 3) {
+      _tile_loadd(1, b + 768, 64);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+  }
+  _tile_stored(4, c0, ldc * 4);
+  if (nt > 1) _tile_stored(5, c0 + 16, ldc * 4);
+  if (nt > 2) _tile_stored(6, c0 + 32, ldc * 4);
+  if (nt > 3) _tile_stored(7, c0 + 48, ldc * 4);
+}
+
+// all dh dims of value_tiles, 64 at a time
+inline void value_tiles_all(const bf16* a, int64_t lda, const uint32_t* vb,
+                            int64_t chunk_words, int64_t chunks, int64_t dh, float* c,
+                            int64_t ldc, bool load) {
+  for (int64_t t0 = 0; t0 < dh / 16; t0 += 4)
+    value_tiles(a, lda, vb, chunk_words, chunks, static_cast<int>(t0),
+                static_cast<int>(std::min<int64_t>(4, dh / 16 - t0)), c, ldc, load);
+}
+
+// The weighted sums and outputs of query rows r < nq (position n0 + r / G, head r % G) whose
+// numerators are in s (rows R apart: the committed keys', then the row's tree entries'),
+// `counts` entries each (tree entries' value rows in `tree`, T apart a position), totals in
+// `total`; committed value rows in values (len of them).
+void attend_values_amx(const Unit& u, int64_t n0, int64_t n1, const float* s, int64_t R,
+                       const float* total, const bf16* const* values, const bf16* const* tree,
+                       const int64_t* counts, Scratch& w) {
+  const int G = u.G;
+  const int64_t dh = u.dh, L = u.len, nq = (n1 - n0) * G, np = n1 - n0;
+  const int64_t chunk_words = dh * 16;  // uint32 of a chunk's dh / 16 tiles
+  const int64_t full = L / 32;  // committed chunks every row shares
+  int64_t most = 0;
+  for (int64_t i = 0; i < np; ++i) most = std::max(most, counts[i]);
+  const int64_t Rb = (L + most + 31) / 32 * 32;  // a row's bf16 numerators, zero padded
+  w.pb.resize(static_cast<size_t>(nq * Rb));
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t n = L + counts[r / G];
+    const float* src = s + r * R;
+    bf16* dst = w.pb.data() + r * Rb;
+    for (int64_t j = 0; j < Rb; j += 16) {
+      const __mmask16 m = j >= n ? 0 : n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 p = _mm512_maskz_loadu_ps(m, src + j);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+  }
+  w.acc.resize(static_cast<size_t>(nq * dh));
+  // the committed full chunks, shared by every row: 16 rows a pass
+  // (those the cache keeps, the rest packed here)
+  const int64_t kept = u.vblocks != nullptr ? std::min(u.vkept, full) : 0;
+  uint32_t* vc = aligned64(w.vc, std::max<int64_t>(full - kept, 1) * chunk_words);
+  for (int64_t c = kept; c < full; ++c)
+    pack_value_chunk(values + 32 * c, dh, vc + (c - kept) * chunk_words);
+  int configured = 0;
+  for (int64_t r0 = 0; r0 < nq; r0 += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, nq - r0));
+    if (rows != configured) configure_tiles(configured = rows);
+    const bf16* a = w.pb.data() + r0 * Rb;
+    float* c = w.acc.data() + r0 * dh;
+    if (kept > 0) value_tiles_all(a, Rb, u.vblocks, chunk_words, kept, dh, c, dh, false);
+    if (full > kept)
+      value_tiles_all(a + 32 * kept, Rb, vc, chunk_words, full - kept, dh, c, dh, kept > 0);
+    if (full == 0) std::fill(c, c + rows * dh, 0.0f);
+  }
+  // the rest per group of positions: a group's entries are a prefix of its lead's (the one
+  // with the most: a chain, or a prefill, is one group), whose chunks from `full` on are
+  // packed once (committed keys past the last full chunk, then the lead's entries, zeros)
+  w.order.resize(static_cast<size_t>(np));
+  for (int64_t i = 0; i < np; ++i) w.order[i] = i;
+  std::stable_sort(w.order.begin(), w.order.end(),
+                   [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
+  w.lead.assign(static_cast<size_t>(np), -1);
+  const bf16* rows32[32];
+  alignas(64) bf16 sa[16 * 32];
+  alignas(64) float sc[16 * 128];
+  for (int64_t li = 0; li < np; ++li) {
+    const int64_t lead = w.order[li];
+    if (w.lead[lead] >= 0) continue;
+    // its members: itself and the positions after it whose entries are a prefix of its own
+    for (int64_t mi = li; mi < np; ++mi) {
+      const int64_t m = w.order[mi];
+      if (w.lead[m] < 0 && std::equal(tree + m * u.T, tree + m * u.T + counts[m], tree + lead * u.T))
+        w.lead[m] = lead;
+    }
+    const int64_t end = L + counts[lead], chunks = (end + 31) / 32 - full;
+    uint32_t* vt = aligned64(w.vt, std::max<int64_t>(chunks, 1) * chunk_words);
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int i = 0; i < 32; ++i) {
+        const int64_t j = 32 * (full + c) + i;
+        rows32[i] = j < L ? values[j] : j < end ? tree[lead * u.T + (j - L)] : nullptr;
+      }
+      pack_value_chunk(rows32, dh, vt + c * chunk_words);
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t first = 32 * (full + c);  // rows whose keys reach into this chunk
+      int64_t picked[16];
+      int count = 0;
+      const auto flush = [&]() {
+        if (count == 0) return;
+        if (count != configured) configure_tiles(configured = count);
+        for (int k = 0; k < count; ++k) {
+          std::memcpy(sa + 32 * k, w.pb.data() + picked[k] * Rb + first, 64);
+          std::memcpy(sc + 128 * k, w.acc.data() + picked[k] * dh, dh * sizeof(float));
+        }
+        value_tiles_all(sa, 32, vt + c * chunk_words, chunk_words, 1, dh, sc, 128,
+                        true);
+        for (int k = 0; k < count; ++k)
+          std::memcpy(w.acc.data() + picked[k] * dh, sc + 128 * k, dh * sizeof(float));
+        count = 0;
+      };
+      for (int64_t mi = li; mi < np; ++mi) {
+        const int64_t m = w.order[mi];
+        if (w.lead[m] != lead || L + counts[m] <= first) continue;
+        for (int g = 0; g < G; ++g) {
+          picked[count++] = m * G + g;
+          if (count == 16) flush();
+        }
+      }
+      flush();
+    }
+  }
+  if (configured) _tile_release();
+  for (int64_t r = 0; r < nq; ++r) {
+    const __m512 t = _mm512_set1_ps(total[r]);
+    bf16* out = u.out + (n0 + r / G) * u.out_stride + (r % G) * dh;
+    for (int64_t d = 0; d < dh; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(
+                              _mm512_loadu_ps(w.acc.data() + r * dh + d), t)));
+  }
+}
+#endif
+
 // query positions of a unit scored together: bounds the score buffers (a prefill of P tokens
 // is a unit of P positions over P tree entries; unchunked, its scores took 2 x 3P^2 floats)
 constexpr int64_t kQueryChunk = 64;
@@ -785,6 +1000,11 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
       w.total[r] = softmax_numerators(s, u.len + count);
     }
   }
+#ifdef EAGLE2_AMX
+  if (amx)
+    return attend_values_amx(u, n0, n1, w.s.data(), R, w.total.data(), w.values.data(),
+                             w.tree.data(), w.counts.data(), w);
+#endif
   // the weighted sums: the committed values (shared) for several rows at once, then each
   // row's own tree entries, continuing the same sums in order
   w.sums.assign(static_cast<size_t>(nq * 2 * W * CH), 0.0f);
@@ -851,6 +1071,21 @@ void update_key_blocks(const bf16* k, int64_t ks, int64_t base, int64_t dh, uint
   transpose_blocks(k, ks, base, *valid, full, pairs, blocks + *valid * pairs * W);
   *valid = static_cast<int32_t>(full);
 }
+
+#ifdef EAGLE2_AMX
+// The committed values of one (slot, KV head) as AMX tiles in chunks of 32 (`pack_value_chunk`,
+// chunk_words uint32 each, from chunks): those of the first `from` were packed by an earlier
+// call and are still right (as `update_key_blocks`' blocks: the caller passes the key blocks'
+// count before its update, in keys, / 32); the full chunks from there to base / 32 are packed.
+void update_value_chunks(const bf16* v, int64_t vs, int64_t base, int64_t dh, int64_t from,
+                         uint32_t* chunks) {
+  const bf16* rows[32];
+  for (int64_t c = from; c < base / 32; ++c) {
+    for (int i = 0; i < 32; ++i) rows[i] = v + (32 * c + i) * vs;
+    pack_value_chunk(rows, dh, chunks + c * dh * 16);
+  }
+}
+#endif
 
 void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
   if (u.dh <= 2 * W) {
@@ -920,6 +1155,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
   uint32_t* kbp = nullptr;
   int32_t* kvp = nullptr;
   int64_t unit_stride = 0;  // uint32s of key blocks per (slot, KV head)
+  int64_t value_offset = 0;  // where a unit's value tiles start in them (0: not kept)
   if (key_blocks.has_value()) {
     const auto& kb = *key_blocks;
     const auto& kv = *key_blocks_valid;
@@ -935,11 +1171,22 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
     kbp = reinterpret_cast<uint32_t*>(kb.data_ptr<int32_t>());
     kvp = kv.data_ptr<int32_t>();
     unit_stride = kb.size(2) * kb.size(3);
+#ifdef EAGLE2_AMX
+    // room for the values too (`empty_key_blocks`): they are kept after the keys, as tiles
+    value_offset = (cache_k.size(2) + 31) / 32 * 32 * (dh / 2);
+    if (!(dh % 32 == 0 && amx_ready() && unit_stride >= 2 * value_offset)) value_offset = 0;
+#endif
     at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / KVH, h = t % KVH, unit = slp[b] * KVH + h;
+        const int64_t was = kvp[unit];
         update_key_blocks(kp + slp[b] * ks[0] + h * ks[1], ks[2], bp[b], dh,
                           kbp + unit * unit_stride, kvp + unit);
+#ifdef EAGLE2_AMX
+        if (value_offset > 0)
+          update_value_chunks(vp + slp[b] * vs[0] + h * vs[1], vs[2], bp[b], dh, was * W / 32,
+                              kbp + unit * unit_stride + value_offset);
+#endif
       }
     });
   }
@@ -962,6 +1209,10 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
       if (kbp != nullptr) {
         u.blocks = kbp + (slp[b] * KVH + h) * unit_stride;
         u.kept = bp[b] / W;
+        if (value_offset > 0) {
+          u.vblocks = u.blocks + value_offset;
+          u.vkept = bp[b] / 32;
+        }
       }
       attend_unit(u, N * part / parts, N * (part + 1) / parts, w);
     }
