@@ -832,8 +832,7 @@ void attend_values_amx(const Unit& u, int64_t n0, int64_t n1, const float* s, in
     const float* src = s + r * R;
     bf16* dst = w.pb.data() + r * Rb;
     for (int64_t j = 0; j < Rb; j += 16) {
-      const __mmask16 m = j >= n ? 0 : n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 p = _mm512_maskz_loadu_ps(m, src + j);
+      const __m512 p = _mm512_maskz_loadu_ps(j < n ? V::first(n - j) : 0, src + j);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), (__m256i)_mm512_cvtneps_pbh(p));
     }
   }
@@ -872,8 +871,8 @@ void attend_values_amx(const Unit& u, int64_t n0, int64_t n1, const float* s, in
     // its members: itself and the positions after it whose entries are a prefix of its own
     for (int64_t mi = li; mi < np; ++mi) {
       const int64_t m = w.order[mi];
-      if (w.lead[m] < 0 && std::equal(tree + m * u.T, tree + m * u.T + counts[m], tree + lead * u.T))
-        w.lead[m] = lead;
+      const bf16* const* own = tree + m * u.T;
+      if (w.lead[m] < 0 && std::equal(own, own + counts[m], tree + lead * u.T)) w.lead[m] = lead;
     }
     const int64_t end = L + counts[lead], chunks = (end + 31) / 32 - full;
     uint32_t* vt = aligned64(w.vt, std::max<int64_t>(chunks, 1) * chunk_words);
@@ -1074,9 +1073,10 @@ void update_key_blocks(const bf16* k, int64_t ks, int64_t base, int64_t dh, uint
 
 #ifdef EAGLE2_AMX
 // The committed values of one (slot, KV head) as AMX tiles in chunks of 32 (`pack_value_chunk`,
-// chunk_words uint32 each, from chunks): those of the first `from` were packed by an earlier
-// call and are still right (as `update_key_blocks`' blocks: the caller passes the key blocks'
-// count before its update, in keys, / 32); the full chunks from there to base / 32 are packed.
+// dh x 16 uint32 each, at chunks): the first `from` were packed by an earlier call and are
+// still right, for the reason `update_key_blocks`' blocks are (the caller passes the key
+// blocks' valid keys before their update, / 32: a rewind or `copy_slot` cuts both); the full
+// chunks from there to base / 32 are packed.
 void update_value_chunks(const bf16* v, int64_t vs, int64_t base, int64_t dh, int64_t from,
                          uint32_t* chunks) {
   const bf16* rows[32];
