@@ -350,6 +350,54 @@ def test_attention_of_a_tree_node_equals_plain_decoding_bitwise(attn_ops):
     assert torch.equal(in_tree[0, 3], alone[0, 0])
 
 
+def test_every_node_of_a_branched_tree_equals_plain_decoding_bitwise(attn_ops):
+    """A tree of 22 entries after 54 committed keys: a chain of 12 under the root, a branch of
+    8 leaving it at depth 4, a leaf under the root, in depth order (the branches interleave); its
+    paths cross the 32- and 64-key boundaries (where the AMX weighted sums change chunks, and
+    entries of two branches would share one). Every node's output, with the committed keys and
+    values kept in blocks and without, has the bits of the same token decoded alone after its
+    path was committed."""
+    from eagle2.attention import empty_key_blocks
+
+    g = torch.Generator().manual_seed(17)
+    num_q, num_kv, dim, size, base = 9, 3, 64, 128, 54
+    # in depth order, as the engine's trees are: chain a1..a12 under the root, a leaf under
+    # the root, branch b1..b8 under a3 (depths 4..11)
+    parents, chain, branch = [-1], [0], [None]
+    for depth in range(1, 13):
+        chain.append(len(parents))
+        parents.append(chain[depth - 1])
+        if depth == 1:
+            parents.append(0)  # the leaf
+        if 4 <= depth <= 11:
+            branch.append(len(parents))
+            parents.append(chain[3] if depth == 4 else branch[-2])
+    assert len(parents) == 22
+    tree = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        assert parent < node
+        tree[node] = tree[parent] if parent >= 0 else tree[node]
+        tree[node, node] = True
+    cache_k = torch.randn(1, num_kv, size, dim, generator=g).bfloat16()
+    cache_v = torch.randn(1, num_kv, size, dim, generator=g).bfloat16()
+    q = torch.randn(1, num_q, len(parents), dim, generator=g).bfloat16()
+    args = (q, cache_k, cache_v, torch.tensor([0]), torch.tensor([base]), tree[None], dim ** -0.5)
+    fresh = attn_ops.attention(*args)
+    kept = attn_ops.attention(*args, *empty_key_blocks((1, num_kv), size, dim, value_tiles=True))
+    assert torch.equal(fresh.view(torch.int16), kept.view(torch.int16))
+    one = torch.ones(1, 1, 1, dtype=torch.bool)
+    for node in range(len(parents)):
+        path = torch.nonzero(tree[node]).flatten().tolist()  # its ancestors, then itself
+        plain_k, plain_v = cache_k.clone(), cache_v.clone()
+        for depth, entry in enumerate(path):
+            plain_k[0, :, base + depth] = cache_k[0, :, base + entry]
+            plain_v[0, :, base + depth] = cache_v[0, :, base + entry]
+        alone = attn_ops.attention(q[:, :, node:node + 1].contiguous(), plain_k, plain_v,
+                                   torch.tensor([0]), torch.tensor([base + len(path) - 1]), one,
+                                   dim ** -0.5)
+        assert torch.equal(fresh[0, node].view(torch.int16), alone[0, 0].view(torch.int16)), node
+
+
 def test_attention_of_a_long_chain_equals_each_token_decoded_alone_bitwise(attn_ops):
     """Chains of 20 tree tokens (two key blocks of the tree) after 37 and 5 committed keys,
     two requests in one call, on one and on two threads (the queries of a request then split
