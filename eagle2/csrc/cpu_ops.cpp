@@ -239,6 +239,17 @@ namespace {
 
 constexpr int kMaxG = 8;  // query heads per KV head handled together
 
+// whether the attention of heads of dh dimensions scores and sums on the AMX tiles (the same
+// for every call of a process): then its committed values can be kept as tiles too
+inline bool attention_on_tiles(int64_t dh) {
+#ifdef EAGLE2_AMX
+  return dh % 32 == 0 && amx_ready();
+#else
+  (void)dh;
+  return false;
+#endif
+}
+
 // One (request, KV head) of an attention call: its queries (each with G heads), its part of
 // the cache, its tree mask rows.
 struct Unit {
@@ -944,11 +955,7 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
       }
   const int64_t nbt = (last + W) / W;  // tree blocks scored
   const int64_t nq = (n1 - n0) * G;  // query (n, g) is row (n - n0) G + g
-#ifdef EAGLE2_AMX
-  const bool amx = u.dh % 32 == 0 && amx_ready();  // (the same for every call of a process)
-#else
-  const bool amx = false;
-#endif
+  const bool amx = attention_on_tiles(u.dh);
   if (amx) {
     w.qb.resize(static_cast<size_t>(nq * u.dh));
     for (int64_t r = 0; r < nq; ++r)
@@ -1174,7 +1181,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
 #ifdef EAGLE2_AMX
     // room for the values too (`empty_key_blocks`): they are kept after the keys, as tiles
     value_offset = (cache_k.size(2) + 31) / 32 * 32 * (dh / 2);
-    if (!(dh % 32 == 0 && amx_ready() && unit_stride >= 2 * value_offset)) value_offset = 0;
+    if (!(attention_on_tiles(dh) && unit_stride >= 2 * value_offset)) value_offset = 0;
 #endif
     at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
