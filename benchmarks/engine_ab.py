@@ -47,7 +47,8 @@ exponentials a token, not by `verify.draw`, during that variant's calls), per-la
 vanilla-per-layer-op (the target's layers one `decoder_layer` operator call each, as before
 `fused.LayerStack` ran consecutive layers as one `decoder_layers` call, with their own cost
 grid), other-ngram (the shipped engine with the n-gram store of `--ngram PATH`, e.g. one built
-from more answers).
+from more answers), other-head (the shipped engine with the head of `--draft DIR`, its
+calibration and n-gram store with it: e.g. a newly trained head against the shipped one).
 A variant named twice with a suffix ("shipped,shipped@2") is built twice: each instance loads
 its own copy of the weights, and the spread between the two is what the method itself reads
 between equal engines.
@@ -83,7 +84,7 @@ VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "fma-target", "vanilla-fma-target", "no-argmax-tiles", "vanilla-no-argmax-tiles",
             "random-head-costs", "narrow-first-round", "call-by-call-head",
             "always-draft-call-by-call-head", "per-layer-op", "vanilla-per-layer-op",
-            "other-ngram")
+            "other-ngram", "other-head")
 
 
 class _OpenGates(dict):
@@ -103,12 +104,15 @@ class _OpenGates(dict):
 
 
 def build(variant: str, max_batch: int = 8, base_source: str | None = None,
-          threads: int = 1, ngram: str | None = None) -> Eagle2:
+          threads: int = 1, ngram: str | None = None, draft: str | None = None) -> Eagle2:
     variant = variant.split("@")[0]  # "shipped@2": another instance of the same variant
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     mode = "vanilla" if variant.startswith("vanilla") else "eagle2"
-    llm = Eagle2.load(threads=threads, tree=TreeConfig(mode=mode), max_batch=max_batch)
+    if variant == "other-head" and not draft:
+        raise SystemExit("other-head needs --draft HEAD_DIR")
+    llm = Eagle2.load(draft=draft if variant == "other-head" else None, threads=threads,
+                      tree=TreeConfig(mode=mode), max_batch=max_batch)
     if variant.endswith("-logits"):
         llm.target.greedy_head = None
     if variant == "no-lookup-alone":
@@ -284,11 +288,13 @@ def main() -> None:
                     help="prompts decoded together (groups of one suite's consecutive prompts)")
     ap.add_argument("--base-source", default=None, help="for base-kernels")
     ap.add_argument("--ngram", default=None, help="for other-ngram: an ngram.npz")
+    ap.add_argument("--draft", default=None, help="for other-head: a head directory")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every variant")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = args.variants.split(",")
-    llms = {v: build(v, max(8, args.batch), args.base_source, args.threads, args.ngram)
+    llms = {v: build(v, max(8, args.batch), args.base_source, args.threads, args.ngram,
+                     args.draft)
             for v in variants}
     suites = [load_suite(s, args.num_prompts) for s in ("mt_bench", "humaneval")]
     groups = [ps[i: i + args.batch] for ps in suites for i in range(0, len(ps), args.batch)]
