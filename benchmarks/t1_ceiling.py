@@ -13,8 +13,9 @@ more from that tree; the figure bounds the T = 1 tau a head can reach with it.
 
     .venv/bin/python benchmarks/t1_ceiling.py OUT.json --num-prompts 4 --every 10
 
-Plain HF fp32 forwards over whole prefixes (no cache): ~15 s a prompt at --every 10 on two
-cores. The answers are sampled with `torch.multinomial` from --seed, 128 tokens at most.
+Plain HF fp32 forwards over whole prefixes (no cache): ~1.5 minutes a prompt at --every 10
+on two threads of a 2-core Xeon (4 + 4 prompts: ~13 minutes). The answers are sampled with
+`torch.multinomial` from --seed, 128 tokens at most.
 """
 
 from __future__ import annotations
