@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle2.bench.prompts import load_suite
 from eagle2.target import embedded_model_dir
+from eagle2.text import encode_prompt
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,11 +73,6 @@ class Target:
             x = torch.tensor([[t]])
         return out
 
-    def encode_chat(self, message: str) -> list[int]:
-        text = self.tok.apply_chat_template([{"role": "user", "content": message}],
-                                            add_generation_prompt=True, tokenize=False)
-        return self.tok.encode(text, add_special_tokens=False)
-
 
 def perfect_tree(target: Target, ctx: list[int], args) -> tuple[float, float, float]:
     """-> (expected accepted draft tokens of the tree, p's top-1 mass, its top-k mass)."""
@@ -105,7 +101,7 @@ def main() -> None:
     for suite in args.suites.split(","):
         rows = []
         for prompt in load_suite(suite, args.num_prompts):
-            ids = target.encode_chat(prompt.user_message)
+            ids = encode_prompt(target.tok, prompt.user_message)
             answer = target.sample(ids, args.max_tokens)
             rows += [perfect_tree(target, ids + answer[:t], args)
                      for t in range(0, len(answer), args.every)]

@@ -37,13 +37,11 @@ PROB_EDGES = tuple(math.log(x) for x in (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0
 
 def record(args) -> None:
     from eagle2.api import Eagle2
-    from eagle2.bench.calibrate import _observe_verification
+    from eagle2.bench.calibrate import _observe_verification, held_out_prompts
     from eagle2.calibration import accepted_nodes
     from eagle2.config import SamplingParams, TreeConfig
     from eagle2.drafter import Drafter
     from eagle2.engine import Engine
-    from eagle2.train.code_prompts import make_code_prompts
-    from eagle2.train.prompts import make_prompts
 
     total = 1 + TOP_K + DEPTH * TOP_K * TOP_K
     Engine.tree_margin = total + 1
@@ -69,8 +67,9 @@ def record(args) -> None:
     _observe_verification(llm.engine.runner, observe)
     tree = TreeConfig("eagle2", total, DEPTH, TOP_K, budget="fixed", lookup=0)
     params = SamplingParams(max_tokens=args.max_tokens)
-    groups = (("chat", make_prompts(11200, seed=0)[11168:11168 + args.num_chat]),
-              ("code", make_code_prompts(256 + args.num_code, seed=0)[256:]))
+    prompts = held_out_prompts(argparse.Namespace(  # the recipe's calibration prompts
+        first_chat=11168, num_chat=args.num_chat, first_code=256, num_code=args.num_code))
+    groups = (("chat", prompts[:args.num_chat]), ("code", prompts[args.num_chat:]))
     t0 = time.perf_counter()
     for name, prompts in groups:
         group[0] = name
