@@ -3,6 +3,8 @@
 # usage: benchmarks/head_eval.sh HEAD_DIR OUT_DIR [extra bench flags]
 # 1. default settings (cost-aware tree, prompt lookup on), 2. the 26-token tree (depth 5,
 # top_k 8) dynamic vs static without lookup (the head alone), 3. T = 1.
+# A quick side-by-side of two heads (10 + 10 prompts x 128, one thread each); the head's goals
+# are set at the full benchmark's 40 + 40 x 256, where benchmarks/head_goals.py measures them.
 set -e
 HEAD=$1; OUT=$2; shift 2
 E=".venv/bin/python -m eagle2.cli"
