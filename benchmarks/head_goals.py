@@ -45,6 +45,10 @@ RUNS: dict[str, list[str]] = {
     "hf": ["--modes", "vanilla,eagle2,hf"],
 }
 SUITES = ("mt_bench", "humaneval")
+# the T = 1 goal reads the best of these trees
+T1_TREES = {"default": "t1-default-40", "26-token, lookup 16": "t1-tree26-lookup-40",
+            "26-token, head alone": "t1-tree26-alone-40",
+            "60-token, lookup 16": "t1-tree60-lookup-40"}
 
 
 def run(out: Path, draft: str | None, only: list[str] | None) -> None:
@@ -95,12 +99,8 @@ def report(out: Path) -> dict:
          {"static tau": static, "head alone / static": _ratio(tau["tree26-alone-40"], static),
           "lookup 16 / static": _ratio(tau["tree26-lookup-40"], static)}),
         ("T = 0, default tree: tau", tau["full"], (2.4, 2.4), {}),
-        ("T = 1: tau, best tree", _best(tau, ("t1-default-40", "t1-tree26-lookup-40",
-                                              "t1-tree26-alone-40", "t1-tree60-lookup-40")),
-         (2.0, 2.0),
-         {"default": tau["t1-default-40"], "26-token, lookup 16": tau["t1-tree26-lookup-40"],
-          "26-token, head alone": tau["t1-tree26-alone-40"],
-          "60-token, lookup 16": tau["t1-tree60-lookup-40"]}),
+        ("T = 1: tau, best tree", _best([tau[n] for n in T1_TREES.values()]), (2.0, 2.0),
+         {label: tau[n] for label, n in T1_TREES.items()}),
         ("T = 0, batch 1: eagle2 / plain tokens/s", speedup, (2.0, 2.0),
          {"lossless": lossless}),
         ("T = 0, batch 1: eagle2 / HF generate tokens/s",
@@ -123,9 +123,9 @@ def report(out: Path) -> dict:
             "common": COMMON, "goals": goals, "machine": machine}
 
 
-def _best(tau: dict, names: tuple[str, ...]) -> list[float] | None:
-    """Per suite, the highest tau among the runs that exist."""
-    have = [tau[n] for n in names if tau[n] is not None]
+def _best(taus: list[list[float] | None]) -> list[float] | None:
+    """Per suite, the highest tau among the runs that exist (None: a missing run)."""
+    have = [t for t in taus if t is not None]
     return [max(col) for col in zip(*have, strict=True)] if have else None
 
 
