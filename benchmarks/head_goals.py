@@ -5,11 +5,19 @@ batch 1): each figure from its own `eagle2 bench` run, one process a run, then o
     .venv/bin/python benchmarks/head_goals.py report OUT [--json FILE]
 
 `run` writes OUT/NAME/results.json for each run below (skipping those already there, so an
-interrupted run resumes); `report` reads them, prints every goal with its figure and whether
-it is met, and writes JSON. tau is deterministic for a fixed tree (greedy, or seeded at
-T = 1), so those runs need not be alone on the machine; the `full` run's tokens/s do (its
-ratio to plain decoding is what the 2.0x goal reads), nor does `hf` (plain decoding, eagle2
-and HF `generate` in one run, ~20 minutes; it runs only when named in --only).
+interrupted run resumes); `report` reads them (or OUT/NAME.json), prints every goal with its
+figure and whether it is met, and writes JSON. tau is deterministic for a fixed tree (greedy,
+or seeded at T = 1), so those runs need not be alone on the machine; the `full` run's tokens/s
+do (its ratio to plain decoding is what the 2.0x goal reads), nor does `hf` (plain decoding,
+eagle2 and HF `generate` in one run, ~20 minutes; it runs only when named in --only).
+
+The current release's runs are kept as benchmarks/results/head-goals-xeon-amx-s37/NAME.json
+and their report as benchmarks/results/head-goals-xeon-amx-s37.json, which
+
+    .venv/bin/python benchmarks/head_goals.py report benchmarks/results/head-goals-xeon-amx-s37 \
+        --json benchmarks/results/head-goals-xeon-amx-s37.json
+
+writes again byte for byte.
 
 The 26-token tree is depth 5, top_k 8 (`--tree fixed`): "lookup 5" lets prompt lookup's and
 the n-gram store's chains join its rerank no deeper than the head's depth (a tree of 26
@@ -67,8 +75,12 @@ def run(out: Path, draft: str | None, only: list[str] | None) -> None:
 
 
 def _load(out: Path, name: str) -> dict | None:
-    path = out / name / "results.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    """A run's results: OUT/NAME/results.json as `run` writes it, or OUT/NAME.json as kept in
+    benchmarks/results/ (one file a run)."""
+    for path in (out / name / "results.json", out / f"{name}.json"):
+        if path.exists():
+            return json.loads(path.read_text())
+    return None
 
 
 def _mode(res: dict | None, mode: str, key: str) -> list[float] | None:

@@ -4,7 +4,8 @@
 #   data     two processes (one per core) write conversations for DATA_MINUTES (default 60)
 #   export   the chunks into data/smollm2-135m-instruct/*.tar.xz (kept in git)
 #   import   those archives back into DATA_DIR (a fresh machine); then `data` goes on after them
-#   train    the training-time test from the previous head (INIT), TRAIN_MINUTES (default 55),
+#   train    the training-time test from a previous head (INIT, default the shipped one),
+#            TRAIN_MINUTES (default 55),
 #            EPOCHS, LR (default 3e-4), EVAL_EVERY steps (default 200), PATIENCE evaluations
 #            without improvement (default 3), 2 threads, into DATA_DIR/FT (default ft; a new
 #            FT for a new head: an existing one resumes)
@@ -29,7 +30,10 @@ case $STAGE in
   import)
     for s in synthetic self; do $E train-head --out $D/$s --stages "" --import-data $A/$s.tar.xz; done ;;
   train)
-    $E train-head --ttt --init-head ${INIT:-eagle2/heads/smollm2-135m-instruct-v6} --out $D/$FT \
+    # INIT: the head to train on from; default the shipped one (v8). Earlier heads left the
+    # tree; v8 itself started from v7: `git show a04a4cd:eagle2/heads/smollm2-135m-instruct-v7/F`
+    # for F in config.json and model.safetensors, into one directory, then INIT=that directory.
+    $E train-head --ttt --init-head ${INIT:-eagle2/heads/smollm2-135m-instruct} --out $D/$FT \
       --extra-data $D/synthetic --extra-data $D/self --stages train --epochs ${EPOCHS:-1} \
       --batch-tokens 2048 --lr ${LR:-3e-4} --warmup 20 --noise 0.1 --ttt-steps 4 --eval-every ${EVAL_EVERY:-200} \
       --patience ${PATIENCE:-3} --threads 2 --train-minutes ${TRAIN_MINUTES:-55} --save $D/$FT/head ;;

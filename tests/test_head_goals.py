@@ -57,3 +57,12 @@ def test_report_reads_each_goal_from_its_run(tmp_path, head_goals, capsys):
     assert "not run" in capsys.readouterr().out
     assert set(table["runs"]) == {"tree26-lookup-40", "tree26-lookup5-40", "tree26-alone-40",
                                   "full", "t1-default-40", "t1-tree60-lookup-40"}
+
+
+def test_kept_runs_give_the_kept_report(head_goals):
+    """benchmarks/results keeps the current release's runs (one NAME.json a run) beside their
+    report: the report read again from those runs is the kept one, figure for figure."""
+    results = SCRIPT.parent / "results"
+    kept = json.loads((results / "head-goals-xeon-amx-s37.json").read_text())
+    assert head_goals.report(results / "head-goals-xeon-amx-s37") == kept
+    assert all(g["figure"] is not None for g in kept["goals"])
