@@ -1,0 +1,145 @@
+"""benchmarks/readme_table.py: the README's figures table is the one benchmarks/results gives
+(a number edited by hand in the README fails), and the table builder reads each figure,
+setting and command from a run's JSON."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def table():
+    return _load("readme_table")
+
+
+def test_readme_table_is_the_results_table(table, capsys):
+    assert table.main(["--check", str(README)]) == 0, capsys.readouterr().err
+
+
+def test_a_figure_edited_by_hand_fails_the_check(table, tmp_path, capsys):
+    text = README.read_text()
+    block = table.current(text)
+    assert "**2.06x / 2.39x**" in block  # the batch-1 row, from head-goals-xeon-amx-s37/full.json
+    edited = tmp_path / "README.md"
+    edited.write_text(text.replace(block, block.replace("**2.06x / 2.39x**", "**2.10x / 2.39x**")))
+    assert table.main(["--check", str(edited)]) == 1
+    assert "2.10x" in capsys.readouterr().err
+    edited.write_text(text.replace(block, block.replace("\n|---|", "\n| extra row |\n|---|")))
+    assert table.main(["--check", str(edited)]) == 1
+    edited.write_text("no table here\n")
+    with pytest.raises(ValueError):
+        table.main(["--check", str(edited)])
+
+
+def test_write_puts_the_table_between_the_markers(table, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n\n{table.BEGIN}\nold\n{table.END}\n\nafter\n")
+    assert table.main(["--write", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n")
+    assert "old" not in text and table.build_table() in text
+    assert table.main(["--check", str(readme)]) == 0
+
+
+def _bench(tmp_path: Path, name: str, *, modes, temperature=0.0, tree="budget", lookup=16,
+           batch=1, follow=True, lossless=True) -> None:
+    trees = {m: {"total_tokens": 26 if tree == "fixed" else 32, "depth": 5, "top_k": 8,
+                 "lookup": lookup} for m in modes if m != "hf"}
+    suites = {}
+    for s, (plain, fast, tau) in {"mt_bench": (100.0, 150.0, 2.5),
+                                  "humaneval": (80.0, 200.0, 3.125)}.items():
+        suites[s] = {"modes": {
+            "vanilla": {"tokens_per_s": plain, "tau": 1.0, "speedup": 1.0},
+            "eagle2": {"tokens_per_s": fast, "tau": tau, "speedup": fast / plain},
+            "static": {"tokens_per_s": fast, "tau": tau - 1, "speedup": None},
+            "hf": {"tokens_per_s": 25.0, "tau": 1.0, "speedup": 0.25}}}
+    res = {"config": {"suites": ["mt_bench", "humaneval"], "num_prompts": 10, "max_tokens": 64,
+                      "temperature": temperature, "seed": 0, "top_p": 1.0, "top_k": 0,
+                      "modes": list(modes), "batch_size": batch, "repeats": 1, "warmup": False,
+                      "background_load": 0, "draft": "/x/eagle2/heads/smollm2-135m-instruct",
+                      "tree_source": tree, "trees": trees},
+           "machine": {"cpu_count": 4, "torch_threads": 3, "threads_follow_load": follow,
+                       "dtype": "bfloat16"},
+           "suites": suites, "lossless": lossless}
+    (tmp_path / name).write_text(json.dumps(res))
+
+
+def test_rows_from_synthetic_results(table, tmp_path):
+    _bench(tmp_path, "b1.json", modes=["vanilla", "eagle2"])
+    _bench(tmp_path, "hf.json", modes=["vanilla", "eagle2", "hf"], batch=1)
+    _bench(tmp_path, "t1.json", modes=["eagle2", "static"], temperature=1.0, tree="fixed",
+           lookup=0, follow=False, lossless=None)
+    (tmp_path / "svc.json").write_text(json.dumps({
+        "args": {"max_tokens": 128, "num_prompts": 6, "concurrency": "1,4", "repeats": 1,
+                 "mode": "eagle2", "engine_threads": "auto", "port": 19100, "out": "x.json"},
+        "machine": {"cpus": 2}, "target_dtype": {"worker": "torch.bfloat16"},
+        "concurrency1": {"inproc": {"tokens_per_s": 100.0},
+                         "service_worker": {"tokens_per_s": 70.0},
+                         "token_ids_match_inproc": {"worker": True}},
+        "concurrency_sweep": [{"placement": "worker", "concurrency": 1, "tokens_per_s": 71.0,
+                               "engine": {"batch_size_mean": 1.0}},
+                              {"placement": "worker", "concurrency": 4, "tokens_per_s": 120.0,
+                               "engine": {"batch_size_mean": 3.04}}]}))
+    rows = [("b1.json", "speedup", "here"), ("hf.json", "hf", "here"),
+            ("t1.json", "tau", "there"), ("svc.json", "service", "elsewhere")]
+    lines = table.build_table(tmp_path, rows).splitlines()
+    assert len(lines) == 2 + len(rows) and lines[1] == "|---|---|---|---|"
+    b1, hf, t1, svc = lines[2:]
+    assert b1 == (
+        "| batch 1, T = 0, cost-aware tree; 10 + 10 prompts x 64 | eagle2 / plain decoding "
+        "**1.50x / 2.50x** (150.0 / 200.0 against 100.0 / 80.0 tokens/s), tau 2.50 / 3.12; "
+        "eagle2's output equals plain decoding's on all 20 prompts | `eagle2 bench --suite "
+        "mt_bench,humaneval --num-prompts 10 --max-tokens 64 --modes vanilla,eagle2` | "
+        "`b1.json`; here, 4 CPUs (3 threads), bfloat16 |")
+    assert "eagle2 / HF `generate` **6.00x / 8.00x** (150.0 / 200.0 against 25.0 / 25.0" in hf
+    assert "--modes vanilla,eagle2,hf`" in hf
+    assert t1.startswith("| batch 1, T = 1, 26-token tree (depth 5, top_k 8), head alone "
+                         "(no lookup); 10 + 10 prompts x 64 | tau **2.50 / 3.12**; the static "
+                         "(EAGLE-1) tree of as many tokens 1.50 / 2.12 | ")
+    assert "plain decoding's" not in t1  # sampled: no equality claim
+    assert ("`eagle2 bench --suite mt_bench,humaneval --num-prompts 10 --max-tokens 64 --modes "
+            "eagle2,static --temperature 1.0 --seed 0 --tree fixed --total-tokens 26 --depth 5 "
+            "--tree-top-k 8 --lookup 0 --threads 3`") in t1
+    assert svc == (
+        "| the service over gRPC (draft worker), 6 short prompts x 128, mode eagle2 | "
+        "concurrency 1: 70.0 tokens/s, **0.70x** the in-process API's 100.0 (same token ids); "
+        "concurrency 4: 120.0 tokens/s (mean batch 3.0) | `eagle2 bench-service --max-tokens "
+        "128 --num-prompts 6 --concurrency 1,4 --engine-threads auto` | `svc.json`; elsewhere, "
+        "2 CPUs, bfloat16 |")
+    _bench(tmp_path, "bad.json", modes=["vanilla", "eagle2"], lossless=False)
+    with pytest.raises(ValueError):
+        table.build_table(tmp_path, [("bad.json", "speedup", "here")])
+
+
+def _flags(argv: list[str]) -> dict[str, str | None]:
+    out, i = {}, 0
+    while i < len(argv):
+        value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+        out[argv[i]] = value
+        i += 1 if value is None else 2
+    return out
+
+
+def test_commands_are_the_ones_head_goals_ran(table):
+    """The commands the table derives from the kept head-goals runs are head_goals.py's."""
+    goals = _load("head_goals")
+    runs = table.RESULTS / "head-goals-xeon-amx-s37"
+    checked = 0
+    for name, argv in goals.RUNS.items():
+        res = json.loads((runs / f"{name}.json").read_text())
+        derived = table.bench_command(res).removeprefix("eagle2 bench ").split()
+        assert _flags(derived) == _flags(goals.COMMON + argv), name
+        checked += 1
+    assert checked == len(goals.RUNS)
