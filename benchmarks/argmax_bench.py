@@ -6,7 +6,8 @@ of 7 sweeps (`LocalRunner.head_seconds`, as the cost model times the head), with
 flushed before each call (a 512 MB read, as a verification's forward flushes them) and warm.
 Prints each row count and writes JSON.
 
-    .venv/bin/python benchmarks/argmax_bench.py OUT.json [--against OTHER/eagle2/csrc/cpu_ops.cpp]
+    .venv/bin/python benchmarks/argmax_bench.py OUT.json \
+        [--against OTHER/eagle2/cpu/csrc/cpu_ops.cpp]
         [--threads N]
 
 --against: also the greedy tokens through another commit's greedy_argmax and int8 pack (built
@@ -43,7 +44,7 @@ def main() -> None:
     if args.against:
         from engine_ab import base_greedy_argmax  # (beside this script)
 
-        from eagle2.native import load_variant
+        from eagle2.cpu.native import load_variant
 
         base = load_variant("eagle2_ab_base", Path(args.against))
         heads["base-greedy"] = base_greedy_argmax(llm.target.greedy_head.proj, base)

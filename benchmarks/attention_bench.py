@@ -6,14 +6,14 @@ with --outputs, the outputs themselves:
 
     .venv/bin/python benchmarks/attention_bench.py OUT.json [--outputs OUT.pt]
 
-With --against OTHER.cpp (another commit's `eagle2/csrc/cpu_ops.cpp`, e.g. from a `git
-worktree`), that source is built too, under its own operator namespace, and the two builds are
-timed in turn in this one process, round after round (machine drift between separate runs is
-as large as the differences measured here); the JSON then has both builds' cells and which
-outputs differ:
+With --against OTHER.cpp (another commit's `eagle2/cpu/csrc/cpu_ops.cpp`, `eagle2/csrc/` in
+commits before the CPU backend moved, e.g. from a `git worktree`), that source is built too,
+under its own operator namespace, and the two builds are timed in turn in this one process,
+round after round (machine drift between separate runs is as large as the differences
+measured here); the JSON then has both builds' cells and which outputs differ:
 
     .venv/bin/python benchmarks/attention_bench.py OUT.json \
-        --against /tmp/old/eagle2/csrc/cpu_ops.cpp [--march haswell]
+        --against /tmp/old/eagle2/cpu/csrc/cpu_ops.cpp [--march haswell]
 
 (--march haswell: both sources built for AVX2, the kernels an AVX2 machine runs.)
 
@@ -31,8 +31,8 @@ from pathlib import Path
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
 import torch
 
-from eagle2.attention import empty_key_blocks
-from eagle2.native import build_key, cpu_ops, load_variant
+from eagle2.cpu.attention import empty_key_blocks
+from eagle2.cpu.native import build_key, cpu_ops, load_variant
 
 
 def load_other(source: Path, march: str = "native"):

@@ -5,7 +5,7 @@ one from Python (`fused.NATIVE_LAYER = False`), alternating in one process: batc
 tokens after 256 committed, 10 rounds of 10 forwards each way, ms (best forward, and the
 median of the rounds' best). One thread. Writes JSON:
 
-    .venv/bin/python benchmarks/layer_op_bench.py OUT.json [--base-fused OTHER/eagle2/fused.py]
+    .venv/bin/python benchmarks/layer_op_bench.py OUT.json [--base-fused OTHER/eagle2/cpu/fused.py]
 
 --base-fused: a third way, the one operator called by another commit's `_native_layer` (the
 Python around it: its arguments, the cache's layer views), to A/B that Python in one process.
@@ -18,7 +18,7 @@ import time
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
 import torch
 
-from eagle2 import fused
+from eagle2.cpu import fused
 from eagle2.api import Eagle2
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
 import torch
 
-from eagle2.native import SOURCE, cpu_ops, load_variant
+from eagle2.cpu.native import SOURCE, cpu_ops, load_variant
 
 
 def main() -> None:
