@@ -34,7 +34,7 @@ random-head-costs (the lm_head's greedy costs timed after random tokens, as befo
 verification's first argmax round takes the roots and their children only, as before
 `GreedyArgmax.first_rows`), call-by-call-head and always-draft-call-by-call-head (the draft
 head's calls as the native operators one by one with Python between them, as before
-`drafter._HeadStep` ran each as one `head_step` operator, with their own draft costs),
+`eagle2.cpu.head.HeadStep` ran each as one `head_step` operator, with their own draft costs),
 base-kernels
 (the shipped engine whose target layers run the operators of `--base-source`, another commit's
 csrc/cpu_ops.cpp built under its own namespace, with its own cost grid, measured at its first
@@ -75,7 +75,7 @@ from eagle2.bench.prompts import load_suite
 from eagle2.budget import SpeculationGate
 from eagle2.config import TreeConfig
 from eagle2.engine import EngineStats
-from eagle2.kernels import FMA, PACKED
+from eagle2.cpu.kernels import FMA, PACKED
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
@@ -114,7 +114,7 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
     llm = Eagle2.load(draft=draft if variant == "other-head" else None, threads=threads,
                       tree=TreeConfig(mode=mode), max_batch=max_batch)
     if variant.endswith("-logits"):
-        llm.target.greedy_head = None
+        llm.target.backend.greedy_head = None
     if variant == "no-lookup-alone":
         llm.engine.lookup_alone = False
     if variant == "global-scales":
@@ -124,7 +124,7 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
     if variant.startswith("always-draft"):
         llm.engine.gates = _OpenGates()
     if variant.endswith("call-by-call-head"):
-        llm.engine.drafter._head_step = lambda end, window: None
+        llm.engine.drafter.kernels._head_step = lambda end, window: None
         own_draft_costs(llm, "call-by-call")
     if variant == "never-draft":
         llm.engine.gates = _OpenGates(open_=False)
@@ -143,11 +143,12 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
     if variant.endswith("base-kernels"):
         if not base_source:
             raise SystemExit("base-kernels needs --base-source OTHER/eagle2/csrc/cpu_ops.cpp")
-        from eagle2.native import load_variant
+        from eagle2.cpu.native import load_variant
 
-        llm.target.native = base = load_variant("eagle2_ab_base", Path(base_source))
-        if llm.target.greedy_head is not None:
-            llm.target.greedy_head = base_greedy_argmax(llm.target.greedy_head.proj, base)
+        llm.target.backend.native = base = load_variant("eagle2_ab_base", Path(base_source))
+        if llm.target.backend.greedy_head is not None:
+            backend = llm.target.backend
+            backend.greedy_head = base_greedy_argmax(backend.greedy_head.proj, base)
         tag = hashlib.sha256(Path(base_source).read_bytes()).hexdigest()[:12]
         own_costs(llm, f"ab-{tag}")  # (one per base source)
     if variant.endswith("multinomial-draw"):
@@ -160,7 +161,7 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
     if variant.endswith("per-layer-op"):
         # the target's layers one `decoder_layer` call each, not one `decoder_layers` call
         # (fused.NATIVE_STACK off while this variant decodes), with its own forward costs
-        from eagle2 import fused
+        from eagle2.cpu import fused
 
         _during_generate(llm, lambda: mock.patch.object(fused, "NATIVE_STACK", False))
         own_costs(llm, "per-layer")
@@ -176,11 +177,11 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
         head_kernel(llm, PACKED)
     if variant.endswith("fma-target"):
         target_kernel(llm, FMA)
-    if variant.endswith("no-argmax-tiles") and llm.target.greedy_head is not None:
-        llm.target.greedy_head.q_tiles = None
-        llm.target.greedy_head.first_rows = 0
-    if variant == "narrow-first-round" and llm.target.greedy_head is not None:
-        llm.target.greedy_head.first_rows = 0  # roots and their children, as before
+    if variant.endswith("no-argmax-tiles") and llm.target.backend.greedy_head is not None:
+        llm.target.backend.greedy_head.q_tiles = None
+        llm.target.backend.greedy_head.first_rows = 0
+    if variant == "narrow-first-round" and llm.target.backend.greedy_head is not None:
+        llm.target.backend.greedy_head.first_rows = 0  # roots and their children, as before
     if variant == "random-head-costs":
         random_head_costs(llm)
     return llm
@@ -201,7 +202,7 @@ def base_greedy_argmax(proj, base):
     """`kernels.GreedyArgmax` through another build's operators (`--base-source`): its own int8
     pack, its exact pass reading the weight that source's greedy_argmax takes (the packed copy,
     before it read the bf16 rows)."""
-    from eagle2.kernels import GreedyArgmax
+    from eagle2.cpu.kernels import GreedyArgmax
 
     greedy = GreedyArgmax(proj, base)
     if "Tensor packed" in str(base.greedy_argmax.default._schema):
@@ -228,30 +229,37 @@ def random_head_costs(llm: Eagle2) -> None:
 def target_kernel(llm: Eagle2, kernel: int) -> None:
     """Multiply the target's layers (and lm_head) by `kernel` at every row count, with the
     cost grid of that plan (read from its cache or measured at the first step)."""
-    from eagle2.kernels import ROW_BUCKETS
-    from eagle2.target import cost_cache_path
+    from eagle2.cpu.kernels import ROW_BUCKETS
+    from eagle2.budget import cost_cache_path
 
     target = llm.target
-    target.plan.block_bytes.update({rows: kernel for rows in ROW_BUCKETS})
-    if target.head_proj is not None:
-        target.head_proj.plan = target.plan
+    target.backend.plan.block_bytes.update({rows: kernel for rows in ROW_BUCKETS})
+    if target.backend.head_proj is not None:
+        target.backend.head_proj.plan = target.backend.plan
     llm.engine._costs = llm.engine._cost_path = cost_cache_path(target)
 
 
 def head_kernel(llm: Eagle2, kernel: int) -> None:
     """Multiply the drafter's head linears, fused layer weights and draft vocabulary by
     `kernel` at every row count; the engine then measures its own draft costs."""
-    from eagle2.kernels import ROW_BUCKETS, BlockedWeight, BlockPlan, PackedLinear, weights_stamp
+    from eagle2.cpu.kernels import (
+        ROW_BUCKETS,
+        BlockedWeight,
+        BlockPlan,
+        PackedLinear,
+        weights_stamp,
+    )
 
     drafter, plan = llm.engine.drafter, BlockPlan({rows: kernel for rows in ROW_BUCKETS})
-    drafter._vocab_proj = BlockedWeight(drafter.draft_lm_head, plan)
+    kernels = drafter.kernels  # the CPU backend's (`eagle2.cpu.head.HeadKernels`)
+    kernels.vocab_proj = BlockedWeight(drafter.draft_lm_head, plan)
     for module in drafter.head.modules():
         if isinstance(module, PackedLinear):
             module._packed = BlockedWeight(module.weight.detach(), plan)
             module._seen = weights_stamp(module.weight)
-    if drafter._fused is not None:
-        seen, weights = drafter._fused
-        drafter._fused = seen, tuple(BlockedWeight(w.weight, plan) for w in weights)
+    if kernels._fused is not None:
+        seen, weights = kernels._fused
+        kernels._fused = seen, tuple(BlockedWeight(w.weight, plan) for w in weights)
     own_draft_costs(llm, f"kernel{kernel}")
 
 
@@ -271,7 +279,7 @@ def own_costs(llm: Eagle2, tag: str):
     """The variant's cost grid in a cache file of its own beside the shipped one
     (`<stem>-<tag>.json`, measured at its first step where missing); -> the shipped one's
     path."""
-    from eagle2.target import cost_cache_path
+    from eagle2.budget import cost_cache_path
 
     path = cost_cache_path(llm.target)
     llm.engine._costs = llm.engine._cost_path = path.with_name(f"{path.stem}-{tag}.json")
@@ -307,7 +315,7 @@ def main() -> None:
         llms[v].engine.stats = EngineStats()
     # outputs are compared within a target kernel family (FMA and AMX sums differ in the last
     # bits, so their greedy texts may part): each variant against the first of its family
-    family = {v: frozenset(llms[v].target.plan.block_bytes.values()) for v in variants}
+    family = {v: frozenset(llms[v].target.backend.plan.block_bytes.values()) for v in variants}
     first_of = {v: next(u for u in variants if family[u] == family[v]) for v in variants}
     same = True
     for i, group in enumerate(groups):

@@ -4,7 +4,7 @@ The algorithm package: no Ray, no gRPC. `services/` adapts it to Ray Serve and g
 Names are imported lazily so that light submodules (prompts, planner) load without torch.
 
 OpenMP threads that spin while they wait collapse as soon as another process wants a core
-(docs/DESIGN.md, "CPU performance"): every entry point imports this package before torch, so
+(docs/cpu-backend.md, "CPU performance"): every entry point imports this package before torch, so
 passive waiting is put into the environment here, where the OpenMP runtime that torch loads
 still reads it. Passive alone makes every parallel region wake its threads from sleep (~120
 regions a forward: two threads had decoded slower than one), so a thread that finishes a region
@@ -19,7 +19,7 @@ import sys as _sys
 # libgomp spins (~9 ns each: a `pause`, Xeon VM) before a waiting thread sleeps. 5,000 (~50
 # us) let the thread sleep within a verified tree's forward (10-16 tokens: the serial parts
 # of a layer and the threads' uneven shares of its attention), and the next region woke it:
-# forwards of 10 / 16 tokens 11.3 / 13.1 ms at 5,000, 10.7 / 12.0 at 20,000 (docs/DESIGN.md
+# forwards of 10 / 16 tokens 11.3 / 13.1 ms at 5,000, 10.7 / 12.0 at 20,000 (docs/cpu-backend.md
 # "CPU performance")
 SPIN_COUNT = "20000"
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from eagle2.budget import CostModel
+from eagle2.budget import CostModel, cost_cache_path
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.drafter import Drafter
 from eagle2.eagle3 import Eagle3Head
 from eagle2.engine import Engine, Event, Request
 from eagle2.head import DraftHead, load_head, new_head
 from eagle2.runner import LocalRunner
-from eagle2.target import EMBEDDED_NAME, TargetModel, cost_cache_path
+from eagle2.target import EMBEDDED_NAME, TargetModel
 from eagle2.text import TextStream, encode_prompt
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The cost-aware tree budget (docs/DESIGN.md, "Choosing the tree size each step").
+"""The cost-aware tree budget (docs/draft-tree.md "Choosing the tree size each step").
 
 EAGLE-2 ranks draft nodes by value, the product of draft probabilities along the path; after
 calibration (`eagle2.calibration`) a node's value estimates the probability that verification
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from eagle2.machine import cache_root, machine_key, write_json_atomic
+
 # bumped when costs are measured differently: cache files of older ways are measured again
 # 5: the lm_head's logits and greedy argmax timed apart (`head_rows`); 6: after text, not
 # random tokens (`runner.timing_tokens`)
@@ -41,6 +43,17 @@ HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # lm_head rows timed (linear past the last)
 # runner's first round takes more (`GreedyArgmax.first_rows`); the later rounds' few rows are
 # left to the scales
 GREEDY_ROWS = 2
+
+
+def cost_cache_path(target) -> Path:
+    """Where this machine's measured forward costs of this target (`TargetModel`) are kept:
+    keyed by its shape, dtype, device and the kernels its backend chose."""
+    cfg = target.config
+    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
+    key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}|"
+                      f"v{COSTS_VERSION}{target.backend.cost_key(target)}")
+    return cache_root() / "costs" / f"{key}.json"
 
 
 def _interp(xs: tuple[int, ...], ys: list[float], x: float) -> float:
@@ -198,8 +211,6 @@ class CostModel:
 
     def _write(self, path: Path) -> None:
         """save() with the lock already held."""
-        from eagle2.kernels import write_json_atomic
-
         drafts = {}
         if path.exists():
             try:
@@ -363,21 +374,16 @@ SPECULATION_MARGIN = 0.05
 
 def draft_key(drafter) -> str:
     """What decides a draft level's cost: the head's kind, its matrices' shapes and whether its
-    layer and linears run on eagle2.native, which build (a remote drafter: "remote")."""
+    layer and linears run on the CPU backend's native operators, which build (a remote
+    drafter: "remote")."""
     head = getattr(drafter, "head", None)
     if head is None:
         return "remote"
     shapes = ",".join("x".join(map(str, p.shape)) for p in head.parameters())
     vocab = getattr(drafter, "draft_lm_head", None)
     rows = "" if vocab is None else f"|{tuple(vocab.shape)}"
-    native = ""
-    if getattr(drafter, "native", None) is not None:
-        from eagle2.kernels import native_linear_ops, small_rows_plan
-        from eagle2.native import build_key
-
-        native = f"|native-{build_key()}" + ("-linear" if native_linear_ops() else "")
-        plan = small_rows_plan().block_bytes  # the kernel of each row count
-        native += "-plan" + ",".join(f"{rows}:{kernel}" for rows, kernel in sorted(plan.items()))
+    kernels = getattr(drafter, "kernels", None)  # the backend's (`Backend.head_kernels`)
+    native = kernels.cost_key() if kernels is not None else ""
     return f"{getattr(head, 'kind', 'eagle2')}|{shapes}{rows}|{head.fc.weight.dtype}{native}"
 
 

@@ -1,4 +1,4 @@
-"""Calibrated node values (docs/DESIGN.md, "Choosing the tree size each step").
+"""Calibrated node values (docs/draft-tree.md, "Choosing the tree size each step").
 
 A draft node's raw value is the product of the head's probabilities along its path. It ranks
 nodes well but is not itself the probability that verification accepts the node: a small
@@ -11,7 +11,7 @@ trained on and shipped beside the head as `calibration.json`.
 Prompt-lookup nodes (`eagle2.lookup`) have no path value: their acceptance rates by match
 length and depth are measured by `eagle2 calibrate` as well and stored in the same file
 (optional field "lookup"; files without it load with no table). `raw_for` maps such a rate to
-the raw scale the tree's rerank sorts by (docs/DESIGN.md "Prompt lookup").
+the raw scale the tree's rerank sorts by (docs/draft-tree.md "Prompt lookup").
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 MODES = ("eagle2", "static", "chain", "vanilla")
 BUDGETS = ("auto", "fixed")
 MAX_LOOKUP = 32
-MAX_DEPTH = 31  # the deepest drafted node (depth + 1) stays within attention.WINDOW_DEPTH
+MAX_DEPTH = 31  # the deepest drafted node (depth + 1) stays within eagle2.cpu.attention.WINDOW_DEPTH
 
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Draft-tree budget (docs/DESIGN.md "Draft tree").
+    """Draft-tree budget (docs/draft-tree.md "Draft tree").
 
     mode: "eagle2" (dynamic tree: expand by path value, rerank globally), "static" (the
     EAGLE-1 default tree, cut to total_tokens), "chain" (top_k = 1) or "vanilla" (no drafting).

@@ -1,5 +1,5 @@
-"""CUDA graphs of the target forward for fixed token-count buckets (docs/DESIGN.md
-"Environment notes"); eager everywhere else.
+"""CUDA graphs of the target forward for fixed token-count buckets (docs/architecture.md
+"On GPUs"); eager everywhere else.
 
 A verification step launches hundreds of small kernels; at batch 1 on a GPU the launch time
 can exceed the kernels' own. A CUDA graph replays the whole forward as one launch, but only

@@ -1,4 +1,4 @@
-"""Drafting with the EAGLE head (docs/DESIGN.md "Draft tree"): head update, root step, expansion.
+"""Drafting with the EAGLE head (docs/draft-tree.md): head update, root step, expansion.
 
 One call per decoding step and batch: the head first runs over the newly accepted positions,
 fed the target's *true* features (pair t = (feature[t], token[t+1]) at position t), which
@@ -6,7 +6,7 @@ refreshes its KV cache; the last output is the root step. Then `depth` expansion
 batched head call over the current level whose mask lets a node see the prefix and its own
 ancestors only. The head's cache never keeps tree entries: they are scratch past the
 committed length, overwritten by the next call. In mode "eagle2" a prompt-lookup chain
-(`eagle2.lookup`, docs/DESIGN.md "Prompt lookup") joins the candidates before the rerank; the
+(`eagle2.lookup`, docs/draft-tree.md "Prompt lookup") joins the candidates before the rerank; the
 drafter keeps each sequence's tokens for it, as it keeps its cache entries.
 """
 
@@ -19,21 +19,10 @@ from torch import nn
 
 from eagle2.attention import RopeTable, causal_mask, step_inputs, vocab_projection
 from eagle2.config import TreeConfig
+from eagle2.devices import backend_for
 from eagle2.eagle3 import Eagle3Head
-from eagle2.fused import fused_native_layer, is_silu, native_head_layer, one_native_kernel
 from eagle2.head import DraftHead
-from eagle2.kernels import (
-    AMX,
-    FMA,
-    BlockedWeight,
-    PackedLinear,
-    exact_bf16_kernels,
-    pack_linears,
-    small_rows_plan,
-    weights_stamp,
-)
 from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains, propose_branches
-from eagle2.native import cpu_ops
 from eagle2.ngram import NgramStore
 from eagle2.tree import DraftTree, build_tree, root_only, static_shape
 
@@ -52,65 +41,6 @@ class _Level:
 def _widest(total_tokens: int) -> int:
     """The most children a node of the static tree of this size has (its top k)."""
     return max(rank for lvl in static_shape(total_tokens) for _, rank in lvl) + 1
-
-
-class _HeadStep:
-    """An EAGLE-1/2 head's call as one `head_step` operator (csrc/cpu_ops.cpp): the embedding,
-    fc, decoder layer and draft-vocabulary log-probs that `Drafter._run` and
-    `Drafter._log_probs` run one by one, bitwise theirs, for ~0.5 ms less Python and
-    dispatch a call at the few rows of a draft level. Holds the constant arguments; each linear
-    takes the kernel its plan names for the call's row count."""
-
-    def __init__(self, ops, head: DraftHead, embed: torch.Tensor, fused: tuple[BlockedWeight, ...],
-                 vocab: BlockedWeight, rope: tuple[torch.Tensor, torch.Tensor], cache,
-                 d2t: torch.Tensor | None):
-        layer = head.decoder
-        attn, norm = layer.self_attn, layer.post_attention_layernorm
-        self.ops, self.embed, self.vocab, self.rope, self.cache, self.d2t = \
-            ops, embed, vocab, rope, cache, d2t
-        self.fc = head.fc.blocked()
-        self.layer = (fused[0], attn.o_proj.blocked(), fused[1], layer.mlp.down_proj.blocked())
-        head_dim = cache.k.shape[-1]
-        num_kv = cache.k.shape[2]
-        self.norm = norm.weight, norm.variance_epsilon
-        self.heads = self.layer[0].weight.shape[0] // head_dim - 2 * num_kv, num_kv
-        self.scale = head_dim ** -0.5
-        self._kernels: dict[tuple[int, int], tuple[bool, bool, bool] | None] = {}
-
-    def kernels(self, rows: int, logit_rows: int) -> tuple[bool, bool, bool] | None:
-        """(fc, layer, vocab) on AMX (else FMA) at these row counts, None where a plan names
-        another kernel (the module path then runs the call)."""
-        key = rows, logit_rows
-        if key not in self._kernels:
-            def solo(w: BlockedWeight, n: int) -> bool | None:
-                kernel = w.plan.for_rows(n)
-                return None if kernel not in (FMA, AMX) else kernel == AMX and w.fits_amx
-            layer = one_native_kernel(self.layer, rows)
-            found = (solo(self.fc, rows), None if layer is None else layer == AMX,
-                     solo(self.vocab, logit_rows) if logit_rows else False)
-            self._kernels[key] = None if None in found else found
-        return self._kernels[key]
-
-    def __call__(self, slots, base, tokens, features, positions, mask, append_eye: bool, k: int,
-                 logit_rows: torch.Tensor | None = None):
-        """-> (outputs [B, N, H], the mask [B, N, T], top-k log-probs [B, N, k] ([B, k] with
-        logit_rows) and their tokens, or Nones for k = 0), or None where the kernels do not
-        fit (`kernels`)."""
-        num_logits = 0 if not k else tokens.numel() if logit_rows is None else tokens.shape[0]
-        kernels = self.kernels(tokens.numel(), num_logits)
-        if kernels is None:
-            return None
-        qkv, o, gate_up, down = self.layer
-        k_cache, v_cache = self.cache.k[0], self.cache.v[0]
-        out, mask, logp, toks = self.ops.head_step(
-            tokens, features, self.embed, self.fc.fma_packed(), self.fc.weight.shape[0],
-            kernels[0], self.norm[0], self.norm[1], qkv.fma_packed(), qkv.weight.shape[0],
-            o.fma_packed(), o.weight.shape[0], gate_up.fma_packed(), gate_up.weight.shape[0],
-            down.fma_packed(), down.weight.shape[0], kernels[1], self.rope[0], self.rope[1],
-            positions, self.heads[0], self.heads[1], k_cache, v_cache, slots, base, mask,
-            append_eye, self.scale, self.vocab.fma_packed(), self.vocab.weight.shape[0],
-            kernels[2], k, self.d2t, logit_rows)
-        return (out, mask, logp, toks) if k else (out, mask, None, None)
 
 
 class Drafter:
@@ -145,23 +75,14 @@ class Drafter:
         # [Vd, H]: the target's lm_head rows of the draft vocabulary (EAGLE-1/2) or the
         # head's own lm_head (EAGLE-3)
         self.draft_lm_head = head.output_weight(lm_head).to(device=self.device, dtype=self.dtype)
-        # bf16 on a CPU: the head's linears and the draft vocabulary through a packed kernel
-        # (`kernels.small_rows_plan`; 3-5x faster than F.linear for these small, hot weights)
-        self._vocab_proj: BlockedWeight | None = None
-        # ... and its decoder layer through eagle2.native (None: the module path)
-        self.native = None
-        if exact_bf16_kernels(self.dtype, self.device):
-            pack_linears(head)
-            self._vocab_proj = BlockedWeight(self.draft_lm_head, small_rows_plan())
-            self.native = cpu_ops()
         self._rope = RopeTable(head.rotary)  # cos, sin of every cache position
         self._rope_like = torch.zeros(1, dtype=self.dtype, device=self.device)  # (its dtype)
-        # (the weights' versions, (q|k|v, gate|up)) of `_fused_weights`
-        self._fused: tuple[tuple, tuple[BlockedWeight, BlockedWeight]] | None = None
-        # this draft call's one-operator head call (`_head_step`), None where it does not apply
-        self._step: _HeadStep | None = None
         self.d2t = head.d2t.to(self.device) if head.d2t.numel() else None
         self.cache = head.allocate_cache(max_slots, max_len + tree_margin)
+        # the backend's faster calls of the head (a bf16 CPU: packed linears, native layer;
+        # `eagle2.cpu.head.HeadKernels`), None: the torch module path below
+        self.kernels = backend_for(self.device, self.dtype).head_kernels(
+            head, self.draft_lm_head, self.embed.weight, self.d2t, self.cache, self._rope_table)
         self.max_len = max_len
         self.tree_margin = tree_margin
         self.slot_of: dict[str, int] = {}
@@ -171,7 +92,7 @@ class Drafter:
         # seq id -> positions given but not in the head's cache (skipped by a restart,
         # `TreeConfig.catch_up`): history length - cache length
         self.skipped: dict[str, int] = {}
-        if self.native is not None:
+        if self.kernels is not None and self.kernels.native is not None:
             self.warm_up()
 
     def warm_up(self) -> None:
@@ -240,75 +161,40 @@ class Drafter:
     def _log_probs(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k draft (log-prob, token) for [..., H] features."""
         x = self.head.pre_logits(features.to(self.dtype))
-        logits = (self._vocab_proj(x) if self._vocab_proj is not None
-                  else vocab_projection(x, self.draft_lm_head)).float()
-        if self.native is not None:  # one pass: the sum of exponentials and the top k
-            values, indices = self.native.top_log_probs(logits, k)
+        if self.kernels is not None:
+            values, indices = self.kernels.top_log_probs(x, k)
         else:
+            logits = vocab_projection(x, self.draft_lm_head).float()
             values, indices = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
         return values, indices if self.d2t is None else self.d2t[indices]
 
     def _run(self, slots: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
              positions: torch.Tensor, tree_mask: torch.Tensor, window: int) -> torch.Tensor:
         embeds = self.embed(tokens).to(self.dtype)
-        if self.native is not None:
-            base = self.cache.lengths[slots]
-            if int(base.max()) <= window:  # the sliding window hides nothing yet
-                return self._run_native(slots, base, embeds, features, positions, tree_mask)
+        if self.kernels is not None:
+            out = self.kernels.run(slots, embeds, features, positions, tree_mask, window)
+            if out is not None:
+                return out
         inp = step_inputs(self.cache, slots, tree_mask, positions, self.head.rotary, embeds,
                           window)
         return self.head.step(embeds, features, self.cache, inp)
-
-    def _run_native(self, slots: torch.Tensor, base: torch.Tensor, embeds: torch.Tensor,
-                    features: torch.Tensor, positions: torch.Tensor,
-                    tree_mask: torch.Tensor) -> torch.Tensor:
-        """`_run` through `eagle2.fused.native_head_layer` (bf16 CPU)."""
-        cos, sin = self._rope_table()
-        num_t, num_n = tree_mask.shape[2], positions.shape[1]
-        write_pos = base[:, None] + torch.arange(num_t - num_n, num_t, device=self.device)
-        h, residual = self.head.layer_input(embeds, features)
-        return native_head_layer(self.native, self.head.decoder, h, residual, self.cache, slots,
-                                 base, write_pos, tree_mask, cos[positions], sin[positions],
-                                 self._fused_weights())
 
     def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [>= S, Dh] of every cache position (built once)."""
         return self._rope.table(self._rope_like, self.cache.max_len)
 
-    def _head_step(self, end: torch.Tensor, window: int) -> _HeadStep | None:
-        """The one-operator head call for this draft (`_HeadStep`), or None where the module
-        path or the call-by-call native path must run: not a bf16 CPU, an EAGLE-3 head, a
-        projection with a bias, or the sliding window hides entries (end: [B] cache lengths
-        after this call's new pairs)."""
-        ops, head = self.native, self.head
-        if ops is None or not hasattr(ops, "head_step") or not isinstance(head, DraftHead) \
-                or self._vocab_proj is None or int(end.max()) > window:
-            return None
-        layer = head.decoder
-        fused = self._fused_weights()
-        if fused is None or not fused_native_layer() or not is_silu(layer.mlp.act_fn) or not all(
-                isinstance(m, PackedLinear)
-                for m in (head.fc, layer.self_attn.o_proj, layer.mlp.down_proj)):
-            return None
-        step = self._step
-        if step is None or step.layer[0] is not fused[0] or step.layer[2] is not fused[1] \
-                or step.fc is not head.fc.blocked() \
-                or step.layer[1] is not layer.self_attn.o_proj.blocked() \
-                or step.layer[3] is not layer.mlp.down_proj.blocked():
-            step = _HeadStep(ops, head, self.embed.weight, fused, self._vocab_proj,
-                             self._rope_table(), self.cache, self.d2t)
-        return step
-
     def _call_head(self, slots: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
                    positions: torch.Tensor, mask: torch.Tensor, window: int, k: int = 0,
                    append_eye: bool = False, logit_rows: torch.Tensor | None = None):
         """One head call over [B, N] new entries (`_run`) and, with k > 0, its top-k draft
-        log-probs (`_log_probs`): through the draft's `_HeadStep` where it applies.
+        log-probs (`_log_probs`): through the backend's one-operator call where it applies
+        (`eagle2.cpu.head.HeadStep`).
         append_eye: mask [B, N, T0] holds the nodes' ancestors and each also sees itself;
         logit_rows [B]: the log-probs of that output of each request only ([B, k]).
         -> outputs [B, N, H], the mask [B, N, T], log-probs and tokens (or Nones)."""
-        if self._step is not None:
-            got = self._step(slots, self.cache.lengths[slots], tokens, features, positions,
+        step = self.kernels.step if self.kernels is not None else None
+        if step is not None:
+            got = step(slots, self.cache.lengths[slots], tokens, features, positions,
                              mask, append_eye, k, logit_rows)
             if got is not None:
                 return got
@@ -322,23 +208,6 @@ class Drafter:
         picked = out if logit_rows is None else \
             out[torch.arange(out.shape[0], device=self.device), logit_rows]
         return out, mask, *self._log_probs(picked, k)
-
-    def _fused_weights(self) -> tuple[BlockedWeight, BlockedWeight] | None:
-        """The head layer's q|k|v and gate|up weights, each concatenated into one packed
-        weight (one kernel call instead of three and two), packed again when the head's
-        weights change (a head trained in this process). None where a projection has a bias."""
-        layer = self.head.decoder
-        attn, mlp = layer.self_attn, layer.mlp
-        groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
-        if any(getattr(m, "bias", None) is not None for g in groups for m in g):
-            return None
-        seen = weights_stamp(*(m.weight for g in groups for m in g))
-        if self._fused is None or self._fused[0] != seen:
-            plan = small_rows_plan()
-            qkv, gate_up = (BlockedWeight(torch.cat([m.weight.detach() for m in g]).contiguous(),
-                                          plan) for g in groups)
-            self._fused = seen, (qkv, gate_up)
-        return self._fused[1]
 
     @torch.inference_mode()
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
@@ -368,7 +237,8 @@ class Drafter:
             raise ValueError(f"sequence longer than the draft context ({self.max_len})")
         rows = torch.arange(num_b, device=self.device)
         positions = base[:, None] + torch.arange(num_a, device=self.device)
-        self._step = self._head_step(base + counts, config.draft_window)
+        if self.kernels is not None:
+            self.kernels.prepare_step(base + counts, config.draft_window)
         # the root step's top k (the first level) with the update: one call where it applies
         first_k = {"vanilla": 0, "chain": 1, "static": _widest(config.total_tokens)}.get(
             config.mode, config.top_k)

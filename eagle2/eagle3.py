@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head and its published checkpoint layout (docs/DESIGN.md "EAGLE-3 heads").
+"""The EAGLE-3 draft head and its published checkpoint layout (docs/draft-tree.md "EAGLE-3 heads").
 
 Features: the target's residual stream at the *input* of three decoder layers (by default
 2, L//2 and L-3 of an L-layer target), concatenated [3H]. The head fuses them with
@@ -246,7 +246,7 @@ def new_eagle3_head(target_config, draft_vocab: torch.Tensor | None = None, seed
                     aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3Head:
     """An untrained EAGLE-3 head for a target (seeded init); draft_vocab: sorted target ids;
     aux_layer_ids: decoder *output* ids as in the published config (None: the default)."""
-    from eagle2.head import head_config_for
+    from eagle2.head_config import head_config_for
 
     torch.manual_seed(seed)
     vocab = draft_vocab if draft_vocab is not None else torch.arange(target_config.vocab_size)

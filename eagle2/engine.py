@@ -1,6 +1,6 @@
 """The batched speculative decoding loop: prefill, draft, verify, commit.
 
-See docs/DESIGN.md "Verification, KV cache and batching".
+See docs/kv-cache.md.
 
 Continuous batching: requests join between steps (their prompts are prefilled together) and
 leave when finished. Target-cache slots are kept compact (a finished request's slot takes the
@@ -103,7 +103,7 @@ class EngineStats:
     # (`budget.RealizedRates`)
     realized_vetoes: int = 0
     # prompt-lookup nodes (proposed by lookup alone) in the verified trees, and how many of
-    # them verification accepted (docs/DESIGN.md "Prompt lookup")
+    # them verification accepted (docs/draft-tree.md "Prompt lookup")
     lookup_offered: int = 0
     lookup_accepted: int = 0
     # steps that verified prompt-lookup chains without a draft call (auto budget, where the

@@ -1,4 +1,4 @@
-"""The EAGLE-1/2 draft head (docs/DESIGN.md "Draft head") and its published checkpoint layout.
+"""The EAGLE-1/2 draft head (docs/draft-tree.md "Draft head") and its published checkpoint layout.
 
 Input at position t: concat(embed(token[t+1]), feature[t]) (embedding first) -> fc (2H -> H)
 -> one Llama decoder layer without input_layernorm and without a final norm -> a predicted
@@ -35,6 +35,7 @@ from eagle2.eagle3 import (
     published_state,
 )
 from eagle2.eagle3 import from_state as eagle3_from_state
+from eagle2.head_config import head_config_for
 from eagle2.ngram import NgramStore
 
 IGNORED_KEYS = ("embed_tokens.weight",)
@@ -92,7 +93,7 @@ class DraftHead(nn.Module):
     def layer_input(self, token_embeds: torch.Tensor, features: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the q/k/v projections' input, the residual) of `step`'s decoder layer, for
-        `eagle2.fused.native_head_layer`: both fc(concat(embed, feature)) (no input norm)."""
+        `eagle2.cpu.fused.native_head_layer`: both fc(concat(embed, feature)) (no input norm)."""
         x = self.fuse(token_embeds, features)
         return x, x
 
@@ -122,32 +123,6 @@ class DraftHead(nn.Module):
             lengths = torch.full((num_b,), num_t, device=x.device)
         cache = self.allocate_cache(num_b, num_t)
         return self.forward_layer(x, cache, sequence_inputs(cache, lengths, num_t, self.rotary, x))
-
-
-def head_config_for(target_config, **overrides) -> LlamaConfig:
-    """A one-layer Llama config matching the target's hidden sizes (a new head's config)."""
-    fields = dict(
-        hidden_size=target_config.hidden_size,
-        intermediate_size=target_config.intermediate_size,
-        num_attention_heads=target_config.num_attention_heads,
-        num_key_value_heads=target_config.num_key_value_heads,
-        head_dim=getattr(target_config, "head_dim", None),
-        vocab_size=target_config.vocab_size,
-        max_position_embeddings=target_config.max_position_embeddings,
-        rms_norm_eps=target_config.rms_norm_eps,
-        hidden_act=target_config.hidden_act,
-        num_hidden_layers=1,
-        bias=False,
-    )
-    rope = getattr(target_config, "rope_parameters", None)
-    if rope is not None:
-        fields["rope_parameters"] = dict(rope)
-    else:
-        fields["rope_theta"] = getattr(target_config, "rope_theta", 10000.0)
-    fields.update(overrides)
-    if fields["head_dim"] is None:
-        fields.pop("head_dim")
-    return LlamaConfig(**fields)
 
 
 def new_head(target_config, seed: int = 0, bias: bool = False,

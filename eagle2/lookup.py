@@ -1,4 +1,4 @@
-"""Prompt-lookup branches of the draft tree (docs/DESIGN.md "Prompt lookup").
+"""Prompt-lookup branches of the draft tree (docs/draft-tree.md "Prompt lookup").
 
 Text often repeats itself: code reuses names, answers quote the question. `TokenHistory`
 keeps one sequence's tokens (prompt and output so far) with an index of its n-grams, and

@@ -1,5 +1,5 @@
-"""Corpus lookup: what the target itself wrote after the same few tokens (docs/DESIGN.md
-"Prompt lookup", item 7).
+"""Corpus lookup: what the target itself wrote after the same few tokens (docs/draft-tree.md
+"The n-gram store").
 
 Prompt lookup copies from the request's own tokens; where its match is short (a single token
 that occurred before: accepted ~20% of the time on MT-bench) or missing, the n-gram
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle2.native import ngram_ops
+from eagle2.ext import ngram_ops
 
 FILE_NAME = "ngram.npz"
 MAX_ORDER = 4

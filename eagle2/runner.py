@@ -1,7 +1,7 @@
 """Where the target runs: in this process (`LocalRunner`) or sharded across tensor-parallel
 ranks (`services` drives the same interface over Ray actors). The engine only talks to this.
 
-Verification runs where the logits are (docs/DESIGN.md "Verification"): `verify_step` and
+Verification runs where the logits are (docs/draft-tree.md "Verification"): `verify_step` and
 `prefill_step` return token ids, node indices and features only, never logits [B, N, V].
 """
 
@@ -59,7 +59,7 @@ class LocalRunner:
     process."""
 
     def __init__(self, target: TargetModel, num_slots: int, max_len: int):
-        self.target = target.fuse()  # fused layers where the model allows (eagle2.fused)
+        self.target = target.fuse()  # the backend's layers (`Backend.prepare`)
         self.vocab_size = target.vocab_size
         self.device = target.device
         self.cache = target.allocate_cache(num_slots, max_len)
@@ -81,12 +81,11 @@ class LocalRunner:
     @property
     def info(self) -> dict:
         """What a service reports about the target held here: vocab_size, device, dtype,
-        local_kv_heads (this shard's), fused (fused layers, eagle2.fused, or the modules) and
-        native (the fused CPU operations, eagle2.native)."""
+        local_kv_heads (this shard's), and the backend's kernels (`Backend.info`: backend,
+        attention, fused layers or the modules, native CPU operations)."""
         t = self.target
         return {"vocab_size": t.vocab_size, "device": str(t.device), "dtype": str(t.dtype),
-                "local_kv_heads": t.local_kv_heads(), "fused": t.fused is not None,
-                "native": t.native is not None}
+                "local_kv_heads": t.local_kv_heads(), **t.backend.info(t)}
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -108,13 +107,13 @@ class LocalRunner:
     def greedy_argmax(self) -> bool:
         """Whether greedy steps take the target's argmax without its logits (the cost model
         prices them so: `CostModel.greedy`)."""
-        return self.target.greedy_head is not None
+        return self.target.backend.greedy_head is not None
 
     @property
     def greedy_first_rows(self) -> int:
         """Rows the first round of a greedy verification's argmax takes (`GreedyArgmax.
         first_rows`, `verify.verify_greedy_lazily`; the cost model prices them so)."""
-        return getattr(self.target.greedy_head, "first_rows", 0)
+        return getattr(self.target.backend.greedy_head, "first_rows", 0)
 
     def _greedy_only(self, params) -> bool:
         """Whether this step needs only argmaxes, which the target can find without logits

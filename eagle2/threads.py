@@ -1,4 +1,4 @@
-"""How many CPU threads decode fastest on this machine (docs/DESIGN.md "CPU performance").
+"""How many CPU threads decode fastest on this machine (docs/cpu-backend.md "CPU performance").
 
 torch starts with one thread per core. A decode step of a small model is ~120 linears and as
 many small operators, each a parallel region whose threads must wake: on a 2-core VM two
@@ -61,12 +61,11 @@ def cache_path(target) -> Path:
     """Where the choice for this machine (CPU, cores, CPUs this process may use, torch) and
     this target (name, dtype, the native operators' build) is kept; the same whatever the
     current thread count."""
-    from eagle2.kernels import machine_key
-    from eagle2.target import cache_root
+    from eagle2.machine import cache_root, machine_key
 
     native = ""
     if target.dtype == torch.bfloat16:  # the fused operators' build, read before they load
-        from eagle2.native import build_key
+        from eagle2.cpu.native import build_key
 
         native = build_key()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
@@ -134,7 +133,7 @@ def measure_and_save(engine, target) -> int:
     """Measure the counts with an idle `Engine` of `target` on the CPU, cache the choice
     (unless other processes kept a core busy meanwhile), return it. The engine's stats then
     hold the probe's steps."""
-    from eagle2.kernels import write_json_atomic
+    from eagle2.machine import write_json_atomic
 
     counts = candidates(default_count())
     follower = LoadFollower(max(counts), interval=0.0)
@@ -195,7 +194,7 @@ def cpu_busy_seconds(cpus: set[int] | None = None, stat: Path = Path("/proc/stat
 
 class LoadFollower:
     """Fewer threads while other processes use this process's cores, all of them again once
-    they are free (docs/DESIGN.md, "CPU performance").
+    they are free (docs/cpu-backend.md, "CPU performance").
 
     On a quiet 2-core VM two threads decode ~1.6x faster than one (each core streams its half
     of the weights), yet beside one busy process they are ~1.7x slower than one thread: every

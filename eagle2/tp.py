@@ -1,6 +1,6 @@
 """Tensor parallelism for the target: one process per rank, a transformation of a built model.
 
-See docs/DESIGN.md "Tensor parallelism". Like gpt-fast's `apply_tp`:
+See docs/tensor-parallel.md "Tensor parallelism". Like gpt-fast's `apply_tp`:
 - q/k/v_proj and gate/up_proj are column-parallel: rank r keeps rows [r * n / tp, (r+1) * n / tp)
   of the weight [out, in]; for attention that is whole KV-head groups (q head i uses KV head
   i // (heads / kv_heads), so contiguous blocks of q and KV heads line up);
@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from eagle2.target import TargetModel, pick_device
+from eagle2.devices import pick_device
+from eagle2.target import TargetModel
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split the weight's dim 0
 ROW = ("o_proj", "down_proj")  # split the weight's dim 1, all-reduce the output

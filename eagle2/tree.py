@@ -1,4 +1,4 @@
-"""Draft trees as pure tensor functions (docs/DESIGN.md "Draft tree"): rerank and flatten.
+"""Draft trees as pure tensor functions (docs/draft-tree.md "Draft tree"): rerank and flatten.
 
 A tree is built from a flat list of C candidates in depth order (all depth-1 candidates, then
 all depth-2 ones, ...), each with a token, a parent (an index into the same list, -1 for the
@@ -144,7 +144,7 @@ def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torc
                cand_scores: torch.Tensor, cand_depths: torch.Tensor, num_nodes: int,
                cand_values: torch.Tensor | None = None,
                cand_lookup: torch.Tensor | None = None) -> DraftTree:
-    """Rerank candidates globally and flatten (docs/DESIGN.md "Draft tree").
+    """Rerank candidates globally and flatten (docs/draft-tree.md "Draft tree").
 
     root: [B]; cand_*: [B, C] in depth order, parents index the candidate list (-1 = root),
     depths start at 1, scores -inf for entries that are not candidates. Keeps the best

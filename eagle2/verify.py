@@ -1,4 +1,4 @@
-"""Lossless verification of a draft tree (docs/DESIGN.md "Verification").
+"""Lossless verification of a draft tree (docs/draft-tree.md "Verification").
 
 Terms: p is the target's processed distribution at a node (temperature, then top-k, then
 top-p, the order of HF `generate`); the draft tokens are deterministic top-k picks, i.e.

@@ -24,7 +24,7 @@ class TreeSettings(BaseModel):
     top_k: int = Field(8, ge=1, le=32)
     draft_window: int = Field(2048, ge=16)
     budget: Literal["auto", "fixed"] = "auto"
-    # Longest prompt-lookup chain in the tree (mode "eagle2"; 0: off), docs/DESIGN.md
+    # Longest prompt-lookup chain in the tree (mode "eagle2"; 0: off), docs/draft-tree.md
     # "Prompt lookup".
     lookup: int = Field(TreeConfig.lookup, ge=0, le=MAX_LOOKUP)
     # The head's catch-up per draft call (0: no limit, else >= 16), TreeConfig.catch_up.

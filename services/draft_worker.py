@@ -19,9 +19,10 @@ import grpc
 import torch
 from ray import serve
 
+from eagle2.devices import pick_device, pick_dtype
 from eagle2.drafter import Drafter
 from eagle2.head import load_head, new_head
-from eagle2.target import load_vocab_modules, pick_device, pick_dtype
+from eagle2.target import load_vocab_modules
 from services import convert
 from services.config import ServiceConfig
 from services.protos import draft_pb2, draft_pb2_grpc

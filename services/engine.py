@@ -8,7 +8,7 @@ default at tp_size 1) or on tp_size rank actors (`ShardedRunner`, "ranks"); the 
 draft worker over gRPC (`ResilientDrafter`: plain decoding while the worker is away) or, for
 single-GPU set-ups, in this process.
 
-Faults (docs/DESIGN.md): the step loop never dies. A failed step ends the requests it was
+Faults (docs/failures.md): the step loop never dies. A failed step ends the requests it was
 running with an error event (UNAVAILABLE when a tensor-parallel rank died, INTERNAL
 otherwise), never a silently truncated stream; a dead rank group is rebuilt in place while
 `health()` says not serving; `check_health` lets Serve replace a replica whose loop is gone.
@@ -28,9 +28,9 @@ import torch
 from ray import serve
 
 from eagle2.config import SamplingParams
+from eagle2.devices import pick_device, pick_dtype
 from eagle2.engine import Engine, Event, Request
 from eagle2.runner import LocalRunner
-from eagle2.target import pick_device, pick_dtype
 from services.config import ServiceConfig
 from services.metrics import EngineMetrics
 from services.tp_runner import ShardedRunner
@@ -332,8 +332,7 @@ def _cost_path(cfg: ServiceConfig, placement: str, runner_info: dict):
     how it runs: in the engine or through Ray calls to ranks, in which dtype, fused layers or
     the modules (costs measured one way misguide the tree budget the other way)."""
     from eagle2.budget import COSTS_VERSION
-    from eagle2.kernels import machine_key
-    from eagle2.target import cache_root
+    from eagle2.machine import cache_root, machine_key
 
     key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{placement}|"
                       f"{runner_info.get('dtype')}|{cfg.use_gpu}|{cfg.cpus_per_rank}|"

@@ -12,7 +12,7 @@ Prometheus endpoint (`ray.init(_metrics_export_port=...)`; Ray prefixes each nam
            eagle2_draft_worker_reconnects_total, eagle2_tp_rank_restarts_total
 
 Acceptance length is tokens per target forward (accepted draft tokens + the bonus token),
-the tau of docs/DESIGN.md; position p counts steps that accepted the draft token at depth
+the tau of docs/architecture.md; position p counts steps that accepted the draft token at depth
 p + 1.
 """
 

@@ -9,7 +9,7 @@ same port, truthfully: NOT_SERVING while the engine cannot make progress.
 
 Errors reach the client as a gRPC status with a message. Ray Serve's proxy copies the status
 set here onto the call only together with a yielded message, so a failing GenerateStream
-yields one last, empty message after setting the status (docs/DESIGN.md).
+yields one last, empty message after setting the status (docs/failures.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The tensor-parallel target on Ray: one `TPRank` actor per rank.
 
-See docs/DESIGN.md "Tensor parallelism".
+See docs/tensor-parallel.md "Tensor parallelism".
 
 `ShardedRunner` is the engine's `TargetRunner` on the driver side:
   1. reserve a placement group of tp_size bundles on one node (STRICT_PACK), one per rank
@@ -33,8 +33,9 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from eagle2.devices import pick_device, pick_dtype
 from eagle2.runner import LocalRunner
-from eagle2.target import embedded_model_dir, pick_device, pick_dtype
+from eagle2.target import embedded_model_dir
 from eagle2.tp import check_tp_size, init_tp
 
 

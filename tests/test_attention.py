@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_target
 
 from eagle2.attention import causal_mask
-from eagle2.kernels import exact_bf16_kernels
+from eagle2.cpu.kernels import exact_bf16_kernels
 from eagle2.target import TargetModel
 from eagle2.tree import chain_tree, finish_tree
 
@@ -120,7 +120,7 @@ def test_a_copied_slot_decodes_as_the_original():
     torch.testing.assert_close(next_features(0), next_features(2), rtol=0, atol=0)
 
 
-# --- exact bf16 attention (docs/DESIGN.md "Exact bf16 attention") ---------------------------
+# --- exact bf16 attention (docs/cpu-backend.md "Exact bf16 attention") ---------------------------
 
 def _bf16_target(seed: int):
     target = tiny_target(seed=seed)
@@ -171,14 +171,14 @@ needs_exact_bf16 = pytest.mark.skipif(
 def test_bf16_tree_nodes_equal_plain_decoding_bitwise(fused):
     """Every node of a tree, verified together with other requests of other lengths (some
     trees crossing an attention chunk boundary), gets bitwise the features plain decoding
-    would give the same token. fused: the engine's layers (`eagle2.fused`, with the fused CPU
-    operations of `eagle2.native` where they build)."""
+    would give the same token. fused: the engine's layers (`eagle2.cpu.fused`, with the fused CPU
+    operations of `eagle2.cpu.native` where they build)."""
     target = _bf16_target(seed=11)
-    assert target.canonical
+    assert target.backend.exact
     if fused:
         target.fuse()
-        assert target.fused is not None
-        assert target.native is not None or not shutil.which("c++")
+        assert target.backend.fused is not None
+        assert target.backend.native is not None or not shutil.which("c++")
     tree = sample_tree()
     prefixes = [[1, 5, 2, 8, 13, 40], list(range(3, 33)), list(range(2, 64)) + [7, 9]]
     feats = _tree_step(target, prefixes, tree)
@@ -196,15 +196,15 @@ def test_canonical_attention_matches_sdpa():
     tree = sample_tree()
     prefixes = [list(range(1, 40)), [4, 4, 4]]
     exact = _tree_step(target, prefixes, tree).float()
-    target.canonical = False
+    target.backend.exact = False
     sdpa = _tree_step(target, prefixes, tree).float()
     torch.testing.assert_close(exact, sdpa, rtol=0.05, atol=0.05)
     assert (exact - sdpa).abs().mean() < 0.01
 
 
 def test_window_depth_covers_every_tree_the_config_allows():
-    from eagle2.attention import WINDOW_DEPTH
     from eagle2.config import MAX_DEPTH, MAX_LOOKUP, TreeConfig
+    from eagle2.cpu.attention import WINDOW_DEPTH
 
     assert MAX_DEPTH + 1 <= WINDOW_DEPTH and MAX_LOOKUP <= WINDOW_DEPTH
     with pytest.raises(ValueError, match="depth must be in"):
@@ -215,8 +215,9 @@ def test_the_layer_views_of_a_cache_follow_its_tensors():
     """`KVCache.layer_views`: each layer's K, V and kept key blocks (views made once), the
     same storage as the cache's own tensors, and made again when one of them is replaced."""
     from eagle2.attention import KVCache
+    from eagle2.cpu.attention import with_key_blocks
 
-    cache = KVCache.allocate(3, 2, 1, 32, 8, torch.bfloat16, "cpu", key_blocks=True)
+    cache = with_key_blocks(KVCache.allocate(3, 2, 1, 32, 8, torch.bfloat16, "cpu"))
     for i in range(3):
         k, v, blocks, valid = cache.layer_views(i)
         assert k.data_ptr() == cache.k[i].data_ptr() and v.data_ptr() == cache.v[i].data_ptr()

@@ -1,4 +1,4 @@
-"""The benchmark: metrics on hand-made inputs, the tuner's choice and replay, a tiny bench run."""
+"""The benchmark: metrics on hand-made inputs, a tiny bench run, shards and repeats."""
 
 from __future__ import annotations
 
@@ -6,10 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_target
 
-from eagle2.bench import autotune, report
-from eagle2.bench.autotune import CostTable, choose, interpolate, replay_accepted
+from eagle2.bench import report
 from eagle2.bench.report import PromptRun, acceptance_by_depth
 
 
@@ -43,118 +41,6 @@ def test_mode_metrics_tau_speedup_and_split():
     assert bad["mismatches"] == [{"mode": "eagle2", "prompt_id": "a", "first_mismatch": 2}]
 
 
-# ----- the tuner: choice and replay (pure) -----------------------------------------------------
-def test_choose_picks_the_known_best():
-    table = CostTable(
-        verify_s={1: 0.10, 8: 0.12, 32: 0.30},
-        draft_s={(2, 4): 0.02, (4, 4): 0.04},
-        accepted={(2, 4, 8): 1.0, (2, 4, 32): 1.3, (4, 4, 8): 1.4, (4, 4, 32): 2.2,
-                  (2, 4, 16): 1.2},
-    )
-    ranked = choose(table)
-    # tokens/s: (2,4,8) 2/.14=14.3  (2,4,16) 2.2/.20=11.0  (2,4,32) 2.3/.32=7.2
-    #           (4,4,8) 2.4/.16=15.0 (4,4,32) 3.2/.34=9.4   -> depth 4, N 8
-    best = ranked[0]
-    assert (best.depth, best.top_k, best.total_tokens) == (4, 4, 8)
-    assert best.tokens_per_s == pytest.approx(2.4 / 0.16)
-    assert ranked[1].total_tokens == 8 and ranked[1].depth == 2
-    assert interpolate(table.verify_s, 16) == pytest.approx(0.18)
-    assert interpolate(table.verify_s, 64) == pytest.approx(0.30 + 32 * 0.18 / 24)
-
-
-def test_choose_skips_budgets_the_tree_cannot_fill():
-    table = CostTable(verify_s={1: 0.1, 64: 0.1}, draft_s={(1, 1): 0.0},
-                      accepted={(1, 1, 3): 1.0, (1, 1, 64): 5.0})
-    assert [c.total_tokens for c in choose(table)] == [3]  # 2 candidates only
-
-
-def test_replay_accepted_hand_made():
-    # level 1: tokens 5 (-.1), 7 (-.9); level 2 under 5: 8 (-.3), 9 (-.4); under 7: 1 (-1.0)
-    cands = [([5, 7], [-0.1, -0.9], [-1, -1], 1), ([8, 9, 1], [-0.3, -0.4, -1.0], [0, 0, 1], 2)]
-    out = replay_accepted(cands, truth=[5, 9, 4], depths=(1,), sizes=(2, 3, 4, 6))
-    # ranks: 5 -> 0, 8 -> 1, 9 -> 2, 7 -> 3, 1 -> 4; the truth path is 5 -> 9
-    assert out == {(1, 2): 1, (1, 3): 1, (1, 4): 2, (1, 6): 2}
-    out = replay_accepted(cands, truth=[7, 1, 4], depths=(1,), sizes=(4, 5, 6))
-    assert out == {(1, 4): 0, (1, 5): 1, (1, 6): 2}
-    assert replay_accepted(cands[:1], truth=[3], depths=(1,), sizes=(3,)) == {(1, 3): 0}
-
-
-@pytest.fixture
-def one_thread():
-    """One torch thread: on a shared 2-core machine two threads can be 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_tune_end_to_end_on_a_tiny_model(one_thread):
-    from eagle2.api import Eagle2
-    from eagle2.head import new_head
-
-    target = tiny_target(vocab=48, seed=3)
-    llm = Eagle2(target, new_head(target.config, seed=0), max_batch=1, max_context=256)
-    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
-    result = autotune.tune(llm, calibration=prompts, gen_tokens=16, prefix_tokens=32, repeats=1,
-                           max_positions=8, depths=(1, 2), top_ks=(1, 2), sizes=(3, 4, 6))
-    t = result.table
-    assert set(t.verify_s) == set(autotune.VERIFY_SIZES)
-    assert set(t.draft_s) == {(1, 1), (1, 2), (2, 1), (2, 2)}
-    assert t.num_positions == 8
-    assert all(0 <= a <= 3 for a in t.accepted.values())
-    assert result.best == result.ranked[0]
-    tree = result.tree()
-    assert tree.mode == "eagle2" and tree.total_tokens in (3, 4, 6)
-    assert (2, 1, 4) in t.accepted  # the full chain of depth 2 is always replayed
-    assert result.chain().top_k == 1
-    json.dumps(result.to_json())
-    assert "choice:" in result.format()
-
-
-def test_replay_positions_spread_evenly():
-    seqs = [(list(range(20)), None, 5), (list(range(12)), None, 4)]
-    # reach 3: positions 5..16 (12) and 4..8 (5)
-    assert autotune.replay_positions(seqs, 3, 100) == [list(range(5, 17)), list(range(4, 9))]
-    spread = autotune.replay_positions(seqs, 3, 4)
-    assert sum(map(len, spread)) == 4 and spread[0][0] == 5
-
-
-def test_replay_matches_the_engine_step_by_step(one_thread):
-    """The tuner's replay gives exactly the accepted lengths the engine gets (greedy)."""
-    from conftest import make_engine
-
-    from eagle2.config import SamplingParams, TreeConfig
-    from eagle2.drafter import Drafter
-    from eagle2.engine import Request
-    from eagle2.runner import LocalRunner
-
-    target = tiny_target(vocab=8, seed=3)  # small vocabulary: a random head is often right
-    prompt = [1, 5, 2, 7, 3]
-    for depth, k, n in ((2, 2, 5), (3, 3, 8), (1, 4, 4)):
-        engine = make_engine(target, head_seed=0, max_batch=1)
-        engine.add(Request("s", tuple(prompt), SamplingParams(max_tokens=40, ignore_eos=True),
-                           TreeConfig("eagle2", total_tokens=n, depth=depth, top_k=k,
-                                      budget="fixed", lookup=0)))  # head nodes only
-        produced, output = [], []
-        while engine.has_work():
-            for ev in engine.step():
-                produced.append(len(ev.token_ids))
-                output += ev.token_ids
-        ids = prompt + output
-        positions, pos = [], len(prompt)
-        for c in produced[1:-1]:  # verification steps; the last one may be cut by max_tokens
-            positions.append(pos)
-            pos += c
-        drafter = Drafter(engine.drafter.head, target.embed, target.lm_head, max_slots=1,
-                          max_len=64, keep_candidates=True)
-        feats = autotune._features(LocalRunner(target, 1, 64), ids)
-        replay = [r[(depth, k, n)] for r in autotune.replay_sequence(
-            drafter, "r", ids, feats, positions, (depth,), (k,), (n,))]
-        assert replay == [c - 1 for c in produced[1:-1]]
-        assert max(replay) >= 1  # the comparison is not vacuous
-
-
-# ----- a tiny bench through the CLI -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     from eagle2.cli import main
@@ -173,7 +59,7 @@ def test_tiny_bench_writes_results_and_chart(bench_run):
     rc, out = bench_run
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
-    assert res["lossless"] is True and res["tuner"] is None
+    assert res["lossless"] is True
     assert set(res) >= {"definitions", "config", "machine", "suites", "wall_s"}
     assert res["machine"]["torch_threads"] >= 1 and res["machine"]["cpu_count"] >= 1
     assert res["config"]["trees"]["eagle2"]["total_tokens"] == 6
@@ -195,7 +81,7 @@ def test_bench_rejects_bad_arguments():
     from eagle2.cli import main
 
     assert main(["bench", "--modes", "vanilla,turbo"]) == 2
-    assert main(["bench", "--tree", "tuned", "--depth", "3"]) == 2
+    assert main(["bench", "--tree", "budget", "--depth", "3"]) == 2
     assert main(["bench", "--batch", "2", "--modes", "vanilla,hf"]) == 2
     assert main(["bench", "--suite", "gsm8k"]) == 2
 
@@ -269,10 +155,9 @@ def test_repeats_run_every_group_again_with_the_mode_order_rotating(tmp_path):
     assert main(["bench", "--repeats", "0"]) == 2
 
 
-def test_shard_needs_a_fixed_tree():
+def test_shard_must_name_a_shard_of_the_count():
     from eagle2.cli import main
 
-    assert main(["bench", "--shard", "0/2", "--tree", "tuned"]) == 2
     assert main(["bench", "--shard", "2/2", "--total-tokens", "4"]) == 2
 
 

@@ -144,17 +144,17 @@ def test_the_engine_prices_greedy_batches_without_logits_where_the_runner_takes_
     engine.add(Request("g", (1, 2, 3), GREEDY, AUTO))
     engine.step()
     assert engine._forward_costs(costs) == costs  # no greedy head: the logits are computed
-    engine.runner.target.greedy_head = object()  # what a bf16 target's `fuse` sets
+    engine.runner.target.backend.greedy_head = object()  # what a bf16 target's `fuse` sets
     assert engine._forward_costs(costs) == costs.greedy
     assert engine._timed_costs(costs)(1, 8) == pytest.approx(costs.greedy(1, 8))
     # a greedy head whose first round takes 16 rows: priced so
-    engine.runner.target.greedy_head = SimpleNamespace(first_rows=16)
+    engine.runner.target.backend.greedy_head = SimpleNamespace(first_rows=16)
     assert engine._forward_costs(costs)(1, 8) == costs.greedy(1, 8, first_rows=16)
     assert costs.greedy(1, 8, first_rows=16) > costs.greedy(1, 8)
     engine.add(Request("s", (4, 5), SamplingParams(temperature=1.0, seed=1, max_tokens=4), AUTO))
-    engine.runner.target.greedy_head = None
+    engine.runner.target.backend.greedy_head = None
     engine.step()
-    engine.runner.target.greedy_head = object()
+    engine.runner.target.backend.greedy_head = object()
     assert len(engine.seqs) == 2 and engine._forward_costs(costs) == costs  # one is sampled
 
 

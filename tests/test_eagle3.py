@@ -4,7 +4,7 @@ architecture computes, the target exposes the right layers, and decoding stays l
 The checkpoints here are written by hand in the release's layout (reference tensor names,
 `d2t` as offsets, `t2d` as a mask, a `LlamaForCausalLMEagle3` config), not by our saver, and
 the head's forward is compared with a plain-torch implementation written from the published
-description. See docs/DESIGN.md "EAGLE-3 heads".
+description. See docs/draft-tree.md "EAGLE-3 heads".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """eagle2.gpu_check (tiny, CPU) and the graph-safe forward of eagle2.cuda_graphs.
 
-See docs/DESIGN.md "Environment notes". The GPU run itself (`make gpu-check`) needs CUDA; here
+See docs/architecture.md "On GPUs". The GPU run itself (`make gpu-check`) needs CUDA; here
 the same code runs with tiny shapes, and the forward that CUDA graphs capture is checked
 against the target's own forward.
 """

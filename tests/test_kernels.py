@@ -9,7 +9,7 @@ from conftest import make_engine, random_prompts, run, tiny_target
 
 from eagle2.bench.load import busy_processes
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.kernels import (
+from eagle2.cpu.kernels import (
     AMX,
     FMA,
     NATIVE,
@@ -51,11 +51,12 @@ def test_measure_plan_picks_one_candidate_per_bucket():
 def test_fused_forward_equals_module_forward():
     target = tiny_target(seed=7)
     slow = make_engine(tiny_target(seed=7), None)  # LocalRunner fuses; undo it below
-    slow.runner.target.fused = None
-    slow.runner.target.head_proj = None
+    slow.runner.target.backend.fused = None
+    slow.runner.target.backend.head_proj = None
     fast = make_engine(target, None)
-    fast.runner.target.plan.block_bytes.update({b: 2048 for b in ROW_BUCKETS})  # blocked too
-    assert fast.runner.target.fused is not None
+    # blocked too
+    fast.runner.target.backend.plan.block_bytes.update({b: 2048 for b in ROW_BUCKETS})
+    assert fast.runner.target.backend.fused is not None
     prompts = random_prompts(3, 64, seed=2)
     tokens = torch.tensor([[3, 1, 4, 1, 5]])
     pos = torch.arange(5)[None]
@@ -77,7 +78,7 @@ def test_fusing_keeps_the_hf_module_working():
     before = target.hf(ids).logits
     target.fuse()
     q = target.layers[0].self_attn.q_proj.weight
-    assert q.data_ptr() == target.fused[0].qkv.weight.data_ptr()  # a view, not a copy
+    assert q.data_ptr() == target.backend.fused[0].qkv.weight.data_ptr()  # a view, not a copy
     torch.testing.assert_close(target.hf(ids).logits, before)
 
 
@@ -115,7 +116,7 @@ def test_packed_bf16_rows_do_not_depend_on_the_row_count(shape):
 def test_packed_linear_matches_linear_follows_updates_and_keeps_the_state_dict():
     from torch import nn
 
-    from eagle2.kernels import PackedLinear, pack_linears
+    from eagle2.cpu.kernels import PackedLinear, pack_linears
 
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.ReLU(),
@@ -246,7 +247,7 @@ def greedy_case(vocab: int, features: int, seed: int):
     """A bf16 weight with duplicated outputs (exact ties) and outputs one bf16 step apart in
     one feature (logits that tie once rounded to bf16, not before), its FMA BlockedWeight and
     GreedyArgmax; None where the native operators are missing."""
-    from eagle2.kernels import GreedyArgmax, greedy_argmax_ops
+    from eagle2.cpu.kernels import GreedyArgmax, greedy_argmax_ops
 
     plan = BlockPlan({rows: FMA for rows in ROW_BUCKETS})
     ops = greedy_argmax_ops(plan, torch.bfloat16, torch.device("cpu"))
@@ -341,6 +342,6 @@ def test_a_target_on_amx_keeps_its_lm_head_on_the_fma_kernel(monkeypatch):
     monkeypatch.setattr(target_module, "cached_plan", lambda *a, **k: amx_plan)
     hf = tiny_target(seed=3, layers=2).hf.to(torch.bfloat16)
     target = TargetModel(hf, name="tiny-amx").fuse(measure=True)
-    assert set(target.plan.block_bytes.values()) == {AMX}
-    assert set(target.head_proj.plan.block_bytes.values()) == {FMA}
-    assert target.greedy_head is not None
+    assert set(target.backend.plan.block_bytes.values()) == {AMX}
+    assert set(target.backend.head_proj.plan.block_bytes.values()) == {FMA}
+    assert target.backend.greedy_head is not None

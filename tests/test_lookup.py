@@ -1,4 +1,4 @@
-"""Prompt-lookup branches (docs/DESIGN.md "Prompt lookup"): the matcher against a brute-force
+"""Prompt-lookup branches (docs/draft-tree.md "Prompt lookup"): the matcher against a brute-force
 reference, the merge into the candidates, valid trees, and losslessness with lookup on."""
 
 from __future__ import annotations

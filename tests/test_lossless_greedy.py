@@ -1,6 +1,6 @@
 """Greedy speculative output equals plain greedy decoding, token for token.
 
-See docs/DESIGN.md "Verification".
+See docs/draft-tree.md "Verification".
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from conftest import make_engine, random_prompts, run, tiny_target
 
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.kernels import exact_bf16_kernels
+from eagle2.cpu.kernels import exact_bf16_kernels
 from eagle2.target import TargetModel
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -172,7 +172,7 @@ def test_bf16_native_linears_mixed_with_packed_ones_equal_vanilla():
     """The kernel plan a large bf16 model measures (the native linear for a few rows,
     oneDNN's for more, `kernels.exact_bf16_candidates`): every mode, batched, equals plain
     decoding of each prompt alone through oneDNN's kernel only."""
-    from eagle2.kernels import NATIVE, native_linear_ops
+    from eagle2.cpu.kernels import NATIVE, native_linear_ops
 
     if native_linear_ops() is None:
         pytest.skip("no native bf16 linear here")
@@ -181,9 +181,9 @@ def test_bf16_native_linears_mixed_with_packed_ones_equal_vanilla():
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = [run(make_engine(target, None, max_batch=1), [p], params, TreeConfig("vanilla"))[0]
              for p in prompts]
-    mixed = {rows: NATIVE if rows <= 8 else target.plan.block_bytes[rows]
-             for rows in target.plan.block_bytes}
-    target.plan.block_bytes.update(mixed)
+    mixed = {rows: NATIVE if rows <= 8 else target.backend.plan.block_bytes[rows]
+             for rows in target.backend.plan.block_bytes}
+    target.backend.plan.block_bytes.update(mixed)
     assert run(make_engine(target, None), prompts, params, TreeConfig("vanilla")) == alone
     for name, tree in TREES.items():
         assert run(make_engine(target, 1), prompts, params, tree) == alone, name
@@ -196,22 +196,22 @@ def test_bf16_greedy_tokens_without_logits_equal_decoding_through_the_logits():
     batched, equal plain decoding of each prompt alone through the full logits; the greedy
     head served the prefills and every verification (a vocabulary of 4099, not a multiple of
     the kernel's blocks)."""
-    from eagle2.kernels import FMA, ROW_BUCKETS, GreedyArgmax, greedy_argmax_ops
+    from eagle2.cpu.kernels import FMA, ROW_BUCKETS, GreedyArgmax, greedy_argmax_ops
 
     target = tiny_target(vocab=4099, seed=33, layers=3, logit_scale=4.0)
     target.hf.to(torch.bfloat16)
     target = TargetModel(target.hf, name="tiny-bf16-33").fuse()
-    target.plan.block_bytes.update({rows: FMA for rows in ROW_BUCKETS})
-    ops = greedy_argmax_ops(target.plan, target.dtype, target.device)
+    target.backend.plan.block_bytes.update({rows: FMA for rows in ROW_BUCKETS})
+    ops = greedy_argmax_ops(target.backend.plan, target.dtype, target.device)
     if ops is None:
         pytest.skip("no native FMA linear here")
-    greedy = GreedyArgmax(target.head_proj, ops)
-    target.greedy_head = None  # the reference: argmax of the logits
+    greedy = GreedyArgmax(target.backend.head_proj, ops)
+    target.backend.greedy_head = None  # the reference: argmax of the logits
     prompts = random_prompts(6, 4099, seed=5, lo=3, hi=40)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = [run(make_engine(target, None, max_batch=1), [p], params, TreeConfig("vanilla"))[0]
              for p in prompts]
-    target.greedy_head = greedy  # the cost model times the lm_head both ways
+    target.backend.greedy_head = greedy  # the cost model times the lm_head both ways
     flushes = []
     logits_s, greedy_s = make_engine(target, None).runner.head_seconds(
         (1, 3), passes=1, before=lambda: flushes.append(1))
@@ -224,7 +224,7 @@ def test_bf16_greedy_tokens_without_logits_equal_decoding_through_the_logits():
         served.append(tokens is not None)
         return tokens
 
-    target.greedy_head = counted
+    target.backend.greedy_head = counted
     assert run(make_engine(target, None), prompts, params, TreeConfig("vanilla")) == alone
     assert len(served) == 40  # the batch's prefill, then 39 steps
     for name, tree in TREES.items():
@@ -241,7 +241,7 @@ def test_bf16_fma_linears_equal_vanilla(kernel):
     where vdpbf16ps is slow; `kernels.AMX`, the tile unit's sums over the same packed weight,
     where the CPU has AMX): every row count through one, every mode batched equals plain
     decoding of each prompt alone through it."""
-    from eagle2.kernels import AMX, FMA, ROW_BUCKETS, amx_linear_ops, fma_linear_ops
+    from eagle2.cpu.kernels import AMX, FMA, ROW_BUCKETS, amx_linear_ops, fma_linear_ops
 
     if fma_linear_ops() is None:
         pytest.skip("no native FMA linear here")
@@ -249,12 +249,12 @@ def test_bf16_fma_linears_equal_vanilla(kernel):
         pytest.skip("no AMX tiles here")
     target = bf16_target(31).fuse()  # fusing sets its own plan; this one replaces it
     chosen = FMA if kernel == "fma" else AMX
-    target.plan.block_bytes.update({rows: chosen for rows in ROW_BUCKETS})
+    target.backend.plan.block_bytes.update({rows: chosen for rows in ROW_BUCKETS})
     prompts = random_prompts(6, 48, seed=4, lo=3, hi=40)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = [run(make_engine(target, None, max_batch=1), [p], params, TreeConfig("vanilla"))[0]
              for p in prompts]
-    assert set(target.plan.block_bytes.values()) == {chosen}  # fusing kept the plan
+    assert set(target.backend.plan.block_bytes.values()) == {chosen}  # fusing kept the plan
     assert run(make_engine(target, None), prompts, params, TreeConfig("vanilla")) == alone
     for name, tree in TREES.items():
         assert run(make_engine(target, 2), prompts, params, tree) == alone, name

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle2.native import cpu_ops
+from eagle2.cpu.native import cpu_ops
 
 pytestmark = pytest.mark.skipif(not shutil.which("c++"), reason="no C++ compiler")
 EPS = 1e-5
@@ -35,7 +35,7 @@ def attn_ops(request, ops):
         return ops
     if platform.machine() not in ("x86_64", "AMD64") or ops.isa() == "avx2":
         pytest.skip("this machine's build is the AVX2 one")
-    from eagle2.native import load_variant
+    from eagle2.cpu.native import load_variant
 
     avx2 = load_variant("eagle2_cpu_avx2", march="haswell")
     assert avx2.isa() == "avx2"
@@ -45,7 +45,7 @@ def attn_ops(request, ops):
 def test_the_build_uses_the_cpus_vector_instructions(ops):
     """AVX512-BF16 where the CPU has it, else AVX2 + FMA; the bf16 dot-product linear says
     clearly that an AVX2 build lacks it (the plans never pick it there)."""
-    from eagle2.kernels import cpu_info, native_linear_ops
+    from eagle2.cpu.kernels import cpu_info, native_linear_ops
 
     flags = cpu_info()[1]
     want = "avx512_bf16" if {"avx512_bf16", "avx512bw"} <= flags else "avx2"
@@ -66,7 +66,7 @@ def test_both_instruction_sets_compile():
     (Sapphire Rapids: the tile linear)."""
     from torch.utils.cpp_extension import include_paths
 
-    from eagle2.native import CFLAGS, SOURCE
+    from eagle2.cpu.native import CFLAGS, SOURCE
 
     flags = [f for f in CFLAGS if not f.startswith(("-march", "-O"))]
     incs = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
@@ -192,20 +192,20 @@ def test_fused_layers_match_the_aten_layers(ops):
     from conftest import tiny_target
 
     from eagle2.attention import causal_mask
-    from eagle2.kernels import exact_bf16_kernels
+    from eagle2.cpu.kernels import exact_bf16_kernels
     from eagle2.target import TargetModel
 
     if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no exact bf16 kernels on this CPU")
     hf = tiny_target(seed=5, layers=3).hf.to(torch.bfloat16)
     target = TargetModel(hf, name="tiny-native").fuse()
-    assert target.native is ops
+    assert target.backend.native is ops
     tokens = torch.randint(0, 64, (2, 50), generator=torch.Generator().manual_seed(3))
     mask = causal_mask(torch.tensor([50, 50]), 50)
     pos = torch.arange(50).expand(2, 50)
     outs = []
     for native in (ops, None):
-        target.native = native
+        target.backend.native = native
         cache = target.allocate_cache(2, 64)
         outs.append(target.forward(tokens, pos, mask, cache, torch.arange(2)).hidden.float())
     torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.05)
@@ -216,7 +216,7 @@ def test_fused_layers_match_the_aten_layers(ops):
 def one_kernel_plan(kernel: str):
     """A plan that multiplies every row count by the FMA kernel ("fma") or the AMX one
     ("amx"); skips the test where this CPU has not that kernel."""
-    from eagle2.kernels import (
+    from eagle2.cpu.kernels import (
         AMX,
         FMA,
         ROW_BUCKETS,
@@ -243,14 +243,14 @@ def test_the_native_layer_operators_equal_their_calls_one_by_one(ops, kernel):
     kernel, or by the AMX one where the CPU has it."""
     from conftest import tiny_target
 
-    from eagle2 import fused
     from eagle2.attention import causal_mask
+    from eagle2.cpu import fused
     from eagle2.target import TargetModel
 
     plan = one_kernel_plan(kernel)  # the operator's condition: one of them throughout
     hf = tiny_target(seed=5, layers=3).hf.to(torch.bfloat16)
     target = TargetModel(hf, name="tiny-native").fuse()
-    for lw in target.fused:
+    for lw in target.backend.fused:
         for w in (lw.qkv, lw.o, lw.gate_up, lw.down):
             w.plan = plan
     gen = torch.Generator().manual_seed(3)
@@ -357,7 +357,7 @@ def test_every_node_of_a_branched_tree_equals_plain_decoding_bitwise(attn_ops):
     entries of two branches would share one). Every node's output, with the committed keys and
     values kept in blocks and without, has the bits of the same token decoded alone after its
     path was committed."""
-    from eagle2.attention import empty_key_blocks
+    from eagle2.cpu.attention import empty_key_blocks
 
     g = torch.Generator().manual_seed(17)
     num_q, num_kv, dim, size, base = 9, 3, 64, 128, 54
@@ -436,11 +436,12 @@ def test_kept_key_blocks_give_the_bits_of_transposing_every_call(attn_ops, value
     finished request's slot taken over by `copy_slot`, a new request in a used slot. Every
     call gives bitwise the outputs of the same call transposing every key afresh."""
     from eagle2.attention import KVCache
+    from eagle2.cpu.attention import with_key_blocks
 
     g = torch.Generator().manual_seed(13)
     num_q, num_kv, dim, size = 9, 3, 64, 160
-    cache = KVCache.allocate(1, 3, num_kv, size, dim, torch.bfloat16, "cpu", ones_column=True,
-                             key_blocks=True, value_tiles=value_tiles)
+    cache = with_key_blocks(KVCache.allocate(1, 3, num_kv, size, dim, torch.bfloat16, "cpu",
+                                             ones_column=True), value_tiles)
     cache.key_blocks.fill_(-1)  # whatever the memory held
     width = 8 if attn_ops.isa() == "avx2" else 16  # keys a block
 
@@ -482,7 +483,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_process(ops):
     import subprocess
     import sys
 
-    code = ("import eagle2.native as n; (n._build_dir() / 'lock').touch(); "
+    code = ("import eagle2.cpu.native as n; (n._build_dir() / 'lock').touch(); "
             "assert n.cpu_ops() is not None; assert not (n._build_dir() / 'lock').exists()")
     done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True,
                           text=True)
@@ -498,10 +499,10 @@ def test_the_drafters_native_layer_matches_the_module_path(ops, kind):
     from conftest import tiny_target
 
     from eagle2.attention import causal_mask
+    from eagle2.cpu.kernels import exact_bf16_kernels
     from eagle2.drafter import Drafter
     from eagle2.eagle3 import new_eagle3_head
     from eagle2.head import new_head
-    from eagle2.kernels import exact_bf16_kernels
 
     if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no exact bf16 kernels on this CPU")
@@ -509,8 +510,8 @@ def test_the_drafters_native_layer_matches_the_module_path(ops, kind):
     make = new_head if kind == "eagle2" else new_eagle3_head
     head = make(target.config, seed=1, dtype=torch.bfloat16)
     fast, slow = (Drafter(head, target.embed, target.lm_head, 4, 96) for _ in range(2))
-    assert fast.native is ops
-    slow.native = None
+    assert fast.kernels.native is ops
+    slow.kernels.native = None
     gen = torch.Generator().manual_seed(2)
     width = 64 if kind == "eagle2" else 3 * 64
     feats = torch.randn(2, 40, width, generator=gen).bfloat16()
@@ -542,11 +543,11 @@ def test_the_drafters_native_layer_matches_the_module_path(ops, kind):
             torch.testing.assert_close(keys_fast[b, :, cols].float(),
                                        keys_slow[b, :, cols].float(), rtol=0.05, atol=0.05)
     # q|k|v and gate|up ran as one packed weight each, packed again once the head changes
-    fused = fast._fused_weights()
-    assert fused is not None and fast._fused_weights() is fused
+    fused = fast.kernels.fused_weights()
+    assert fused is not None and fast.kernels.fused_weights() is fused
     with torch.no_grad():
         head.decoder.mlp.up_proj.weight.mul_(2)
-    assert fast._fused_weights() is not fused
+    assert fast.kernels.fused_weights() is not fused
 
 
 @pytest.mark.parametrize("vocab", [8192, 1000, 7])
@@ -577,11 +578,9 @@ def test_the_heads_layer_runs_as_one_operator(ops):
     prefix and a tree level."""
     from conftest import tiny_target
 
-    from eagle2 import fused
     from eagle2.attention import causal_mask
-    from eagle2.drafter import Drafter
-    from eagle2.head import new_head
-    from eagle2.kernels import (
+    from eagle2.cpu import fused
+    from eagle2.cpu.kernels import (
         FMA,
         ROW_BUCKETS,
         BlockPlan,
@@ -589,6 +588,8 @@ def test_the_heads_layer_runs_as_one_operator(ops):
         exact_bf16_kernels,
         fma_linear_ops,
     )
+    from eagle2.drafter import Drafter
+    from eagle2.head import new_head
 
     if not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")) or fma_linear_ops() is None:
         pytest.skip("no bf16 FMA kernels on this CPU")
@@ -596,7 +597,7 @@ def test_the_heads_layer_runs_as_one_operator(ops):
     head = new_head(target.config, seed=1, dtype=torch.bfloat16)
     drafter = Drafter(head, target.embed, target.lm_head, 2, 96)
     plan = BlockPlan({rows: FMA for rows in ROW_BUCKETS})
-    for w in (*drafter._fused_weights(), *(m.blocked() for m in head.modules()
+    for w in (*drafter.kernels.fused_weights(), *(m.blocked() for m in head.modules()
                                            if isinstance(m, PackedLinear))):
         w.plan = plan
     gen = torch.Generator().manual_seed(2)
@@ -631,15 +632,15 @@ def test_the_heads_layer_runs_as_one_operator(ops):
 @pytest.mark.parametrize("kernel", ["fma", "amx"])
 def test_the_heads_calls_run_as_one_operator(ops, kernel):
     """An EAGLE-2 head's calls (embedding, fc, layer, draft-vocabulary top k) run as one
-    `eagle2_cpu::head_step` each (`drafter._HeadStep`) and draft bitwise the trees of the
+    `eagle2_cpu::head_step` each (`eagle2.cpu.head.HeadStep`) and draft bitwise the trees of the
     native calls one by one: dynamic and static trees, two requests at different lengths, the
     first draft and one after two more accepted positions each, the head cache's entries too."""
     from conftest import tiny_target
 
     from eagle2.config import TreeConfig
+    from eagle2.cpu.kernels import PackedLinear
     from eagle2.drafter import Drafter
     from eagle2.head import new_head
-    from eagle2.kernels import PackedLinear
     from eagle2.tree import static_shape
 
     plan = one_kernel_plan(kernel)
@@ -647,11 +648,11 @@ def test_the_heads_calls_run_as_one_operator(ops, kernel):
     head = new_head(target.config, seed=1, dtype=torch.bfloat16)
     one, by_calls = (Drafter(head, target.embed, target.lm_head, 4, 96) for _ in range(2))
     for d in (one, by_calls):
-        d._vocab_proj.plan = plan
-        for w in (*d._fused_weights(), *(m.blocked() for m in head.modules()
+        d.kernels.vocab_proj.plan = plan
+        for w in (*d.kernels.fused_weights(), *(m.blocked() for m in head.modules()
                                          if isinstance(m, PackedLinear))):
             w.plan = plan
-    by_calls._head_step = lambda end, window: None
+    by_calls.kernels._head_step = lambda end, window: None
     gen = torch.Generator().manual_seed(3)
     feats = torch.randn(2, 30, 64, generator=gen).bfloat16()
     tokens = torch.randint(0, 64, (2, 30), generator=gen)

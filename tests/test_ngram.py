@@ -1,4 +1,4 @@
-"""The n-gram store of the target's answers (docs/DESIGN.md "Prompt lookup", item 7): its
+"""The n-gram store of the target's answers (docs/draft-tree.md "The n-gram store"): its
 counts against a brute-force reference, its rates, its file, the choice between its chain and
 prompt lookup's, and losslessness (greedy and sampled) with its chains verified."""
 
@@ -19,6 +19,7 @@ from test_lossless_sampling import NUM_SAMPLES, chi_square_pvalue, exact_joint
 
 from eagle2.budget import SpeculationGate
 from eagle2.config import SamplingParams, TreeConfig
+from eagle2.ext import ngram_ops
 from eagle2.lookup import (
     LookupNode,
     LookupTable,
@@ -29,7 +30,6 @@ from eagle2.lookup import (
     propose_chains,
     rank_branches,
 )
-from eagle2.native import ngram_ops
 from eagle2.ngram import (
     FILE_NAME,
     MAX_ORDER,

@@ -1,6 +1,6 @@
 """eagle2.tp + services.tp_runner: the tensor-parallel target is lossless.
 
-See docs/DESIGN.md "Tensor parallelism".
+See docs/tensor-parallel.md "Tensor parallelism".
 
 Real Ray actors, real sharded loading and real gloo all-reduces on CPU, no mocks: through the
 engine, a target sharded over tp ranks gives exactly the greedy tokens of the unsharded target
@@ -137,7 +137,7 @@ def test_tp1_rank_is_the_whole_model_with_fused_layers(tiny):
 
     rank = LocalRunner(load_rank(tiny[1], 1, 0, torch.float32, "cpu"), 1, 64)
     local = LocalRunner(tiny[0], 1, 64)
-    assert rank.target.fused is not None
+    assert rank.target.backend.fused is not None
     tokens = torch.tensor([[3, 1, 4, 1, 5]])
     args = (tokens, torch.arange(5)[None], torch.ones(5, 5, dtype=torch.bool).tril()[None],
             torch.tensor([0]))

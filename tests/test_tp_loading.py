@@ -1,6 +1,6 @@
 """eagle2.tp.load_sharded: each rank reads only its slices, and the sharded model is the model.
 
-See docs/DESIGN.md "Tensor parallelism". A random Llama of ~1 GB (fp32) is written in the
+See docs/tensor-parallel.md "Tensor parallelism". A random Llama of ~1 GB (fp32) is written in the
 standard multi-shard layout (model-0000X-of-0000N.safetensors + model.safetensors.index.json).
 Two spawned processes join a gloo group (tp = 2) and load it; each measures its own peak RSS
 (VmHWM, reset at the start through /proc/self/clear_refs) while loading and generating. A third

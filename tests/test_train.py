@@ -1,6 +1,6 @@
 """Head training: data shards, the loop, checkpoints and resume, the saved layout.
 
-See docs/DESIGN.md "Training a head".
+See docs/training.md "Training a head".
 """
 
 from __future__ import annotations

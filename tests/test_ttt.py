@@ -1,7 +1,7 @@
 """EAGLE-3 training with the training-time test (eagle2.train.ttt).
 
 The unrolled training pass must compute exactly what the drafter computes when it drafts a
-chain through the head's KV cache (docs/DESIGN.md "Training a head"); training must lower the
+chain through the head's KV cache (docs/training.md "Training a head"); training must lower the
 loss and raise the acceptance of a tiny target's drafts while decoding stays lossless; an
 interrupted run resumes to the same state.
 """

@@ -1,1 +1,2 @@
-"""Benchmarks: the prompt suites and the speedup / tau measurements of docs/DESIGN.md "Metrics"."""
+"""Benchmarks: the prompt suites and the speedup / tau measurements (docs/architecture.md
+"Metrics")."""

@@ -4,7 +4,7 @@ Runs the engine greedily with a large fixed tree and an uncalibrated drafter, re
 every draft node its raw path value and whether it lies on the target's greedy path
 (`calibration.accepted_nodes`), fits `Calibration` on half of the steps and checks it on the
 other half: the predicted number of accepted draft tokens per tree against the measured one.
-It also measures prompt lookup (docs/DESIGN.md "Prompt lookup"): every chain the drafter
+It also measures prompt lookup (docs/draft-tree.md "Prompt lookup"): every chain the drafter
 proposed is compared with the target's greedy output after its root, and the acceptance rate
 of the tokens the head had not proposed itself, by match length and depth, becomes the
 calibration's lookup table (fitted and checked the same way).
@@ -93,7 +93,7 @@ def run(args) -> int:
     # the ones it expects to beat: the table is fitted on all of prompt lookup's proposals)
     llm.engine.drafter.ngram = None
     rec = Recorder()
-    llm.target.greedy_head = None  # verify through the logits: the observer reads them
+    llm.target.backend.greedy_head = None  # verify through the logits: the observer reads them
     _observe_verification(llm.engine.runner, rec)
     tree = TreeConfig("eagle2", args.total_tokens, args.depth, args.tree_top_k, budget="fixed",
                       lookup=args.lookup)

@@ -96,7 +96,7 @@ def split_forward(runner, tokens, positions, mask, slots) -> dict[str, float]:
                       "eagle2_cpu::linear_amx"):  # ... on the AMX tiles (kernels.AMX)
             totals["linears"] += us
         elif ("scaled_dot_product" in ev.key or ev.key == "aten::bmm"  # bmm: exact attention
-              or ev.key == "eagle2_cpu::attention"):  # the fused CPU operations' (eagle2.native)
+              or ev.key == "eagle2_cpu::attention"):  # the CPU backend's native operators
             totals["attention"] += us
     for ev in prof.events():
         if ev.name == "eagle2.lm_head":
@@ -123,8 +123,7 @@ def kv_bytes(target, cache, num_b: int, length: int) -> int:
 
 def run(args) -> int:
     from eagle2.api import Eagle2
-    from eagle2.budget import CostModel, time_head
-    from eagle2.target import cost_cache_path
+    from eagle2.budget import CostModel, cost_cache_path, time_head
 
     batches = [int(x) for x in args.batches.split(",")]
     nodes = [int(x) for x in args.nodes.split(",")]
@@ -140,7 +139,7 @@ def run(args) -> int:
                       threads=args.threads)
     runner, target = llm.engine.runner, llm.target
     if args.refresh_kernels:
-        target.fused = None
+        target.backend.fused = None
         target.fuse(refresh=True)
     load_s = time.perf_counter() - t_load
     with busy_processes(args.background_load):
@@ -158,7 +157,7 @@ def run(args) -> int:
         "cpu_count": os.cpu_count(), "background_load": args.background_load,
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "bandwidth_tensor_bytes": bw_bytes,
-        "weight_bytes": weight_bytes(target), "kernel_plan": target.plan.block_bytes,
+        "weight_bytes": weight_bytes(target), "kernel_plan": target.backend.plan.block_bytes,
         "load_and_kernel_choice_s": round(load_s, 2), "prefix": args.prefix,
         "long_prefix": long_prefix, "cells": cells, "greedy_lm_head": greedy,
     }
@@ -209,10 +208,10 @@ def measure(runner, target, batches, nodes, prefixes, repeats, bandwidth):
 
 def greedy_lm_head(runner, target, repeats: int, rows=(1, 2, 4, 8)) -> dict:
     """{R: ms of the argmax of R rows' logits (lm_head + argmax), and of the same tokens
-    without the logits (`kernels.GreedyArgmax`, DESIGN "Exact greedy tokens")}, best of
+    without the logits (`kernels.GreedyArgmax`, docs/cpu-backend.md "Exact greedy tokens")}, best of
     4 x (1 + repeats) sweeps (`LocalRunner.head_seconds`); {} where the target has no greedy
     head."""
-    if target.greedy_head is None:
+    if target.backend.greedy_head is None:
         return {}
     logits, greedy = runner.head_seconds(tuple(rows), 4 * (1 + repeats), argmax=True)
     return {r: {"logits_argmax_ms": round(a * 1e3, 3), "greedy_ms": round(g * 1e3, 3)}

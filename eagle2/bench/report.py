@@ -1,4 +1,5 @@
-"""Benchmark metrics, `results.json`, the chart and the summary table (docs/DESIGN.md "Metrics").
+"""Benchmark metrics, `results.json`, the chart and the summary table
+(docs/architecture.md "Metrics").
 
 Definitions (stated once, saved into results.json under "definitions"):
 - a *step* is one target forward pass that produced output, as `Completion.num_steps` counts
@@ -211,35 +212,6 @@ def summary_table(suites: dict[str, dict]) -> str:
         if "tau_ratio_eagle2_over_static" in suite:
             lines.append(f"{name:<10} tau(eagle2)/tau(static) at equal total_tokens = "
                          f"{suite['tau_ratio_eagle2_over_static']:.3f}")
-    return "\n".join(lines)
-
-
-def tuner_table(result, top: int = 8) -> str:
-    """The tuner's measured cost table, its best configs and the choice, as text."""
-    t = result.table
-    sizes = sorted(t.verify_s)
-    lines = ["verify cost: target forward of N tree tokens after the prefix (median ms)",
-             "  N  " + "".join(f"{n:>7}" for n in sizes),
-             "  ms " + "".join(f"{1e3 * t.verify_s[n]:>7.1f}" for n in sizes),
-             "draft cost: one drafter call = root + depth x level (median fit, ms)",
-             "  top_k " + "".join(f"{k:>7}" for k in sorted(t.draft_fit or {})),
-             "  root  " + "".join(f"{1e3 * a:>7.1f}" for _, (a, _) in
-                                  sorted((t.draft_fit or {}).items())),
-             "  level " + "".join(f"{1e3 * b:>7.1f}" for _, (_, b) in
-                                  sorted((t.draft_fit or {}).items())),
-             f"overhead per step {1e3 * t.overhead_s:.1f} ms; acceptance replayed on "
-             f"{t.num_positions} positions",
-             f"{'depth':>7}{'top_k':>7}{'N':>5}{'E[acc]':>8}{'draft':>8}{'verify':>8}"
-             f"{'est tok/s':>11}"]
-    for c in result.ranked[:top]:
-        lines.append(f"{c.depth:>7}{c.top_k:>7}{c.total_tokens:>5}{c.accepted:>8.2f}"
-                     f"{1e3 * c.draft_s:>8.1f}{1e3 * c.verify_s:>8.1f}{c.tokens_per_s:>11.2f}")
-    b = result.best
-    lines.append(f"choice: total_tokens={b.total_tokens} depth={b.depth} top_k={b.top_k} "
-                 f"(est {b.tokens_per_s:.2f} tok/s vs vanilla est "
-                 f"{result.vanilla_tokens_per_s:.2f}; tuned in {result.seconds:.0f} s)")
-    if not result.speculation_pays:
-        lines.append("warning: no tree beats plain decoding here (untrained head?)")
     return "\n".join(lines)
 
 

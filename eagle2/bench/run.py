@@ -1,6 +1,6 @@
 """`eagle2 bench`: tau, tokens/s and speedup of each mode against plain decoding.
 
-See docs/DESIGN.md "Metrics".
+Metric definitions: `eagle2.bench.report`; docs/draft-tree.md.
 
 Batch size 1 by default (a latency benchmark; `--batch B` runs B prompts together). For each
 prompt (group) every mode runs once, the order rotating from prompt to prompt, so that load
@@ -9,8 +9,7 @@ speedup baseline), eagle2 (dynamic tree), static (the EAGLE-1 tree), chain (top_
 (Hugging Face `model.generate` on the same target module: an outside baseline, batch 1).
 Trees (`--tree`): "budget" (the default) is what users get, the engine's cost-aware budget
 (`eagle2.budget`) over the default maxima; "fixed" takes --total-tokens/--depth/--tree-top-k
-every step (static gets the same total_tokens: the ablation at equal budget); "tuned" runs
-the older offline tuner first and uses its fixed pick.
+every step (static gets the same total_tokens: the ablation at equal budget).
 Greedy runs check that every speculative mode's tokens equal vanilla's (`lossless`).
 Metric definitions: `eagle2.bench.report`.
 """
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, replace
@@ -33,6 +31,7 @@ from eagle2.tree import static_shape
 
 from . import report
 from .load import busy_processes
+from .machine import head_name, loadavg, machine_info
 from .report import PromptRun
 
 ALL_MODES = ("vanilla", "eagle2", "static", "chain", "hf")
@@ -51,9 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="T > 0: prompt i is sampled with seed+i")
     p.add_argument("--modes", default=",".join(ALL_MODES),
                    help=f"comma list of {', '.join(ALL_MODES)}")
-    p.add_argument("--tree", choices=("budget", "fixed", "tuned"), default=None,
+    p.add_argument("--tree", choices=("budget", "fixed"), default=None,
                    help="budget: the engine's cost-aware tree (default unless a size is "
-                        "given); fixed: the given sizes every step; tuned: the offline tuner")
+                        "given); fixed: the given sizes every step")
     p.add_argument("--batch", type=int, default=1,
                    help="prompts generated together (continuous batching); hf needs 1")
     p.add_argument("--repeats", type=int, default=1,
@@ -94,7 +93,7 @@ def parse_list(values: list[str], allowed: tuple[str, ...], what: str) -> list[s
 
 def tree_source(args) -> str:
     explicit = any(getattr(args, f) is not None for f in ("total_tokens", "depth", "tree_top_k"))
-    if args.tree in ("budget", "tuned") and explicit:
+    if args.tree == "budget" and explicit:
         raise ValueError(f"--tree {args.tree} picks the tree itself; drop --total-tokens/"
                          "--depth/--tree-top-k or use --tree fixed")
     return args.tree or ("fixed" if explicit else "budget")
@@ -192,7 +191,7 @@ def parse_shard(text: str | None) -> tuple[int, int]:
 
 
 def run(args) -> int:
-    """Validate, load, tune (or take the given tree), run the interleaved loop, report."""
+    """Validate, load, run the interleaved loop, report."""
     from .prompts import load_suite, suite_names
 
     if args.merge:
@@ -201,9 +200,6 @@ def run(args) -> int:
     modes = parse_list([args.modes], ALL_MODES, "mode")
     source = tree_source(args)
     shard = parse_shard(args.shard)
-    if shard[1] > 1 and source == "tuned":
-        raise ValueError("--shard needs one tree for all shards: use --tree budget or give "
-                         "--total-tokens/--depth/--tree-top-k (e.g. the tuner's pick)")
     if args.batch < 1 or (args.batch > 1 and "hf" in modes):
         raise ValueError(f"--batch must be >= 1 and 1 with mode hf, got {args.batch}")
     if args.repeats < 1:
@@ -232,14 +228,14 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
 
     out_dir = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    t_start, load_start = time.perf_counter(), _loadavg()
+    t_start, load_start = time.perf_counter(), loadavg()
     if load_start and load_start[0] > (os.cpu_count() or 1):
         print(f"warning: load average {load_start[0]} on {os.cpu_count()} CPUs: timings will be "
               f"noisy (with --threads 1 torch suffers less from oversubscription)",
               file=sys.stderr)
     llm = Eagle2.load(args.target, args.draft, dtype=args.dtype, device=args.device,
                       max_batch=args.batch, threads=args.threads or "auto")
-    trees, tuned = _trees(llm, args, modes, source)
+    trees = _trees(llm, args, modes, source)
     greedy = args.temperature == 0
     # the cost-aware budget measures this machine's forward and draft costs at its first step
     # (cached per machine after): done here, untimed, not inside the first timed run
@@ -258,12 +254,12 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
         "batch_size": args.batch, "repeats": args.repeats, "warmup": args.warmup,
         "background_load": args.background_load,
         "target": llm.target.name,
-        "draft": _head_name(args, llm), "tree_source": source,
+        "draft": head_name(args, llm), "tree_source": source,
         "trees": {m: {**asdict(t), "num_nodes": tree_nodes(t)} for m, t in trees.items()},
     }
     if args.shard:
         config["shard"] = args.shard
-    machine, wall_s = _machine(llm, load_start), time.perf_counter() - t_start
+    machine, wall_s = machine_info(llm, load_start), time.perf_counter() - t_start
     stats = llm.engine.stats  # what the cost-aware budget did over the whole run
     machine["budget"] = {"auto_steps": stats.auto_steps, "skipped_drafts": stats.skipped_drafts,
                          "skipped_probes": stats.skipped_probes,
@@ -284,12 +280,11 @@ def _bench(args, prompts: dict, modes: list[str], source: str, sampling: dict) -
         "config": config, "machine": machine, "wall_s": wall_s,
         "runs": {s: {m: [asdict(r) for r in rs] for m, rs in by_mode.items()}
                  for s, by_mode in runs.items()}})
-    return _report(out_dir, config, runs, [machine], tuned.to_json() if tuned else None, wall_s,
-                   tag)
+    return _report(out_dir, config, runs, [machine], wall_s, tag)
 
 
-def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner: dict | None,
-            wall_s: float, tag: str = "") -> int:
+def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], wall_s: float,
+            tag: str = "") -> int:
     """Metrics, results{tag}.json, the chart and the printed table from the raw runs."""
     greedy = config["temperature"] == 0
     levels = {m: draft_levels(TreeConfig(**{k: v for k, v in t.items() if k != "num_nodes"}))
@@ -298,7 +293,6 @@ def _report(out_dir: Path, config: dict, runs: dict, machines: list[dict], tuner
         "definitions": report.DEFINITIONS,
         "config": config,
         "machine": machines[0] if len(machines) == 1 else machines,
-        "tuner": tuner,
         "suites": {s: report.finish_suite(by_mode, greedy, levels)
                    for s, by_mode in runs.items()},
     }
@@ -364,7 +358,7 @@ def merge(dirs: list[str], out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {**configs[0], "merged_shards": sorted(shards)}
     wall = max(p["wall_s"] for p in parts)  # the shards ran side by side
-    return _report(out_dir, config, runs, [p["machine"] for p in parts], None, wall)
+    return _report(out_dir, config, runs, [p["machine"] for p in parts], wall)
 
 
 def _prompt_order(prompt_id: str) -> tuple:
@@ -374,25 +368,17 @@ def _prompt_order(prompt_id: str) -> tuple:
 
 
 def _trees(llm, args, modes: list[str], source: str):
-    """-> ({mode: TreeConfig}, TuneResult or None)."""
-    tuned = None
+    """-> {mode: TreeConfig}."""
     if source == "budget":
         tree = TreeConfig()
         chain = TreeConfig("chain", total_tokens=tree.depth + 2, depth=tree.depth, top_k=1)
-    elif source == "tuned" and set(modes) & {"eagle2", "static", "chain"}:
-        from .autotune import tune
-
-        print("tuning the tree budget on this machine ...", file=sys.stderr)
-        tuned = tune(llm)
-        print(tuned.format())
-        tree, chain = tuned.tree(), tuned.chain()
     else:
         tree = fixed_tree(args)
         chain = TreeConfig("chain", total_tokens=tree.depth + 2, depth=tree.depth, top_k=1,
                            budget="fixed")
     if getattr(args, "lookup", None) is not None:
         tree = replace(tree, lookup=args.lookup)
-    return mode_trees(modes, tree, chain), tuned
+    return mode_trees(modes, tree, chain)
 
 
 def _loop(llm, prompts: dict, modes: list[str], trees: dict, sampling: dict,
@@ -417,39 +403,3 @@ def _loop(llm, prompts: dict, modes: list[str], trees: dict, sampling: dict,
                     bar.update(len(group))
                 turn += 1
     return runs
-
-
-def _head_name(args, llm) -> str:
-    from eagle2.api import shipped_head_dir
-    from eagle2.target import EMBEDDED_NAME
-
-    if args.draft:
-        return args.draft
-    name = llm.target.name
-    shipped = shipped_head_dir(EMBEDDED_NAME if name == EMBEDDED_NAME else Path(name).name)
-    return str(shipped) if shipped else "untrained (no shipped head)"
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _machine(llm, load_start) -> dict:
-    import transformers
-
-    return {
-        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        # the engine's thread count following other processes' load (auto threads only)
-        "threads_follow_load": llm.engine.threads is not None,
-        "thread_switches": list(llm.engine.stats.thread_switches),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-        else None,
-        "device": str(llm.target.device), "dtype": str(llm.target.dtype).removeprefix("torch."),
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "loadavg_start": load_start, "loadavg_end": _loadavg(),
-    }

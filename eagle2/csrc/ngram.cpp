@@ -1,5 +1,5 @@
 // The n-gram store's chains for a batch of requests in one call (eagle2/ngram.py,
-// `NgramStore.propose_many`; docs/DESIGN.md "Prompt lookup", items 7 and 9).
+// `NgramStore.propose_many`; docs/draft-tree.md "The n-gram store").
 //
 // The same walk as `NgramStore.propose`, bit for bit: per chain token, the keys of the
 // contexts of order 1..max_order ending at the chain's end (one 64-bit hash over the tokens

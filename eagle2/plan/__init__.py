@@ -1,16 +1,16 @@
 """Placement and memory planner: a Llama target tensor-parallel on N GPUs + an EAGLE draft worker.
 
-Deployment step before serving (docs/DESIGN.md "Overview"): decide the tensor-parallel size,
+Deployment step before serving (docs/README.md "Overview"): decide the tensor-parallel size,
 check that the target's shards and the draft worker fit, and say how many sequences of a given
 context the KV caches hold. Pure arithmetic over config.json values; `shard_shapes` additionally
 builds the model on the meta device (no weights allocated) to list the per-rank parameter shapes.
 
-What the engine loads per target GPU mirrors `eagle2.tp` (docs/DESIGN.md "Tensor
+What the engine loads per target GPU mirrors `eagle2.tp` (docs/tensor-parallel.md "Tensor
 parallelism"): q/k/v and gate/up projections split evenly by rows (whole KV-head groups), o and
 down projections by columns; embed_tokens, the norms and lm_head stay whole on every rank. The
 planner refuses tp sizes that do not divide the heads, the KV heads and the MLP width.
 
-The draft worker (docs/DESIGN.md "Draft head") holds the head, a copy of the target's
+The draft worker (docs/draft-tree.md "Draft head") holds the head, a copy of the target's
 embed_tokens and lm_head, and the head's KV cache. An EAGLE-1/2 head is fc Linear(2H -> H) +
 decoder layers without input_layernorm and drafts through the target's lm_head; an EAGLE-3
 head (eagle2/eagle3.py) is fc Linear(3H -> H) + one decoder layer with 2H-input q/k/v + its

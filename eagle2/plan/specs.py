@@ -73,7 +73,7 @@ DRAFT_KINDS = ("eagle2", "eagle3")
 class DraftSpec:
     """A draft head's shapes (the head's config.json; see eagle2/head.py, eagle2/eagle3.py).
 
-    kind "eagle2" (EAGLE-1/2, docs/DESIGN.md "Draft head"): fc Linear(2H -> H) +
+    kind "eagle2" (EAGLE-1/2, docs/draft-tree.md "Draft head"): fc Linear(2H -> H) +
     `model.num_hidden_layers` decoder layers without input_layernorm; drafts through the
     target's lm_head. kind "eagle3": fc Linear(3H -> H, no bias) + one decoder layer whose
     q/k/v read 2H (normed embedding and normed fused feature) + a final norm + its own

@@ -1,4 +1,4 @@
 """Training an EAGLE draft head: prompts, target features, the training loop.
 
-See docs/DESIGN.md "Training a head".
+See docs/training.md "Training a head".
 """

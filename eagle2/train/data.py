@@ -1,6 +1,6 @@
 """Training data for a draft head: self-distilled conversations and feature shards.
 
-See docs/DESIGN.md "Training a head".
+See docs/training.md "Training a head".
 
 Two stages, each resumable and written atomically (a crash loses at most one chunk):
 

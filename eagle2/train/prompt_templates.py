@@ -1,4 +1,4 @@
-"""The prompt categories of the synthetic training prompts (self-distillation, docs/DESIGN.md
+"""The prompt categories of the synthetic training prompts (self-distillation, docs/training.md
 "Training a head"), read from the data file ``prompt_templates.json`` next to this module.
 
 Everything in that file was written for this project: nothing is copied from ShareGPT,

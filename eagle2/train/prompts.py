@@ -1,6 +1,6 @@
 """Synthetic instruction prompts for training a draft head by self-distillation.
 
-See docs/DESIGN.md "Training a head".
+See docs/training.md "Training a head".
 
 The reference recipe trains on 68k fixed ShareGPT conversations; nothing can be downloaded
 here, and self-distillation needs only prompts (the target model writes the answers), so the

@@ -155,7 +155,8 @@ def _load_target(args, train: bool = False):
     """fp32, except for a TTT training run with bf16 autocast: there a bf16 target skips
     autocast's cast of its 135M+ weights at every step (9% of a step here) and gives the
     features the service's bf16 target gives."""
-    from eagle2.target import TargetModel, pick_device
+    from eagle2.devices import pick_device
+    from eagle2.target import TargetModel
 
     dtype = "float32"
     if train and _trains_ttt(args):

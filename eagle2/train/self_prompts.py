@@ -1,4 +1,4 @@
-"""Prompts the target writes itself (docs/DESIGN.md "Training a head").
+"""Prompts the target writes itself (docs/training.md "Training a head").
 
 The target gets only its chat template's user-turn header (everything the template puts
 before a user message's text, system prompt included) and samples the message at T = 1 until

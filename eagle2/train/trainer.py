@@ -1,6 +1,6 @@
 """The head's training loop: feature regression + a small next-token term.
 
-See docs/DESIGN.md "Training a head".
+See docs/training.md "Training a head".
 
 At position t the head gets (feature[t] + noise, embed(token[t+1])) and predicts
 feature[t+1]. Loss on masked positions (answer tokens, see `data`):

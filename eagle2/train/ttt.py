@@ -1,4 +1,4 @@
-"""Training a head with the training-time test (docs/DESIGN.md "Training a head").
+"""Training a head with the training-time test (docs/training.md "Training a head").
 
 Written for EAGLE-3 heads; EAGLE-1/2 heads train the same way (their step feature is the
 target's final hidden state, then their own predicted feature; fc mixes it with the

@@ -1,4 +1,4 @@
-"""Linear kernels chosen per row count by measuring (docs/DESIGN.md, "CPU performance").
+"""Linear kernels chosen per row count by measuring (docs/cpu-backend.md, "CPU performance").
 
 A decode or verification step multiplies M = B x N rows (a handful) by every weight matrix, so
 it streams the weights from memory once: time = bytes / bandwidth at best. On CPUs the BLAS
@@ -16,10 +16,8 @@ E.g. SmolLM2-135M's gate|up weight [3072, 576] (7 MB) in blocks of 256 rows = 12
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eagle2.cpu.native import build_key, cpu_ops
+from eagle2.machine import cache_root, cpu_info, machine_key, write_json_atomic
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # M is rounded up to one of these for the lookup
 BLOCK_BYTES = (0, 256 << 10, 512 << 10, 1 << 20, 2 << 20)  # 0: the whole weight, one call
@@ -45,7 +46,7 @@ FMA = -3
 # and this: the same packed weight on the AMX tiles (`eagle2_cpu.linear_amx`, Intel Xeon 4th
 # generation and later): row-invariant as well, not bitwise FMA, so a family of its own. Up to
 # 16 rows cost about one (one tile multiply takes 16 rows), where the FMA kernel's 16 rows
-# cost 2.6 times its one (the target's linears, two threads: docs/DESIGN.md "The AMX tiles").
+# cost 2.6 times its one (the target's linears, two threads: docs/cpu-backend.md "The AMX tiles").
 AMX = -4
 SOLO_KERNELS = (FMA, AMX)  # each row count by the same kernel, or none (`one_family`)
 # Packed bf16 kernels give each output row bitwise the same for any row count only up to
@@ -57,24 +58,12 @@ PACKED_MAX_K = 1024
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """bf16 weights pre-packed for oneDNN: on this CPU they cost about the same for 1 to 32+
     rows, and each output row is bitwise the same whatever the row count (which exact bf16
-    verification needs, docs/DESIGN.md "Exact bf16 attention")."""
+    verification needs, docs/cpu-backend.md "Exact bf16 attention")."""
     return (device.type == "cpu" and dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-@functools.cache
-def cpu_info() -> tuple[str | None, frozenset[str]]:
-    """(model name, instruction-set flags) from /proc/cpuinfo; (None, {}) where unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None, frozenset()
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
-                 None)
-    flags = next((ln.split(":", 1)[1] for ln in lines if ln.startswith("flags")), "")
-    return model, frozenset(flags.split())
 
 
 def fma_cpu() -> bool:
@@ -198,7 +187,7 @@ class BlockedWeight:
 
 
 class GreedyArgmax:
-    """Greedy tokens of a bf16 lm_head without its logits (docs/DESIGN.md "Exact greedy
+    """Greedy tokens of a bf16 lm_head without its logits (docs/cpu-backend.md "Exact greedy
     tokens"): an int8 copy of the weight bounds every logit, and only the few outputs that
     could be the largest are computed as `BlockedWeight.fma` computes them, so the token is
     bitwise `proj.fma(x).float().argmax(-1)` (ties: the lowest index) for about half the
@@ -277,8 +266,6 @@ def native_linear_ops():
     """`torch.ops.eagle2_cpu` where its bf16 linear was built and gives bitwise oneDNN's
     packed result on this machine (`native_linear_exact`), else None (also where
     EAGLE2_NATIVE_LINEAR=0: oneDNN's kernel alone, for comparison)."""
-    from eagle2.native import cpu_ops
-
     if os.environ.get("EAGLE2_NATIVE_LINEAR", "1") == "0":
         return None
     ops = cpu_ops() if native_bf16_cpu() else None
@@ -292,8 +279,6 @@ def fma_linear_ops():
     """`torch.ops.eagle2_cpu` where its fp32-FMA linear was built and passes
     `fma_linear_exact` here, else None (also where EAGLE2_FMA_LINEAR=0: the bf16 kernels
     only, for comparison)."""
-    from eagle2.native import cpu_ops
-
     if os.environ.get("EAGLE2_FMA_LINEAR", "1") == "0":
         return None
     ops = cpu_ops() if fma_cpu() else None
@@ -306,8 +291,6 @@ def fma_linear_ops():
 def amx_linear_ops():
     """`torch.ops.eagle2_cpu` where its AMX linear was built, the OS lets the process use the
     tiles and `linear_exact` holds for it, else None (also where EAGLE2_AMX_LINEAR=0)."""
-    from eagle2.native import cpu_ops
-
     if os.environ.get("EAGLE2_AMX_LINEAR", "1") == "0" or "amx_bf16" not in cpu_info()[1]:
         return None
     ops = cpu_ops()
@@ -393,8 +376,6 @@ def small_rows_plan() -> BlockPlan:
     kernel = NATIVE if native_linear_ops() is not None else PACKED
     if fma_linear_ops() is None:
         return BlockPlan({rows: kernel for rows in ROW_BUCKETS})
-    from eagle2.target import cache_root
-
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(rows, 576, generator=gen).bfloat16() for rows in (1536, 8192)]
     amx = (AMX,) if amx_linear_ops() is not None else ()
@@ -518,16 +499,6 @@ def measure_plan(weights: Sequence[torch.Tensor], row_buckets: Sequence[int] = R
     return plan, timings
 
 
-def machine_key(extra: str = "", threads: int | None = None) -> str:
-    """Which CPU, how many threads (None: torch's current count), which torch: what the
-    fastest kernel depends on."""
-    model, flags = cpu_info()
-    cpu = model or platform.processor() or platform.machine()
-    if model is not None or flags:
-        cpu += "|" + ",".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))
-    threads = torch.get_num_threads() if threads is None else threads
-    text = f"{cpu}|{os.cpu_count()}|{threads}|{torch.__version__}|{extra}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
@@ -537,8 +508,6 @@ def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
     shapes = sorted({tuple(w.shape) for w in weights})
     kernels = tuple(candidates)
     if {NATIVE, FMA, AMX} & set(kernels):  # a changed native kernel is measured again
-        from eagle2.native import build_key
-
         kernels += (build_key(),)
     key = machine_key(f"{name}|{shapes}|{weights[0].dtype}|{kernels}"
                       + ("" if tuple(row_buckets) == ROW_BUCKETS else f"|{tuple(row_buckets)}")
@@ -553,10 +522,3 @@ def cached_plan(weights: Sequence[torch.Tensor], name: str, cache_dir: Path,
                              "block_bytes": plan.block_bytes, "timings_ms": timings})
     return plan
 
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write JSON so that a concurrent reader (another shard) never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)

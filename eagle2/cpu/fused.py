@@ -1,4 +1,4 @@
-"""The target's decoder layers with fused projections (docs/DESIGN.md, "CPU performance").
+"""The target's decoder layers with fused projections (docs/cpu-backend.md).
 
 The same arithmetic as `attention.decoder_layer`, in fewer and larger operations:
   - q|k|v in one matrix [(Hq + 2 KVH) Dh, H] and gate|up in one [2 I, H]; the HF modules'
@@ -9,7 +9,7 @@ The same arithmetic as `attention.decoder_layer`, in fewer and larger operations
     count on this machine);
   - the new K/V written with one slice copy when all requests start at the same cache length;
   - in bf16 on a CPU, the norms (with the residual add before the second), RoPE with the K/V
-    writes, and the exact attention as single calls of `eagle2.native` (row by row, in a
+    writes, and the exact attention as single calls of `eagle2.cpu.native` (row by row, in a
     fixed order: a token's result does not depend on the other rows, which exactness needs).
 Used for plain `nn.Linear` weights without bias (the unsharded target); anything else (a
 sharded or biased model) keeps the module path.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle2.attention import KVCache, StepInputs, cached_attention
-from eagle2.kernels import AMX, FMA, BlockedWeight, BlockPlan, PackedLinear
+from eagle2.cpu.kernels import AMX, FMA, BlockedWeight, BlockPlan, PackedLinear
 
 # a bf16 CPU layer whose linears all take the FMA kernel (or all the AMX one) at this row count
 # runs as one native operator (`eagle2_cpu::decoder_layer`); False: the same operators called
@@ -171,7 +171,7 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
                 inp: StepInputs, head_dim: int, num_q_heads: int,
                 ops: ModuleType | None = None) -> torch.Tensor:
     """One decoder layer on x [B, N, H] that writes its K/V into the cache. ops: the fused
-    CPU operations (`eagle2.native.cpu_ops()`), for a bf16 CPU target with exact attention."""
+    CPU operations (`eagle2.cpu.native.cpu_ops()`), for a bf16 CPU target with exact attention."""
     if ops is not None:
         return _native_layer(ops, lw, layer_idx, x, cache, inp, num_q_heads)
     num_b, num_n, _ = x.shape
@@ -199,7 +199,7 @@ def one_native_kernel(linears: tuple[BlockedWeight, ...], rows: int) -> int | No
 
 def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tensor,
                   cache: KVCache, inp: StepInputs, num_q_heads: int) -> torch.Tensor:
-    """`fused_layer` with the per-row work and the exact attention in `eagle2.native` calls
+    """`fused_layer` with the per-row work and the exact attention in `eagle2.cpu.native` calls
     (bf16 CPU): norm -> qkv -> RoPE + K/V writes -> attention -> o -> residual add + norm ->
     MLP."""
     assert inp.base is not None and inp.tree_mask is not None

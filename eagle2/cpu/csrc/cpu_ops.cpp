@@ -1,5 +1,5 @@
 // Fused per-row operations of the target's decoder layers on a CPU in bf16
-// (docs/DESIGN.md, "CPU performance"). Each replaces 5-15 small ATen operations of a layer.
+// (docs/cpu-backend.md, "CPU performance"). Each replaces 5-15 small ATen operations of a layer.
 //
 // Exactness: every output row is computed from its own input row by the same code whatever
 // the number of rows, the batch or the thread that runs it, and the file is built without
@@ -7,7 +7,7 @@
 // as written (vectorised or not, the results are the same). Sums run in a fixed order: 16
 // partial sums, element h into partial h % 16, then the partials pairwise. So a token gets
 // bitwise the same result decoded alone or as a node of a verified tree, which exact bf16
-// verification needs (docs/DESIGN.md, "Exact bf16 attention").
+// verification needs (docs/cpu-backend.md, "Exact bf16 attention").
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -730,7 +730,7 @@ void store_values(const float* sums, float total, int64_t dh, bf16* out) {
 
 #ifdef EAGLE2_AMX
 // ---- The weighted sums of values on the AMX tiles ----
-// docs/DESIGN.md "Exact bf16 attention". Where the tiles exist, a query row's sums are
+// docs/cpu-backend.md "Exact bf16 attention". Where the tiles exist, a query row's sums are
 // sum_j bf16(p_j) v_j over its logical keys j (committed keys in position order, then its
 // tree entries in order: the sequence plain decoding has them in), in chunks of 32 aligned
 // to the logical index (keys [32c, 32c + 32) a chunk), each chunk one TDPBF16PS per 16
@@ -1109,7 +1109,7 @@ void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
 
 }  // namespace
 
-// Exact attention (docs/DESIGN.md, "Exact bf16 attention"): query n of request b at cache
+// Exact attention (docs/cpu-backend.md, "Exact bf16 attention"): query n of request b at cache
 // position base[b] + (its depth) attends to the committed keys [0, base[b]) and then to the
 // tree entries m with tree_mask[b, n, m] (its ancestors and itself, at cache positions
 // base[b] + m), in that order: the order plain decoding has them in. q [B, Hq, N, Dh];
@@ -1229,7 +1229,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
 
 
 // ---- bf16 linears for a few rows: y [M, N] = x [M, K] @ w [N, K].T ----
-// docs/DESIGN.md, "CPU performance": a decode step multiplies a handful of rows by every
+// docs/cpu-backend.md, "CPU performance": a decode step multiplies a handful of rows by every
 // weight, so its floor is streaming the weights once. The weight is packed once into blocks
 // of 32 outputs, [ceil(N / 32)][K / 2][32] uint32, each uint32 the bf16 pair (w[n][2j],
 // w[n][2j+1]): one block is read front to back, 128 contiguous bytes per input pair, the
@@ -1722,8 +1722,8 @@ torch::Tensor linear_fma(const torch::Tensor& x, const torch::Tensor& packed,
 
 
 // ---- The bf16 linear on AMX tiles (Intel Xeon 4th generation and later) ----
-// docs/DESIGN.md "CPU performance". y = bf16(x @ w.T) by TDPBF16PS on the weight as pack_linear
-// packs it: block b's pair rows [K2][32] uint32 are two VNNI B tiles per 32 inputs (16 pair rows
+// docs/cpu-backend.md "CPU performance". y = bf16(x @ w.T) by TDPBF16PS on the weight as
+// pack_linear packs it: block b's pair rows [K2][32] uint32 are two VNNI B tiles per 32 inputs (16 pair rows
 // of 16 outputs each, 128 bytes apart), so the FMA kernel's packed weight serves as it is. Each
 // output is the tile unit's fp32 sum over the input pairs, 32 inputs a TDPBF16PS, in input
 // order, from zero: a function of its row of x and the weight alone, so one row gives bitwise
@@ -1966,7 +1966,7 @@ std::tuple<torch::Tensor, torch::Tensor> top_log_probs(const torch::Tensor& logi
 }
 
 // ---- Greedy tokens of a bf16 linear (the lm_head) without all of its outputs ----
-// docs/DESIGN.md, "Exact greedy tokens". A greedy step needs only the argmax of each row's
+// docs/cpu-backend.md, "Exact greedy tokens". A greedy step needs only the argmax of each row's
 // logits, where the logits are linear_fma's: bf16(the fp32 FMA sum over the input pairs, in
 // order). One pass over an int8 copy of the weight (per-output scale s_i, Q = round(w / s_i))
 // with the input quantized to int16 gives each logit to within a bound that holds for any
@@ -2535,7 +2535,7 @@ std::string isa() {
 // One decoder layer (RMSNorm, q|k|v, RoPE and the K/V writes, exact attention, o, residual add
 // and norm, gate|up, SiLU x up, down, residual add) as the Python path `fused._native_layer`
 // calls the operators above one by one, in the same order on the same tensors: bitwise its
-// result, without the ~10 dispatched calls and the Python between them (docs/DESIGN.md "CPU
+// result, without the ~10 dispatched calls and the Python between them (docs/cpu-backend.md "CPU
 // performance"). The linears are linear_fma's (packed from pack_linear). Each step is a
 // RECORD_FUNCTION under its operator's name, so the profiler still splits the time by kernel.
 // An empty input_norm: no input norm (an EAGLE draft head's layer, `fused.native_head_layer`);
@@ -2609,7 +2609,7 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
 // Consecutive decoder layers of the target, first_layer .. first_layer + L - 1, as one operator:
 // `decoder_layer` for each in turn, so bitwise the per-layer calls `fused._native_layer`
 // makes, without the dispatch of a 26-argument operator and the Python between layers
-// (~12 us a layer: ~0.35 ms of a 9 ms one-token forward of a 30-layer model; docs/DESIGN.md
+// (~12 us a layer: ~0.35 ms of a 9 ms one-token forward of a 30-layer model; docs/cpu-backend.md
 // "CPU performance"). The lists hold one tensor per layer (input and post norms, the packed
 // q|k|v, o, gate|up and down weights); cache_k / cache_v [num_layers, slots, KVH, S, Dh(+1)]
 // and key_blocks / key_blocks_valid (empty: none) are the whole cache, indexed by layer.
@@ -2647,7 +2647,7 @@ torch::Tensor decoder_layers(
   return h;
 }
 
-// One call of an EAGLE-1/2 draft head as one operator (docs/DESIGN.md "CPU performance"): the
+// One call of an EAGLE-1/2 draft head as one operator (docs/cpu-backend.md "CPU performance"): the
 // embeddings of `tokens` [B, N] beside `features` [B, N, H] -> fc -> `decoder_layer` (no input
 // norm: the fc's output is both the projections' input and the residual) over the head's cache,
 // and, with k > 0, the top-k log-probs of the draft vocabulary (`top_log_probs` of the vocab

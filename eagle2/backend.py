@@ -1,0 +1,87 @@
+"""The boundary between the device-independent algorithm and a device's kernels.
+
+The target model (`TargetModel`), its KV cache and the drafter ask a `Backend` for everything
+whose best implementation depends on the device: preparing the target's layers, allocating the
+KV cache, the layer stack's forward with attention over the cache, the lm_head and the greedy
+argmax, and the draft head's calls. This module's `Backend` is the torch implementation (SDPA
+over a dense mask, the Hugging Face modules' own projections): it runs on any device and is
+what CUDA targets use. The CPU backend (`eagle2.cpu.CpuBackend`: measured kernel plans, the
+native operators, exact bf16 attention) subclasses it; `eagle2.devices.backend_for` picks one.
+Engine, tree, verify, drafter, budget and lookup never import a backend's kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from eagle2.attention import KVCache, decoder_layer, step_inputs
+
+if TYPE_CHECKING:
+    from eagle2.target import TargetModel
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # [B, N, H] last hidden state after the final norm (lm_head's input)
+    features: torch.Tensor  # [B, N, F] what the draft head reads: `hidden` (EAGLE-1/2), or
+    # the residual stream at the inputs of `feature_layers` concatenated, F = 3H (EAGLE-3)
+
+
+class Backend:
+    """torch operations only; one instance per model it serves (it may keep per-model state)."""
+
+    name = "torch"
+    # attention whose result for a token does not depend on the tree or batch around it
+    # (bitwise plain decoding's): the CPU backend's bf16 kernels; SDPA here
+    exact = False
+    greedy_head = None  # a backend's argmax without logits (`greedy_tokens`), None: none
+
+    def prepare(self, target: TargetModel, measure: bool | None = None,
+                refresh: bool = False) -> None:
+        """Make the target's layers ready for this backend (fuse, pack, measure kernels)."""
+
+    def info(self, target: TargetModel) -> dict:
+        """What `ModelInfo` reports of the kernels in use."""
+        return {"backend": self.name, "attention": "sdpa", "fused": False, "native": False}
+
+    def cost_key(self, target: TargetModel) -> str:
+        """What this target's measured step costs depend on beyond its shape and device (the
+        kernels chosen): part of the cost cache's key (`budget.cost_cache_path`)."""
+        return ""
+
+    def allocate_cache(self, target: TargetModel, num_slots: int, max_len: int) -> KVCache:
+        return KVCache.allocate(target.num_layers, num_slots, target.local_kv_heads(), max_len,
+                                target.head_dim, target.dtype, target.device)
+
+    def forward(self, target: TargetModel, tokens: torch.Tensor, positions: torch.Tensor,
+                tree_mask: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> TargetOutput:
+        """`TargetModel.forward` through the HF modules and SDPA over a dense mask."""
+        x = target.embed(tokens)  # [B, N, H]
+        inp = step_inputs(cache, slots, tree_mask, positions, target.rope, x)
+        keep = target.feature_layers or ()
+        kept: dict[int, torch.Tensor] = {}
+        for i in range(target.num_layers):
+            if i in keep:
+                kept[i] = x
+            x = decoder_layer(target.layers[i], i, x, cache, inp, target.head_dim)
+        hidden = target.norm(x)
+        return TargetOutput(hidden, torch.cat([kept[i] for i in keep], dim=-1) if keep else hidden)
+
+    def logits(self, target: TargetModel, features: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] in fp32 (a TP-sharded lm_head gathers itself)."""
+        return target.lm_head(features).float()
+
+    def greedy_tokens(self, target: TargetModel, features: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [...]: the argmax of `logits(features)` (ties: the lowest index)."""
+        return self.logits(target, features).argmax(-1)
+
+    def head_kernels(self, head: torch.nn.Module, draft_lm_head: torch.Tensor,
+                     embed: torch.Tensor, d2t: torch.Tensor | None, cache: KVCache,
+                     rope_table: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
+        """The draft head's faster calls on this backend (`eagle2.cpu.head.HeadKernels`), or
+        None: the drafter runs the head's torch modules."""
+        return None
