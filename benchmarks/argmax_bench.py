@@ -40,27 +40,27 @@ def main() -> None:
     if not runner.greedy_argmax:
         raise SystemExit("this target has no greedy head (needs bf16 on a CPU and the FMA "
                          "kernel for every row count)")
-    heads = {"greedy": llm.target.greedy_head}
+    heads = {"greedy": llm.target.backend.greedy_head}
     if args.against:
         from engine_ab import base_greedy_argmax  # (beside this script)
 
         from eagle2.cpu.native import load_variant
 
         base = load_variant("eagle2_ab_base", Path(args.against))
-        heads["base-greedy"] = base_greedy_argmax(llm.target.greedy_head.proj, base)
+        heads["base-greedy"] = base_greedy_argmax(llm.target.backend.greedy_head.proj, base)
     flush = torch.ones(128 * 1024 * 1024)
     out = {}
     for cold in (True, False):
         best: dict[str, list[float]] = {}
         for _ in range(3 if args.against else 1):
             for name, head in heads.items():
-                llm.target.greedy_head = head
+                llm.target.backend.greedy_head = head
                 logits, greedy = runner.head_seconds(ROWS, 7, argmax=True,
                                                      before=flush.sum if cold else None)
                 for key, times in (("logits", logits), (name, greedy)):
                     best[key] = [min(a, b) for a, b in zip(best.get(key, times), times,
                                                            strict=True)]
-        llm.target.greedy_head = heads["greedy"]
+        llm.target.backend.greedy_head = heads["greedy"]
         for i, rows in enumerate(ROWS):
             cell = {k: round(1e3 * v[i], 3) for k, v in best.items()}
             out[f"{'cold' if cold else 'warm'}-{rows}"] = cell

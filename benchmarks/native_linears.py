@@ -1,5 +1,5 @@
 # ruff: noqa: I001  (eagle2 before torch: passive OpenMP waiting)
-"""The native FMA linear alone, on the embedded model's shapes (docs/DESIGN.md, "CPUs with
+"""The native FMA linear alone, on the embedded model's shapes (docs/cpu-backend.md, "CPUs with
 AVX2 only"): ms per pass over all 30 layers' linears and the lm_head (random bf16 weights of
 the same shapes), one thread (`--threads`), best of `--repeats`, for each row count. Prints
 and writes JSON.
