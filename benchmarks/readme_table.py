@@ -38,6 +38,12 @@ ROWS: list[tuple[str, str, str]] = [
     (S37 + "tree26-lookup-40.json", "tau", AMX),
     (S37 + "tree26-alone-40.json", "tau", AMX),
     (S37 + "t1-tree60-lookup-40.json", "tau", AMX),
+    ("ab-epyc-s38-91c4c4b.json", "speedup",
+     "AMD EPYC with AVX512-BF16, head v8, this release (91c4c4b), one core, run side by side "
+     "with the next row on the other core"),
+    ("ab-epyc-s38-a04a4cd.json", "speedup",
+     "AMD EPYC with AVX512-BF16, head v8, the release before (a04a4cd), one core; the same "
+     "160 outputs token for token as the row above"),
     ("service-xeon-avx512-s28-auto.json", "service",
      "Intel Xeon with AVX512-BF16, no AMX; release da916f6, head v5"),
 ]
