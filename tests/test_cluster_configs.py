@@ -113,6 +113,19 @@ def test_cluster_installs_this_version_and_starts_ray(path):
     assert any("ray start --address=$RAY_HEAD_IP" in c for c in cfg["worker_start_ray_commands"])
 
 
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
+def test_cluster_turns_on_rays_token_authentication(path):
+    """Ray's control plane runs code for whoever reaches it: every `ray up` config starts its
+    containers with RAY_AUTH_MODE=token (so `ray start`, `ray exec` and the Serve replicas all
+    see it) and file-mounts the launching machine's token where Ray reads it by default
+    (deploy/DEPLOY.md, Security)."""
+    cfg = _load(path)
+    assert "--env RAY_AUTH_MODE=token" in cfg["docker"]["run_options"]
+    assert cfg["file_mounts"]["/home/ray/.ray/auth_token"] == "~/.ray/auth_token"
+    starts = " ".join(cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"])
+    assert "RAY_AUTH_MODE=disabled" not in starts
+
+
 def test_dockerfile_builds_from_ray_gpu_image_and_installs_pyproject_version():
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     (ray_image,) = re.findall(r"^ARG RAY_IMAGE=(\S+)$", dockerfile, re.MULTILINE)

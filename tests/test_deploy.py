@@ -234,3 +234,16 @@ def test_grafana_dashboard_queries_only_metrics_the_service_exports():
             for name in re.findall(r"ray_(eagle2_\w+)", target["expr"]):
                 base = re.sub(r"_(bucket|sum|count)$", "", name)
                 assert base in exported, (panel["title"], name)
+
+
+def test_rayservice_turns_on_rays_token_authentication():
+    spec = yaml.safe_load(RAYSERVICE.read_text())["spec"]
+    assert spec["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+
+
+def test_no_ray_token_is_committed():
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert not [f for f in tracked if f.endswith("auth_token")]
