@@ -251,9 +251,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
         slot_idx = inp.slots[:, None]  # [B, 1]
         cache.k[layer_idx][slot_idx, :, inp.write_pos] = k.transpose(1, 2).to(cache.k.dtype)
         cache_v[slot_idx, :, inp.write_pos] = v.transpose(1, 2).to(cache.v.dtype)
-    s_used = inp.mask.shape[-1]
-    if inp.window is not None:
+    if inp.window is not None:  # a backend's attention (it may have no dense mask)
         return inp.window.attend(q, cache.k[layer_idx], cache.v[layer_idx], inp)
+    s_used = inp.mask.shape[-1]
     if inp.contiguous:
         keys = cache.k[layer_idx, :num_b, :, :s_used]  # [B, KVH, S, Dh] (a view)
         values = cache_v[:num_b, :, :s_used]
