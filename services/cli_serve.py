@@ -79,8 +79,9 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
     serve.start(grpc_options=gRPCOptions(port=cfg.grpc_port,
                                          grpc_servicer_functions=SERVICER_FUNCTIONS),
                 http_options={"host": "127.0.0.1", "port": http_port})
-    return serve.run(build_app(conf), name=cfg.app_name, route_prefix=f"/{cfg.app_name}",
-                     blocking=blocking)
+    # one application: mounted at "/", so OpenAI clients use http://HOST:PORT/v1 (the router
+    # also answers under /<app_name>/v1, the path of a multi-application deployment)
+    return serve.run(build_app(conf), name=cfg.app_name, route_prefix="/", blocking=blocking)
 
 
 def run(args) -> int:

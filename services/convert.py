@@ -75,6 +75,7 @@ def sampling_from_request(req: eagle2_pb2.GenerateRequest, default_max_tokens: i
         seed=req.seed if req.HasField("seed") else None,
         max_tokens=max_tokens,
         stop=tuple(req.stop),
+        ignore_eos=req.ignore_eos,
     )
 
 

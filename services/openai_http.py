@@ -4,10 +4,12 @@
     POST /v1/chat/completions   (messages; stream: SSE chunks, then `data: [DONE]`)
     POST /v1/completions        (prompt, raw text: no chat template)
 
-under the application's route prefix (`http://HOST:8000/eagle2/v1` as the client's base
-URL). A JSON body becomes the same `GenerateRequest` the gRPC API takes, so validation,
-limits, API keys (`Authorization: Bearer`) and errors are shared; gRPC statuses map to the
-HTTP codes the OpenAI clients expect.
+at `http://HOST:8000/v1` when one application is served (`eagle2 serve` and the shipped
+Serve configs mount it at "/"), and under the application's name (`http://HOST:8000/eagle2/v1`)
+as well. Fields the server does not implement are refused by name (400), never ignored
+(`check_fields`). A JSON body becomes the same `GenerateRequest` the gRPC API takes, so
+validation, limits, API keys (`Authorization: Bearer`) and errors are shared; gRPC statuses map
+to the HTTP codes the OpenAI clients expect.
 """
 
 from __future__ import annotations
@@ -51,23 +53,86 @@ def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
                         status_code=HTTP_STATUS.get(code, 500))
 
 
+# Fields the server implements, per endpoint (OpenAI's names; top_k, ignore_eos and mode are
+# the common extensions of vLLM and SGLang, and this server's speculation mode).
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                 "stream", "stream_options", "n", "user", "mode", "ignore_eos"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+# Fields accepted only at the value that changes nothing (what a client sends by default);
+# any other value is refused by name rather than ignored.
+NO_OP_VALUES: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logprobs": (False, 0), "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},),
+    "echo": (False,), "best_of": (1,), "store": (False,), "service_tier": ("auto", "default"),
+    "parallel_tool_calls": (), "function_call": ("none",), "suffix": (), "metadata": ({},),
+}
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """ValueError naming the first field this server does not implement (never ignored)."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name, value in body.items():
+        if name in known or value is None:
+            continue
+        if name not in NO_OP_VALUES:
+            raise ValueError(f"unsupported field {name!r}")
+        if not any(value == ok and type(value) is type(ok) for ok in NO_OP_VALUES[name]):
+            raise ValueError(f"{name}={json.dumps(value)[:64]} is not supported by this "
+                             f"server; leave {name!r} unset")
+
+
+def message_text(content) -> str:
+    """A chat message's content: a string, or a list of content parts of which only text parts
+    are supported (joined with newlines, as vLLM and SGLang join them)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("message content must be a string or a list of content parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ValueError("a content part must be an object with a string 'type'")
+        if part["type"] != "text":
+            raise ValueError(f"content part type {part['type'][:32]!r} is not supported "
+                             "(text parts only)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string 'text'")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def include_usage(body: dict) -> bool:
+    """stream_options.include_usage: a last chunk with the usage and no choices."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ValueError("stream_options takes only include_usage")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise ValueError("stream_options.include_usage must be a boolean")
+    if not body.get("stream"):
+        raise ValueError("stream_options needs stream: true")
+    return options.get("include_usage", False)
+
+
 def to_generate_request(body: dict, chat: bool) -> eagle2_pb2.GenerateRequest:
     """An OpenAI request body as a GenerateRequest (ValueError on a malformed body)."""
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
-    if body.get("n", 1) != 1:
+    check_fields(body, chat)
+    if body.get("n", 1) not in (1, None):
         raise ValueError("n must be 1")
-    req = eagle2_pb2.GenerateRequest(mode=str(body.get("mode", "")))
+    include_usage(body)
+    req = eagle2_pb2.GenerateRequest(mode=str(body.get("mode") or ""))
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a list of {role, content} objects")
         for m in messages:
-            content = m.get("content")
-            if not isinstance(content, str):
-                raise ValueError("message content must be a string")
-            req.chat.messages.append(eagle2_pb2.ChatMessage(role=str(m.get("role", "")),
-                                                            content=content))
+            req.chat.messages.append(eagle2_pb2.ChatMessage(
+                role=str(m.get("role", "")), content=message_text(m.get("content"))))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
@@ -79,16 +144,25 @@ def to_generate_request(body: dict, chat: bool) -> eagle2_pb2.GenerateRequest:
     for field, value, kind in (("max_tokens", max_tokens, int),
                                ("temperature", body.get("temperature"), float),
                                ("top_p", body.get("top_p"), float),
+                               ("top_k", body.get("top_k"), int),
                                ("seed", body.get("seed"), int)):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{field} must be a number")
+            if kind is int and value != int(value):
+                raise ValueError(f"{field} must be an integer")
+            if field == "top_k" and value == -1:  # vLLM's "off"
+                value = 0
             setattr(req, field, kind(value))
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ValueError("stop must be a string or a list of strings")
     req.stop.extend(stops)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise ValueError("ignore_eos must be a boolean")
+    req.ignore_eos = bool(ignore_eos)
     return req
 
 
@@ -118,7 +192,7 @@ async def handle(router, request: Request) -> Response:
         first = await stream.__anext__()  # errors before the first token: a plain error
         if isinstance(first, tuple):
             return error_response(*first)
-        return StreamingResponse(_sse(stream, first, head, kind, chat),
+        return StreamingResponse(_sse(stream, first, head, kind, chat, include_usage(body)),
                                  media_type="text/event-stream")
     text, last = "", None
     async for msg in stream:
@@ -129,16 +203,22 @@ async def handle(router, request: Request) -> Response:
     choice = {"index": 0, "finish_reason": FINISH.get(last.finish_reason, "stop"),
               **({"message": {"role": "assistant", "content": text}} if chat else
                  {"text": text, "logprobs": None})}
-    usage = {"prompt_tokens": last.usage.prompt_tokens,
-             "completion_tokens": last.usage.completion_tokens,
-             "total_tokens": last.usage.prompt_tokens + last.usage.completion_tokens}
-    return JSONResponse({**head, "object": kind, "choices": [choice], "usage": usage})
+    return JSONResponse({**head, "object": kind, "choices": [choice], "usage": _usage(last)})
 
 
-async def _sse(stream, first, head: dict, kind: str, chat: bool):
-    """Server-sent events: one chunk per streamed message, `[DONE]` at the end."""
+def _usage(msg) -> dict:
+    return {"prompt_tokens": msg.usage.prompt_tokens,
+            "completion_tokens": msg.usage.completion_tokens,
+            "total_tokens": msg.usage.prompt_tokens + msg.usage.completion_tokens}
+
+
+async def _sse(stream, first, head: dict, kind: str, chat: bool, with_usage: bool = False):
+    """Server-sent events: one chunk per streamed message (with `"usage": null` when the
+    client asked for usage), then the usage chunk (no choices) if asked, then `[DONE]`."""
     msg = first
     role_sent = False
+    last = None
+    obj = "chat.completion.chunk" if chat else kind
     while msg is not None:
         if isinstance(msg, tuple):  # failed mid-stream: an error event, then stop
             yield f"data: {json.dumps({'error': {'message': msg[1], 'code': msg[0].name}})}\n\n"
@@ -151,7 +231,13 @@ async def _sse(stream, first, head: dict, kind: str, chat: bool):
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": msg.text_delta, "finish_reason": finish}
-        obj = "chat.completion.chunk" if chat else kind
-        yield f"data: {json.dumps({**head, 'object': obj, 'choices': [choice]})}\n\n"
+        chunk = {**head, "object": obj, "choices": [choice]}
+        if with_usage:
+            chunk["usage"] = None
+        yield f"data: {json.dumps(chunk)}\n\n"
+        last = msg
         msg = await anext(stream, None)
+    if with_usage and last is not None and last.HasField("usage"):
+        usage = {**head, "object": obj, "choices": [], "usage": _usage(last)}
+        yield f"data: {json.dumps(usage)}\n\n"
     yield "data: [DONE]\n\n"

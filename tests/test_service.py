@@ -306,8 +306,31 @@ def test_model_info_names_no_internal_address(client):
 @pytest.fixture(scope="module")
 def openai_client(service):
     openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url="http://127.0.0.1:18000/eagle2/v1", api_key="none",
+    return openai.OpenAI(base_url="http://127.0.0.1:18000/v1", api_key="none",
                          max_retries=0, timeout=120)
+
+
+def post_json(path: str, body: dict) -> tuple[int, list[dict] | dict]:
+    """A raw-JSON client (what the benchmark tools send): (status, the JSON answer, or the
+    stream's events as a list)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:18000{path}",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            text = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    if not body.get("stream"):
+        return status, json.loads(text)
+    events = [line.removeprefix("data: ") for line in text.splitlines() if line.strip()]
+    assert events[-1] == "[DONE]"
+    return status, [json.loads(e) for e in events[:-1]]
 
 
 def test_openai_chat_completions_equal_grpc(openai_client, client):
@@ -340,6 +363,64 @@ def test_openai_completions_models_and_errors(openai_client, client):
     with pytest.raises(openai.BadRequestError, match="role"):
         openai_client.chat.completions.create(model="eagle2", max_tokens=4,
                                               messages=[{"role": "wizard", "content": "Hi"}])
+
+
+def test_openai_content_parts_usage_chunk_and_both_base_urls(openai_client, client):
+    """The SDK's typed content parts, stream_options.include_usage, and the same app under
+    /eagle2/v1 (a multi-application path) as under /v1."""
+    messages = [{"role": "user", "content": PROMPTS[6]}]
+    expected = client.generate(messages, max_tokens=16)
+    parts = [{"role": "user", "content": [{"type": "text", "text": PROMPTS[6]}]}]
+    chunks = list(openai_client.chat.completions.create(
+        model="eagle2", messages=parts, max_tokens=16, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == expected.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+    status, out = post_json("/eagle2/v1/chat/completions",
+                            {"model": "eagle2", "messages": messages, "max_tokens": 16})
+    assert status == 200 and out["choices"][0]["message"]["content"] == expected.text
+
+
+def test_openai_benchmark_payloads_and_ignore_eos(client):
+    """vLLM's serving-benchmark payloads through a raw-JSON client; ignore_eos runs a request
+    that stops early on its own to max_tokens."""
+    prompt = PROMPTS[2]
+    alone = client.generate(prompt, max_tokens=64)
+    assert alone.finish_reason == 1 and len(alone.token_ids) < 64  # FINISH_REASON_STOP
+    status, events = post_json("/v1/chat/completions", {
+        "model": "eagle2", "messages": [{"role": "user", "content": [{"type": "text",
+                                                                       "text": prompt}]}],
+        "temperature": 0.0, "max_completion_tokens": 64, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True})
+    assert status == 200 and events[-1]["usage"]["completion_tokens"] == 64
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert text.startswith(alone.text)
+    status, events = post_json("/v1/completions", {
+        "model": "eagle2", "prompt": prompt, "temperature": 0.0, "repetition_penalty": 1.0,
+        "max_tokens": 8, "logprobs": None, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": False})
+    assert status == 200 and events[-1]["usage"]["completion_tokens"] <= 8
+
+
+def test_openai_fields_it_does_not_implement_get_400_naming_them(openai_client):
+    import openai
+
+    hi = [{"role": "user", "content": "Hi"}]
+    for kwargs, name in (({"logprobs": True}, "logprobs"),
+                         ({"presence_penalty": 0.5}, "presence_penalty"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                          "tools")):
+        with pytest.raises(openai.BadRequestError, match=name):
+            openai_client.chat.completions.create(model="eagle2", messages=hi, max_tokens=4,
+                                                  **kwargs)
+    image = [{"role": "user", "content": [{"type": "image_url",
+                                           "image_url": {"url": "http://x/y.png"}}]}]
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        openai_client.chat.completions.create(model="eagle2", messages=image, max_tokens=4)
 
 
 def test_short_soak_is_clean(client):
