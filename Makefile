@@ -37,6 +37,9 @@ bench: $(STAMP)
 	$(BIN)/eagle2 bench --suite mt_bench --num-prompts 40 --max-tokens 256
 
 # Straight from the checkout, no install (the lent GPU image has torch and transformers):
-# random Llama-3-8B / 70B-layer shapes in bf16, one JSON under runs/gpu-check (< 8 min, H200).
+# random Llama-3-8B / 70B-layer shapes in bf16, runs/gpu-check/gpu-check.json rewritten after
+# every phase (< 8 min, one H100). Without CUDA: every phase at tiny shapes on the CPU (~1 min),
+# with the venv's python when $(PY) has no torch. GPU_CHECK_ARGS: e.g. --phases lossless,tp2.
+GPU_CHECK_PY = $(shell $(PY) -c 'import torch' 2>/dev/null && echo $(PY) || echo $(BIN)/python)
 gpu-check:
-	PYTHONPATH=. $(PY) -m eagle2.gpu_check --out runs/gpu-check
+	PYTHONPATH=. $(GPU_CHECK_PY) -m eagle2.gpu_check --out runs/gpu-check $(GPU_CHECK_ARGS)

@@ -1,8 +1,10 @@
-"""eagle2.gpu_check (tiny, CPU) and the graph-safe forward of eagle2.cuda_graphs.
+"""eagle2.gpu_check in CPU mode (tiny shapes) and the graph-safe forward of eagle2.cuda_graphs.
 
 See docs/architecture.md "On GPUs". The GPU run itself (`make gpu-check`) needs CUDA; here
-the same code runs with tiny shapes, and the forward that CUDA graphs capture is checked
-against the target's own forward.
+every phase runs with tiny shapes: the JSON is rewritten (valid) after each phase, a phase
+that fails is recorded with its error while the later phases still run, budgets cut
+repetitions and skip phases, and tp = 2 runs over gloo in two processes. The forward that
+CUDA graphs capture is checked against the target's own forward.
 """
 
 from __future__ import annotations
@@ -11,33 +13,124 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import tiny_target
 
+from eagle2 import gpu_check
 from eagle2.cuda_graphs import GraphedForward, static_forward
 
 ROOT = Path(__file__).resolve().parents[1]
+NAMES = [p.name for p in gpu_check.PHASES]
 
 
-def test_tiny_gpu_check_runs_from_the_checkout_and_passes(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "eagle2.gpu_check", "--tiny", "--out",
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_cpu_mode_writes_every_phase_and_records_a_failed_one(tmp_path):
+    """All phases at tiny scale (tp2 skipped on request), backend failed on purpose."""
+    seen: list[tuple[str, dict]] = []
+
+    def hook(name, report, path):
+        on_disk = json.loads(path.read_text())  # valid JSON after every phase
+        seen.append((name, {n: p["status"] for n, p in on_disk["phases"].items()}))
+        assert on_disk["phases"][name]["status"] == report["phases"][name]["status"]
+
+    rc = gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--no-cpu-tp",
+                         "--fail-phase", "backend"], hook=hook)
+    assert rc == 1
+    assert [name for name, _ in seen] == NAMES
+    for i, (name, statuses) in enumerate(seen):  # written after each: the rest still pending
+        assert statuses[name] in ("ok", "failed", "skipped")
+        assert all(statuses[n] == "pending" for n in NAMES[i + 1:])
     report = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert report["passed"] and report["tiny"] and report["imported_forbidden"] == []
-    assert {k for k, v in report["lossless"].items() if v.get("equal_to_vanilla")} == {
-        "greedy_vanilla", "greedy_eagle2", "greedy_static", "greedy_chain",
-        "greedy_eagle2-auto"}
-    assert {k for k, v in report["lossless_eagle3_head"].items()
-            if v.get("equal_to_vanilla")} == {"greedy_vanilla", "greedy_eagle2", "greedy_chain",
-                                              "greedy_eagle2-auto"}
-    assert {r["mode"] for r in report["eagle3_vs_vanilla"]} == {"vanilla", "eagle2"}
-    assert all(r["eager_ms"] > 0 for r in report["forward_cost"])
-    assert {r["mode"] for r in report["eagle2_vs_vanilla"]} == {"vanilla", "eagle2"}
+    phases = report["phases"]
+    assert list(phases) == NAMES and report["finished"] and report["passed"] is False
+    failed = phases["backend"]
+    assert failed["status"] == "failed" and failed["error"]["type"] == "RuntimeError"
+    assert "--fail-phase backend" in failed["error"]["message"]
+    assert "RuntimeError" in failed["error"]["traceback"][-1]
+    assert phases["tp2"]["status"] == "skipped" and "--no-cpu-tp" in phases["tp2"]["reason"]
+    ok = [n for n in NAMES if n not in ("backend", "tp2")]
+    assert all(phases[n]["status"] == "ok" and phases[n]["wall_s"] >= 0 for n in ok), phases
+    _check_results({n: phases[n]["result"] for n in ok})
+
+
+def _check_results(res: dict) -> None:
+    for name in ("lossless", "lossless_eagle3_head"):
+        greedy = {k: v["equal_to_vanilla"] for k, v in res[name].items() if "greedy" in k}
+        assert len(greedy) >= 4 and all(greedy.values()), res[name]
+        assert res[name]["sampling_eagle2"]["ran"] and res[name]["sampling_vanilla"]["ran"]
+    for model in ("scaled_lm_head", "unscaled_lm_head"):
+        div = res["divergence"][model]
+        assert div["prompts"] == len(div["first_diff"]) == 4 and div["top2_gap_min"] > 0
+        assert div["fraction_diverged"] == div["diverged"] / 4
+    assert res["divergence"]["scaled_lm_head"]["diverged"] == 0  # as `lossless` shows
+    only = res["sampling_speed"]["verify_only"]
+    assert [r["vocab"] for r in only] == [gpu_check.LLAMA3_VOCAB] * 2
+    assert all(r["sampled_ms"] > 0 and r["greedy_ms"] > 0 for r in only)
+    assert all(r["sampled_tokens"] >= 2 for r in only)  # the boosted drafts were accepted
+    assert [r["batch"] for r in res["sampling_speed"]["verify_step"]] == [1, 2]
+    ctx = res["context_4k"]
+    assert ctx["prompt_tokens"] == 4096
+    assert ctx["vanilla"]["new_tokens"] == ctx["eagle2"]["new_tokens"] == 8
+    memory = res["prefill_memory"]
+    assert memory["rows"] and all(r["peak_bytes"] is None for r in memory["rows"])
+    assert "CUDA" in memory["reason"]
+    assert all(r["eager_ms"] > 0 for r in res["forward_cost"]["rows"])
+    assert len(res["forward_cost"]["rows"]) == 6 and res["forward_cost_70b_4_layers"]["rows"]
+    assert {r["mode"] for r in res["eagle3_vs_vanilla"]["rows"]} == {"vanilla", "eagle2"}
+    assert res["imports"]["imported_forbidden"] == []
+
+
+def test_tp2_over_gloo_from_the_checkout(tmp_path):
+    """`--phases tp2` as `make gpu-check` starts it: setup, then tp = 2 in two processes."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "eagle2.gpu_check", "--device", "cpu",
+                           "--phases", "tp2,imports", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    phases = json.loads((tmp_path / "gpu-check.json").read_text())["phases"]
+    tp = phases["tp2"]["result"]
+    assert tp["process_group"] == "gloo" and tp["world_size"] == 2
+    assert tp["argmax_agreement"] == 1.0 and tp["max_abs_logit_diff"] < 1e-4
+    assert tp["tp2"]["ms_1_tokens"] > 0 and tp["tp1"]["ms_16_tokens"] > 0
+    skipped = [n for n in NAMES if n not in ("setup", "tp2", "imports")]
+    assert all(phases[n] == {"status": "skipped", "reason": "not selected (--phases)"}
+               for n in skipped)
+
+
+def test_budgets_cut_repetitions_and_skip_phases(tmp_path, monkeypatch):
+    phases = [replace(p, budget_s=0.0) if p.name == "forward_cost" else p
+              for p in gpu_check.PHASES]
+    monkeypatch.setattr(gpu_check, "PHASES", phases)
+    run = gpu_check.run_check(_args(tmp_path, "--phases", "backend,forward_cost"))["phases"]
+    info = run["backend"]["result"]["info"]  # `Backend.info` of the kernels in use
+    assert info["backend"] == "cpu" and info["fused"] and "attention" in info
+    cost = run["forward_cost"]
+    assert cost["status"] == "ok" and cost["truncated"] and cost["result"]["rows"] == []
+    assert len(cost["result"]["skipped_for_budget"]) == 6
+    spent = gpu_check.run_check(_args(tmp_path, "--budget-s", "1"))
+    assert {p["status"] for p in spent["phases"].values()} == {"skipped"}
+    assert "budget" in spent["phases"]["imports"]["reason"]
+    assert spent["phases"]["lossless"]["reason"].startswith("needs the model")
+
+
+def test_a_phase_far_past_its_budget_is_stopped():
+    t0 = time.monotonic()
+    with pytest.raises(gpu_check.PhaseTimeout), gpu_check._Alarm(1.0):
+        time.sleep(10)
+    assert time.monotonic() - t0 < 5
+
+
+def test_first_diffs():
+    assert gpu_check.first_diffs([[1, 2, 3], [1, 2], [4]], [[1, 2, 3], [1, 5], [4, 4]]) == [
+        None, 1, 1]
+
+
+def _args(tmp_path, *extra):
+    return gpu_check.parse_args(["--out", str(tmp_path), "--device", "cpu", *extra])
 
 
 def test_static_forward_equals_the_target_forward():
