@@ -13,7 +13,9 @@ from dataclasses import dataclass
 MODES = ("eagle2", "static", "chain", "vanilla")
 BUDGETS = ("auto", "fixed")
 MAX_LOOKUP = 32
-MAX_DEPTH = 31  # the deepest drafted node (depth + 1) stays within eagle2.cpu.attention.WINDOW_DEPTH
+# the deepest drafted node (depth + 1) stays within the exact attention's window
+# (eagle2.cpu.attention.WINDOW_DEPTH)
+MAX_DEPTH = 31
 
 
 @dataclass(frozen=True)
