@@ -4,9 +4,11 @@ The target model (`TargetModel`), its KV cache and the drafter ask a `Backend` f
 whose best implementation depends on the device: preparing the target's layers, allocating the
 KV cache, the layer stack's forward with attention over the cache, the lm_head and the greedy
 argmax, and the draft head's calls. This module's `Backend` is the torch implementation (SDPA
-over a dense mask, the Hugging Face modules' own projections): it runs on any device and is
-what CUDA targets use. The CPU backend (`eagle2.cpu.CpuBackend`: measured kernel plans, the
-native operators, exact bf16 attention) subclasses it; `eagle2.devices.backend_for` picks one.
+over a dense mask, the Hugging Face modules' own projections): it runs on any device. What
+CUDA targets use is its subclass `eagle2.flex.FlexBackend` (the same modules, tree attention
+through FlexAttention's block mask instead of the dense one). The CPU backend
+(`eagle2.cpu.CpuBackend`: measured kernel plans, the native operators, exact bf16 attention)
+subclasses it too; `eagle2.devices.backend_for` picks one.
 Engine, tree, verify, drafter, budget and lookup never import a backend's kernels.
 """
 
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eagle2.attention import KVCache, decoder_layer, step_inputs
+from eagle2.attention import KVCache, StepInputs, decoder_layer, step_inputs
 
 if TYPE_CHECKING:
     from eagle2.target import TargetModel
@@ -59,9 +61,10 @@ class Backend:
 
     def forward(self, target: TargetModel, tokens: torch.Tensor, positions: torch.Tensor,
                 tree_mask: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> TargetOutput:
-        """`TargetModel.forward` through the HF modules and SDPA over a dense mask."""
+        """`TargetModel.forward` through the HF modules and the attention of `forward_inputs`
+        (here SDPA over a dense mask)."""
         x = target.embed(tokens)  # [B, N, H]
-        inp = step_inputs(cache, slots, tree_mask, positions, target.rope, x)
+        inp = self.forward_inputs(target, cache, slots, tree_mask, positions, x)
         keep = target.feature_layers or ()
         kept: dict[int, torch.Tensor] = {}
         for i in range(target.num_layers):
@@ -70,6 +73,13 @@ class Backend:
             x = decoder_layer(target.layers[i], i, x, cache, inp, target.head_dim)
         hidden = target.norm(x)
         return TargetOutput(hidden, torch.cat([kept[i] for i in keep], dim=-1) if keep else hidden)
+
+    def forward_inputs(self, target: TargetModel, cache: KVCache, slots: torch.Tensor,
+                       tree_mask: torch.Tensor, positions: torch.Tensor,
+                       x: torch.Tensor) -> StepInputs:
+        """What the layers of one `forward` share (`attention.step_inputs`): here the dense
+        [B, 1, N, S] mask for SDPA; `eagle2.flex.FlexBackend`: FlexAttention's block mask."""
+        return step_inputs(cache, slots, tree_mask, positions, target.rope, x)
 
     def logits(self, target: TargetModel, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] in fp32 (a TP-sharded lm_head gathers itself)."""

@@ -1,14 +1,29 @@
 """Which device, dtype and backend a model runs with (the one place that names backends).
 
-`backend_for` gives the CPU backend (`eagle2.cpu`) to CPU models and the torch backend
-(`eagle2.backend.Backend`) to everything else; see docs/cpu-backend.md.
+`backend_for` gives the CPU backend (`eagle2.cpu`) to CPU models, the torch backend with
+FlexAttention tree attention (`eagle2.flex.FlexBackend`) to CUDA models and the torch backend
+(`eagle2.backend.Backend`, SDPA over a dense mask) to others; the attention can be chosen
+(`backend_for(..., attention=)` or the EAGLE2_ATTENTION environment variable: "flex" on any
+device, "sdpa" for the dense mask); see docs/cpu-backend.md.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from eagle2.backend import Backend
+
+log = logging.getLogger(__name__)
+
+# the attention a model's backend uses: "auto" (the CPU backend on CPUs, FlexAttention on
+# CUDA, SDPA over a dense mask elsewhere), "flex" (FlexAttention on any device: compiled on
+# CUDA, eager elsewhere, e.g. for the CPU tests) or "sdpa" (SDPA over a dense mask: the torch
+# backend; on a CPU the CPU backend, which keeps its own kernels)
+ATTENTION_ENV = "EAGLE2_ATTENTION"
+ATTENTIONS = ("auto", "flex", "sdpa")
 
 
 def pick_device(device: str | None = None) -> torch.device:
@@ -46,10 +61,34 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     return names[dtype]
 
 
-def backend_for(device: torch.device, dtype: torch.dtype) -> Backend:
-    """A new backend instance for a model on this device in this dtype."""
-    if device.type == "cpu":
+def attention_choice(attention: str | None = None) -> str:
+    """The attention asked for: `attention`, else $EAGLE2_ATTENTION, else "auto"."""
+    choice = attention or os.environ.get(ATTENTION_ENV) or "auto"
+    if choice not in ATTENTIONS:
+        where = "the argument" if attention else ATTENTION_ENV
+        raise ValueError(f"unknown attention {choice!r} (from {where}); use one of {ATTENTIONS}")
+    return choice
+
+
+def backend_for(device: torch.device, dtype: torch.dtype,
+                attention: str | None = None) -> Backend:
+    """A new backend instance for a model on this device in this dtype (the choice is logged:
+    once per model loaded). attention: see `ATTENTIONS` (None: $EAGLE2_ATTENTION, else
+    "auto")."""
+    choice = attention_choice(attention)
+    if choice == "flex" or (choice == "auto" and device.type == "cuda"):
+        from eagle2.flex import FlexBackend
+
+        backend: Backend = FlexBackend()
+        what = "FlexAttention (" + ("compiled" if backend.compiles(device) else "eager") + ")"
+    elif device.type == "cpu":
         from eagle2.cpu import CpuBackend
 
-        return CpuBackend(dtype, device)
-    return Backend()
+        backend = CpuBackend(dtype, device)
+        what = "the CPU backend's (exact or SDPA, chosen when the layers are prepared)"
+    else:
+        backend = Backend()
+        what = "SDPA over a dense mask"
+    log.info("attention for a %s model on %s: %s", str(dtype).removeprefix("torch."), device,
+             what)
+    return backend
