@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import make_engine, run, tiny_target
 
-import eagle2.verify
+import eagle2.runner
 from eagle2.config import SamplingParams, TreeConfig
-from eagle2.verify import draw, verify_sampling
+from eagle2.verify import draw, verify_batch
 
 VOCAB = 8
 PROMPT = [1, 4, 6, 2]
@@ -128,13 +128,13 @@ def test_eagle3_head_sampling_matches_target_distribution(target):
 
 
 def test_wrong_bonus_distribution_is_caught(target, monkeypatch):
-    def buggy(tree_tokens, children, *args, **kwargs):
-        # only in tree verification (not the prefill's one-node draw), so the test proves
-        # that it examines the bonus token of accepted paths
-        return verify_sampling(tree_tokens, children, *args, bonus_from_raw=len(children) > 1,
-                               **kwargs)
+    def buggy(*args, **kwargs):
+        # only in tree verification (not the prefill's one-node draw) and only at accepted
+        # non-root leaves (`verify_sampling`), so the test proves that it examines the bonus
+        # token of accepted paths
+        return verify_batch(*args, **kwargs, bonus_from_raw=True)
 
-    monkeypatch.setattr(eagle2.verify, "verify_sampling", buggy)  # where the runner calls it
+    monkeypatch.setattr(eagle2.runner, "verify_batch", buggy)  # where the runner calls it
     params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=3, ignore_eos=True)
     probs = exact_joint(target, 0.7, 0.95)
     counts, _ = sample_counts(target, params)
