@@ -18,11 +18,11 @@ import torch
 
 from eagle2.budget import CostModel, cost_cache_path
 from eagle2.config import SamplingParams, TreeConfig
+from eagle2.cuda_graphs import make_runner
 from eagle2.drafter import Drafter
 from eagle2.eagle3 import Eagle3Head
 from eagle2.engine import Engine, Event, Request
 from eagle2.head import DraftHead, load_head, new_head
-from eagle2.runner import LocalRunner
 from eagle2.target import EMBEDDED_NAME, TargetModel
 from eagle2.text import TextStream, encode_prompt
 
@@ -66,7 +66,8 @@ class Eagle2:
             target.set_feature_layers(head.feature_layers(target.num_layers))
             drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
                               max_len=self.max_context)
-        runner = LocalRunner(target, max_batch, self.max_context + Engine.tree_margin)
+        # CUDA graphs per bucket on CUDA ($EAGLE2_CUDA_GRAPHS: `eagle2.cuda_graphs.make_runner`)
+        runner = make_runner(target, max_batch, self.max_context + Engine.tree_margin)
         self.engine = Engine(runner, drafter, max_batch=max_batch, max_context=self.max_context,
                              costs=costs or cost_cache_path(target))
 

@@ -30,11 +30,13 @@ from pathlib import Path
 import torch
 
 from eagle2.machine import cache_root, machine_key, write_json_atomic
+from eagle2.tree import HOST, chain_tree, to_device
 
 # bumped when costs are measured differently: cache files of older ways are measured again
 # 5: the lm_head's logits and greedy argmax timed apart (`head_rows`); 6: after text, not
-# random tokens (`runner.timing_tokens`)
-COSTS_VERSION = 6
+# random tokens (`runner.timing_tokens`); 7: the grid through the steps' `verify_step`, not
+# `runner.forward` (`time_grid`)
+COSTS_VERSION = 7
 BATCHES = (1, 2, 4, 8, 16)
 NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # lm_head rows timed (linear past the last)
@@ -226,10 +228,11 @@ class CostModel:
     @classmethod
     def measure(cls, runner, max_batch: int, max_nodes: int = 32, prefix: int = 64,
                 long_prefix: int = 0, repeats: int = 3) -> CostModel:
-        """Time runner.forward (logits included) over the grid after `prefix` and, if
-        long_prefix > prefix, after long_prefix too (`time_grid`, 1 + `repeats` sweeps over
-        both), then take the lower envelope (`lower_envelope`; a cell of the short grid is
-        also bounded by the long one's); and the lm_head's rows apart (`time_head`).
+        """Time the verification step (`runner.verify_step`, logits included) over the grid
+        after `prefix` and, if long_prefix > prefix, after long_prefix too (`time_grid`,
+        1 + `repeats` sweeps over both), then take the lower envelope (`lower_envelope`; a
+        cell of the short grid is also bounded by the long one's); and the lm_head's rows
+        apart (`time_head`).
 
         Runs on cache slots [0, B): each slot's length is raised to at least the prefix for
         the measurement, so the tokens land in scratch entries past anything committed, and
@@ -276,32 +279,41 @@ class CostModel:
 
 def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...],
               prefix: int | tuple[int, ...], passes: int = 4):
-    """Best seconds of runner.forward for B requests x N tokens (a causal chain after
+    """Best seconds of a verification step (`runner.verify_step`, the call the engine's steps
+    make: `Engine._verify`) for B greedy requests x N tokens (a chain of N tree tokens after
     `prefix` committed tokens, or past what is committed), for every (B, N) of the grid:
-    [B][N]; prefix a tuple: one such grid per prefix, swept together.
+    [B][N]; prefix a tuple: one such grid per prefix, swept together. A step's tree comes
+    from HOST (where the engine keeps it) and only token ids and accepted features come back,
+    as in a step: through `runner.forward` a sharded target's full logits [B, N, V] had
+    crossed from rank 0 to the engine, which no step pays. The logits are included: where
+    greedy steps take the target's argmax without them (`runner.greedy_argmax`), the grid
+    asks the step for them (`logits=True`) and `CostModel.greedy` trades them for the argmax.
 
     The grid is swept `passes` times, one call per cell and sweep, and each cell keeps its
     fastest call. On a shared machine slow phases last seconds (another process or VM on the
     core): timing one cell's calls back to back lets a phase spoil all of them, while across
     sweeps a phase spoils one sample of many cells. The first sweep also warms each shape up
     (kernel primitives are built at a shape's first call); its samples count only where no
-    later one is faster. Cache slots [0, max B) are used, lengths restored after."""
+    later one is faster. Cache slots [0, max B) are used (the tree's entries are scratch past
+    the committed ones, as a step's before its commit), lengths restored after."""
+    from eagle2.config import SamplingParams
+
     prefixes = prefix if isinstance(prefix, tuple) else (prefix,)
     dev = runner.device
     slots = torch.arange(batches[-1], device=dev)
     old = runner.lengths[: batches[-1]].clone()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     starts = {pre: torch.clamp(old, min=pre) for pre in prefixes}
+    greedy = [SamplingParams()] * batches[-1]  # temperature 0: no generator is drawn from
+    step = {"logits": True} if getattr(runner, "greedy_argmax", False) else {}
     inputs: dict[int, dict[tuple[int, int], tuple]] = {pre: {} for pre in prefixes}
     for pre, start in starts.items():
         for num_b in batches:
             for num_n in nodes:
-                tokens = torch.zeros(num_b, num_n, dtype=torch.long, device=dev)
-                positions = (start[:num_b, None].to(dev) +
-                             torch.arange(num_n, device=dev)).expand(num_b, num_n)
-                mask = torch.ones(num_n, num_n, dtype=torch.bool, device=dev).tril()
-                inputs[pre][num_b, num_n] = (tokens, positions,
-                                             mask.expand(num_b, num_n, num_n), slots[:num_b])
+                tree = chain_tree(torch.zeros(num_b, num_n, dtype=torch.long, device=HOST))
+                positions = start[:num_b, None].to(dev) + to_device(tree.depths, dev)  # [B, N]
+                inputs[pre][num_b, num_n] = (tree, positions, slots[:num_b], greedy[:num_b],
+                                             [None] * num_b)
     best = {(pre, cell): float("inf") for pre, cells in inputs.items() for cell in cells}
     try:
         for _ in range(max(passes, 1)):
@@ -310,11 +322,11 @@ def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...],
                 # untimed: the native attention's kept key blocks (`KVCache.key_blocks`) of
                 # the other prefix's slots are brought up to date, as decoding has them (else
                 # the first call of each batch after the switch transposed every key again)
-                runner.forward(*cells[batches[-1], nodes[0]])
+                runner.verify_step(*cells[batches[-1], nodes[0]], **step)
                 for cell, args in cells.items():
                     sync()
                     t0 = time.perf_counter()
-                    runner.forward(*args)
+                    runner.verify_step(*args, **step)
                     sync()
                     best[pre, cell] = min(best[pre, cell], time.perf_counter() - t0)
     finally:
@@ -402,15 +414,18 @@ def measure_draft_levels(drafter, batches: list[int], hidden: int, dtype: torch.
                            lookup=0) for k in widths}
     ids = [f"__cost_probe_{i}" for i in range(max(batches))]
     best = {k: dict.fromkeys(batches, float("inf")) for k in widths}
+    # the inputs on the head's device, where the drafter has one (in the engine they come from
+    # the target's, the head's when both run there); a remote drafter sends them from HOST
+    dev = getattr(drafter, "device", HOST)
     try:
         for i in range(repeats + 1):
             for k, tree in trees.items():
                 for num_b in batches:
-                    feats = torch.zeros(num_b, 1, hidden, dtype=dtype)
-                    toks = torch.zeros(num_b, 1, dtype=torch.long)
+                    feats = torch.zeros(num_b, 1, hidden, dtype=dtype, device=dev)
+                    toks = torch.zeros(num_b, 1, dtype=torch.long, device=dev)
+                    counts = torch.ones(num_b, dtype=torch.long, device=dev)
                     t0 = time.perf_counter()
-                    drafter.draft(ids[:num_b], feats, toks, torch.ones(num_b, dtype=torch.long),
-                                  tree)
+                    drafter.draft(ids[:num_b], feats, toks, counts, tree)
                     if i:  # the first sweep builds each shape's kernels
                         best[k][num_b] = min(best[k][num_b], (time.perf_counter() - t0) / 3)
     finally:
@@ -481,7 +496,8 @@ def choose_num_nodes(values: torch.Tensor, costs: CostModel | Callable[..., floa
     num_b, num_n = values.shape
     drafts = values[:, 1:].float().clamp(0, 1)
     best = drafts.sort(dim=1, descending=True).values.cumsum(dim=1)  # [B, N - 1]
-    expected = torch.cat([torch.zeros(1), best.sum(0)]) + num_b  # [N] by tree size n = i + 1
+    # [N] by tree size n = i + 1
+    expected = torch.cat([torch.zeros(1, device=best.device), best.sum(0)]) + num_b
     sizes = range(max(min_nodes, 1), num_n + 1)
     rates = [(float(expected[n - 1]) / (draft_s + costs(num_b, n, context)), n) for n in sizes]
     rate, n = max(rates)

@@ -19,6 +19,7 @@ from torch import nn
 
 from eagle2.attention import RopeTable, causal_mask, step_inputs, vocab_projection
 from eagle2.config import TreeConfig
+from eagle2.cuda_graphs import GraphedLevels, graphs_choice, padded_wanted
 from eagle2.devices import backend_for
 from eagle2.eagle3 import Eagle3Head
 from eagle2.head import DraftHead
@@ -48,11 +49,15 @@ class Drafter:
 
     def __init__(self, head: DraftHead | Eagle3Head, embed: nn.Embedding, lm_head: nn.Module | None,
                  max_slots: int, max_len: int, tree_margin: int = 256,
-                 keep_candidates: bool = False, calibrated: bool = True):
+                 keep_candidates: bool = False, calibrated: bool = True,
+                 cuda_graphs: bool | str | None = None):
         """keep_candidates: keep every expansion's full candidate list (before the rerank)
         in `last_candidates`, for tools that replay acceptance (the bench's tuner).
         calibrated: tree values through the head's calibration when it has one (False: raw
-        path values, what `eagle2 calibrate` fits on)."""
+        path values, what `eagle2 calibrate` fits on).
+        cuda_graphs: run the tree levels padded to buckets, through CUDA graphs on CUDA
+        (`eagle2.cuda_graphs.GraphedLevels`): True / "on", False / "off", "auto" (CUDA heads
+        of the torch backends), None: $EAGLE2_CUDA_GRAPHS, else "auto"."""
         self.head = head
         self.calibration = head.calibration if calibrated else None
         table = head.calibration.lookup if head.calibration is not None else None
@@ -78,11 +83,16 @@ class Drafter:
         self._rope = RopeTable(head.rotary)  # cos, sin of every cache position
         self._rope_like = torch.zeros(1, dtype=self.dtype, device=self.device)  # (its dtype)
         self.d2t = head.d2t.to(self.device) if head.d2t.numel() else None
-        self.cache = head.allocate_cache(max_slots, max_len + tree_margin)
+        backend = backend_for(self.device, self.dtype)
+        # padded tree levels (`eagle2.cuda_graphs`): one more cache slot, padded rows' scratch
+        padded = padded_wanted(cuda_graphs, self.device, backend)
+        self.cache = head.allocate_cache(max_slots + int(padded), max_len + tree_margin)
         # the backend's faster calls of the head (a bf16 CPU: packed linears, native layer;
         # `eagle2.cpu.head.HeadKernels`), None: the torch module path below
-        self.kernels = backend_for(self.device, self.dtype).head_kernels(
+        self.kernels = backend.head_kernels(
             head, self.draft_lm_head, self.embed.weight, self.d2t, self.cache, self._rope_table)
+        self.levels = GraphedLevels(self, strict=graphs_choice(cuda_graphs) == "on") \
+            if padded else None
         self.max_len = max_len
         self.tree_margin = tree_margin
         self.slot_of: dict[str, int] = {}
@@ -282,6 +292,11 @@ class Drafter:
         [B, M, T + M], the top-k log-probs of each output and their tokens [B, M, k]."""
         num_b, num_m = level.tokens.shape
         positions = (self.cache.lengths[slots] + depth - 1)[:, None].expand(num_b, num_m)
+        if self.levels is not None:  # padded to a bucket (a CUDA graph's replay on CUDA)
+            got = self.levels.run(slots, level.tokens, level.features, positions, level.anc,
+                                  window, k)
+            if got is not None:
+                return got
         return self._call_head(slots, level.tokens, level.features, positions, level.anc,
                                window, k, append_eye=True)
 

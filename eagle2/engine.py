@@ -48,7 +48,7 @@ from eagle2.lookup import (
 )
 from eagle2.ngram import NgramStore
 from eagle2.runner import TargetRunner
-from eagle2.tree import DraftTree, prune_tree, root_only, tree_from_rows
+from eagle2.tree import HOST, DraftTree, prune_tree, root_only, to_device, tree_from_rows
 from eagle2.verify import Verified
 
 
@@ -559,7 +559,7 @@ class Engine:
         """Cut the auto-budget trees to the size that pays best this step (eagle2.budget).
         drafted_s: the measured seconds of this step's draft call."""
         self.stats.auto_steps += 1
-        auto = torch.tensor([s.auto for s in self.seqs])
+        auto = torch.tensor([s.auto for s in self.seqs], device=HOST)  # [B] (trees are here)
         if not drafted:  # lookup chains, if any, are already cut (`_lookup_trees`)
             self.stats.skipped_drafts += 1
             return tree
@@ -574,7 +574,8 @@ class Engine:
         draft_s = levels * self._draft_scale()
         fixed = tree.num_nodes[~auto]
         values = tree.values[auto]
-        scale = torch.tensor([self._acceptance_scale(s) for s in self.seqs if s.auto])
+        scale = torch.tensor([self._acceptance_scale(s) for s in self.seqs if s.auto],
+                             device=HOST)
         values = torch.cat([values[:, :1], (values[:, 1:] * scale[:, None]).clamp(max=1)], 1)
         choice = choose_num_nodes(values, self._timed_costs(costs), draft_s,
                                   int(fixed.max()) if len(fixed) else 1, context=self._context())
@@ -653,17 +654,17 @@ class Engine:
         roots = [int(s.pending_tokens[-1]) for s in seqs]
         if len(idx) == len(self.seqs) and self._lookup_vetoed():
             self.stats.lookup_vetoes += 1
-            return root_only(torch.tensor(roots))
+            return root_only(torch.tensor(roots, device=HOST))
         proposed = self._proposals(seqs) if self.lookup_alone else []
         if not any(proposed):
-            return root_only(torch.tensor(roots))
+            return root_only(torch.tensor(roots, device=HOST))
         values = [self._chain_values(s, [n.value for n in nodes])
                   for s, nodes in zip(seqs, proposed, strict=True)]
         if len(idx) == len(self.seqs):
             # ranked by value (`rank_branches`): the best n nodes of a row are its first n
             length = self._lookup_length(values)[0]
             if length == 0:
-                return root_only(torch.tensor(roots))
+                return root_only(torch.tensor(roots, device=HOST))
             values = [v[:length] for v in values]
             for s, kept in zip(seqs, values, strict=True):
                 s.chain_value = sum(kept)
@@ -673,7 +674,8 @@ class Engine:
                                 if any(n.store for n in nodes[: len(kept)])]
             self.stats.lookup_steps += 1
         return tree_from_rows([lookup_tree_row(root, nodes, kept)
-                               for root, nodes, kept in zip(roots, proposed, values, strict=True)])
+                               for root, nodes, kept in zip(roots, proposed, values, strict=True)],
+                              HOST)
 
     # the largest batch whose lookup trees take both chains: in one process (engine_ab,
     # one-branch against shipped), 40 + 40 prompts, two threads on the AVX-512 Xeon, trees of
@@ -821,13 +823,15 @@ class Engine:
             if config.budget == "auto":
                 self._width = config.top_k
                 gain = self._min_gain(len(self.seqs), config.top_k)
-            parts.append((idx, self.drafter.draft(ids, feats, toks, counts, config, gain)))
+            # the head's device (in-process), or the wire's (a worker) -> the engine's
+            tree = to_device(self.drafter.draft(ids, feats, toks, counts, config, gain), HOST)
+            parts.append((idx, tree))
         if len(parts) == 1:
             return parts[0][1]
         order = [i for idx, _ in parts for i in idx]
         tree = DraftTree.concat([t for _, t in parts])
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
+        inverse = torch.empty(len(order), dtype=torch.long, device=HOST)
+        inverse[torch.tensor(order, device=HOST)] = torch.arange(len(order), device=HOST)
         return tree.select(inverse)
 
     def _verify(self, tree: DraftTree) -> tuple[Verified, torch.Tensor]:
@@ -836,7 +840,7 @@ class Engine:
         dev = self.runner.device
         num_b = tree.batch_size
         slots = torch.arange(num_b, device=dev)
-        positions = self.runner.lengths[:num_b, None] + tree.depths.to(dev)
+        positions = self.runner.lengths[:num_b, None] + to_device(tree.depths, dev)
         self.stats.batch_sizes.append(num_b)
         return self.runner.verify_step(tree, positions, slots, [s.req.params for s in self.seqs],
                                        [s.generator for s in self.seqs])
@@ -844,6 +848,7 @@ class Engine:
     def _advance(self, verified: Verified, features: torch.Tensor) -> list[Event]:
         """Commit the accepted paths; their features [B, A, H] feed the next draft."""
         dev = self.runner.device
+        features = to_device(features, dev)  # from the runner (rank 0's copy: the driver's)
         width = max(len(n) for n in verified.nodes)
         node_idx = torch.tensor([n + [0] * (width - len(n)) for n in verified.nodes], device=dev)
         kept = torch.tensor([len(n) for n in verified.nodes], device=dev)
@@ -852,7 +857,7 @@ class Engine:
         events = []
         for b, s in enumerate(self.seqs):
             n = len(verified.nodes[b])
-            new_feats = features[b, :n].to(dev)
+            new_feats = features[b, :n]
             new_tokens = torch.tensor(verified.tokens[b], device=dev)
             if s.auto and not s.drafted:  # the drafter has not seen the pending pairs yet
                 s.backlog.append((s.pending_feats, s.pending_tokens.to(dev)))
@@ -913,7 +918,8 @@ class Engine:
             self.runner.copy_slot(last, i)
             self.seqs[i] = self.seqs[last]
         self.seqs.pop()
-        self.runner.set_lengths(torch.tensor([last]), torch.tensor([0]))
+        dev = self.runner.device
+        self.runner.set_lengths(torch.tensor([last], device=dev), torch.tensor([0], device=dev))
         if self.drafter is not None and s.req.tree.mode != "vanilla":
             self.drafter.release(s.req.seq_id)
 
@@ -937,11 +943,12 @@ class Engine:
         features, first = self.runner.prefill_step(
             tokens, positions, causal_mask(lengths, width), slots, lengths - 1,
             [r.params for r in batch], gens)  # features [B, S, H]
+        features = to_device(features, dev)
         self.runner.set_lengths(slots, lengths)
         events = []
         for b, (r, gen, tok) in enumerate(zip(batch, gens, first, strict=True)):
             n = len(r.prompt_ids)
-            s = _Seq(r, gen, features[b, :n].to(dev),
+            s = _Seq(r, gen, features[b, :n],
                      torch.tensor(list(r.prompt_ids[1:]) + [tok], device=dev))
             self.seqs.append(s)
             events.append(self._emit(s, [tok]))
@@ -978,13 +985,15 @@ def _generator(params: SamplingParams) -> torch.Generator:
 
 
 def _pad(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pending (feature, token) pairs of several sequences, right-padded: [B, A, H], [B, A], [B]."""
-    counts = torch.tensor([len(s.pending_tokens) for s in seqs])
+    """Pending (feature, token) pairs of several sequences, right-padded: [B, A, H], [B, A], [B]
+    (the features on the target's device, tokens and counts on HOST: the drafter moves what
+    it runs on to its own device, a remote one sends them)."""
+    counts = torch.tensor([len(s.pending_tokens) for s in seqs], device=HOST)
     width = int(counts.max())
     hidden = seqs[0].pending_feats.shape[-1]
     feats = seqs[0].pending_feats.new_zeros(len(seqs), width, hidden)
-    toks = torch.zeros(len(seqs), width, dtype=torch.long)
+    toks = torch.zeros(len(seqs), width, dtype=torch.long, device=HOST)
     for b, s in enumerate(seqs):
         feats[b, : len(s.pending_tokens)] = s.pending_feats
-        toks[b, : len(s.pending_tokens)] = s.pending_tokens.cpu()
+        toks[b, : len(s.pending_tokens)] = to_device(s.pending_tokens, HOST)
     return feats, toks, counts

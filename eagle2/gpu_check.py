@@ -22,7 +22,8 @@ tiny shapes in fp32, so the whole check runs on any machine. The phases, in orde
   over random logits at Llama-3's 128,256-token vocabulary, and the runner's whole step;
 - context_4k: a ~4096-token prompt's prefill, then eagle2 and vanilla decoding after it;
 - prefill_memory: torch.cuda.max_memory_allocated over long prefills (null on a CPU);
-- eagle2_vs_vanilla, forward_cost (ms per forward for N tokens x batch, eager and CUDA graphs,
+- eagle2_vs_vanilla (ms per engine step, eager and, on CUDA, through the serving engine's CUDA
+  graphs), forward_cost (ms per forward for N tokens x batch, eager and CUDA graphs,
   host against device time), lossless_eagle3_head, eagle3_vs_vanilla, forward_cost_70b_4_layers;
 - tp2: a tensor-parallel (tp = 2) forward over NCCL when two GPUs are present (gloo with two
   CPU processes in CPU mode), against the whole model's logits, and its forward time;
@@ -115,15 +116,17 @@ def random_eagle3_head(target, dtype: torch.dtype, device: str, draft_vocab: int
                            aux_layer_ids=aux).to(device)
 
 
-def make_engine(target, head, max_batch: int, max_context: int):
+def make_engine(target, head, max_batch: int, max_context: int, cuda_graphs: bool = False):
+    """cuda_graphs: the target's steps and the head's tree levels through CUDA graphs per
+    bucket (`eagle2.cuda_graphs`), else eager."""
+    from eagle2.cuda_graphs import make_runner
     from eagle2.drafter import Drafter
     from eagle2.engine import Engine
-    from eagle2.runner import LocalRunner
 
     target.set_feature_layers(head.feature_layers(target.num_layers))  # EAGLE-3: 3 layers
     drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
-                      max_len=max_context)
-    runner = LocalRunner(target, max_batch, max_context + Engine.tree_margin)
+                      max_len=max_context, cuda_graphs=cuda_graphs)
+    runner = make_runner(target, max_batch, max_context + Engine.tree_margin, cuda_graphs)
     return Engine(runner, drafter, max_batch=max_batch, max_context=max_context)
 
 
@@ -278,20 +281,30 @@ def time_calls(fn: Callable[[], object], reps: int, device: torch.device) -> flo
 
 def engine_vs_vanilla(target, head, sizes: dict, num_tokens: int, batches: tuple[int, ...],
                       over: Callable[[], bool] = lambda: False) -> dict:
-    """ms per engine step and tokens per step, eagle2 (fixed tree) and vanilla, per batch."""
+    """ms per engine step and tokens per step, eagle2 (fixed tree) and vanilla, per batch;
+    on CUDA also with the serving engine's CUDA graphs (`eagle2.cuda_graphs`: rows with
+    cuda_graphs true, and whether their tokens are the eager run's)."""
     from eagle2.config import SamplingParams
 
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     rows, skipped = [], []
+    graphs = (False, True) if target.device.type == "cuda" else (False,)
     for num_b in batches:
         prompts = [[(7 * i + j) % target.vocab_size for j in range(9)] for i in range(num_b)]
         for mode in ("vanilla", "eagle2"):
-            if over():
-                skipped.append({"batch": num_b, "mode": mode})
-                continue
-            engine = make_engine(target, head, num_b, 256)
-            _, stats = generate(engine, prompts, params, fixed_tree(mode, sizes))
-            rows.append({"batch": num_b, "mode": mode, **stats})
+            eager_tokens = None
+            for on in graphs:
+                if over():
+                    skipped.append({"batch": num_b, "mode": mode, "cuda_graphs": on})
+                    continue
+                engine = make_engine(target, head, num_b, 256, cuda_graphs=on)
+                tokens, stats = generate(engine, prompts, params, fixed_tree(mode, sizes))
+                row = {"batch": num_b, "mode": mode, "cuda_graphs": on, **stats}
+                if on:
+                    row["same_tokens_as_eager"] = tokens == eager_tokens
+                    row["graph_steps"] = engine.runner.counts["graph"]
+                eager_tokens = tokens
+                rows.append(row)
     return {"rows": rows, "skipped_for_budget": skipped}
 
 

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from eagle2.backend import TargetOutput
 from eagle2.config import SamplingParams
 from eagle2.target import TargetModel
 from eagle2.tree import DraftTree
@@ -91,8 +92,13 @@ class LocalRunner:
     def lengths(self) -> torch.Tensor:
         return self.cache.lengths
 
+    def target_forward(self, tokens, positions, tree_mask, slots) -> TargetOutput:
+        """The target's forward over this runner's cache (what every step here calls;
+        `eagle2.cuda_graphs.GraphedRunner` pads it to buckets and replays CUDA graphs)."""
+        return self.target.forward(tokens, positions, tree_mask, self.cache, slots)
+
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
-        out = self.target.forward(tokens, positions, tree_mask, self.cache, slots)
+        out = self.target_forward(tokens, positions, tree_mask, slots)
         if logit_index is not None:
             rows = torch.arange(out.hidden.shape[0], device=out.hidden.device)
             return out.features, self.target.logits(out.hidden[rows, logit_index])
@@ -101,7 +107,7 @@ class LocalRunner:
     def forward_features(self, tokens, positions, tree_mask, slots) -> torch.Tensor:
         """The forward without lm_head: features [B, N, H] (what a TP rank other than 0 runs:
         it takes part in the all-reduces, rank 0 verifies)."""
-        return self.target.forward(tokens, positions, tree_mask, self.cache, slots).features
+        return self.target_forward(tokens, positions, tree_mask, slots).features
 
     @property
     def greedy_argmax(self) -> bool:
@@ -161,7 +167,7 @@ class LocalRunner:
         dev = self.device
         tree = DraftTree(*(t.to(dev) for t in tree._fields()))  # greedy acceptance on the device
         if self._greedy_only(params):
-            out = self.target.forward(tree.tokens, positions.to(dev), tree.tree_mask, self.cache,
+            out = self.target_forward(tree.tokens, positions.to(dev), tree.tree_mask,
                                       slots.to(dev))
             hidden = out.hidden
             verified = verify_greedy_lazily(
@@ -175,7 +181,7 @@ class LocalRunner:
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
         if self._greedy_only(params):
-            out = self.target.forward(tokens, positions, mask, self.cache, slots)
+            out = self.target_forward(tokens, positions, mask, slots)
             rows = torch.arange(out.hidden.shape[0], device=out.hidden.device)
             return out.features, self.target.greedy_tokens(out.hidden[rows, last_idx]).tolist()
         features, last_logits = self.forward(tokens, positions, mask, slots, last_idx)  # [B, V]

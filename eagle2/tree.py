@@ -63,6 +63,29 @@ class DraftTree:
         return DraftTree(*(torch.cat(parts) for parts in fields))
 
 
+# Where the engine keeps its trees and does the budget's math (Python lists and small tensors
+# read with .tolist()): trees built from lists are made here, and trees from a drafter arrive
+# here (`to_device`), whatever device the head runs on.
+HOST = torch.device("cpu")
+
+
+def to_device(x, device: torch.device | str):
+    """The one conversion point for tensors that cross between the head, the engine and the
+    target (or its ranks): a tensor, a DraftTree, or a tuple / list of them (None kept) on
+    `device`, the receiving side's. Nothing is copied that is there already. E.g. the engine
+    takes a drafted tree to HOST for the budget, the runner takes it to the target's device.
+    """
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, DraftTree):
+        return DraftTree(*(t.to(device) for t in x._fields()))
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(t, device) for t in x)
+    raise TypeError(f"cannot move a {type(x).__name__} to a device")
+
+
 def _pad_tree(t: DraftTree, n: int, p: int, d: int) -> DraftTree:
     b, extra = t.batch_size, n - t.size
     eye = torch.eye(n, dtype=torch.bool, device=t.tokens.device).expand(b, n, n).clone()
@@ -116,7 +139,7 @@ def _mask_and_paths(parents: list[list[int]], counts: list[int]
 
 
 def tree_from_rows(rows: list[tuple[list, list, list, list, list]],
-                   device: torch.device | str = "cpu") -> DraftTree:
+                   device: torch.device | str = HOST) -> DraftTree:
     """Per row (tokens, parents, depths, values, lookup flags) of its valid nodes, root first,
     depth order -> the padded DraftTree on `device`."""
     num_n = max(len(r[0]) for r in rows)

@@ -101,10 +101,13 @@ class TargetEngine:
 
         cfg = self.cfg
         if cfg.target_in_engine():
+            from eagle2.cuda_graphs import runner_class  # CUDA graphs: $EAGLE2_CUDA_GRAPHS
+
             device = pick_device(cfg.device())
-            return LocalRunner.load(cfg.target, pick_dtype(cfg.dtype, device), device,
-                                    cfg.max_batch_size, cfg.max_context + Engine.tree_margin,
-                                    feature_layers(cfg))
+            return runner_class(device).load(cfg.target, pick_dtype(cfg.dtype, device), device,
+                                             cfg.max_batch_size,
+                                             cfg.max_context + Engine.tree_margin,
+                                             feature_layers(cfg))
         return ShardedRunner(cfg.tp_size, cfg.max_batch_size,
                              cfg.max_context + Engine.tree_margin, target=cfg.target,
                              dtype=None if cfg.dtype == "auto" else cfg.dtype,

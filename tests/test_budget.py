@@ -15,7 +15,7 @@ from eagle2.budget import HEAD_ROWS, CostModel, SpeculationGate, choose_num_node
 from eagle2.calibration import Calibration, _pool_adjacent_violators, accepted_nodes
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.engine import Request
-from eagle2.tree import build_tree, finish_tree, prune_tree
+from eagle2.tree import HOST, build_tree, finish_tree, prune_tree
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 AUTO = TreeConfig("eagle2", total_tokens=16, depth=4, top_k=4)  # budget "auto"
@@ -562,6 +562,70 @@ def test_lower_envelope_removes_one_sided_noise_and_never_goes_below_the_truth()
     assert env[0] == truth[0][1] and list(env[1:]) == truth[0][1:]
     running_max = [max(spiked[0][: i + 1]) for i in range(nodes)]
     assert running_max[3] == 0.09  # what the old envelope priced 4 tokens at
+
+
+class RecordingRunner:
+    """A TargetRunner stand-in that records which of its methods a caller uses: every call
+    as (method, its arguments)."""
+
+    def __init__(self, greedy_argmax: bool, num_slots: int = 4):
+        self.device = torch.device("cpu")
+        self.vocab_size = 8
+        self.greedy_argmax = greedy_argmax
+        self._lengths = torch.zeros(num_slots, dtype=torch.long)
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def set_lengths(self, slots, values) -> None:
+        self.calls.append(("set_lengths", (slots, values), {}))
+        self._lengths[slots] = values
+
+    def forward(self, *args, **kwargs):
+        self.calls.append(("forward", args, kwargs))
+        tokens = args[0]
+        return torch.zeros(*tokens.shape, 4), torch.zeros(*tokens.shape, self.vocab_size)
+
+    def verify_step(self, tree, positions, slots, params, generators, **kwargs):
+        from eagle2.verify import Verified
+
+        self.calls.append(("verify_step", (tree, positions, slots, params, generators), kwargs))
+        num_b = tree.batch_size
+        return Verified([[0]] * num_b, [[0]] * num_b), torch.zeros(num_b, 1, 4)
+
+
+@pytest.mark.parametrize("greedy_argmax", [False, True])
+def test_the_cost_grid_is_timed_through_the_steps_verify_step(greedy_argmax):
+    """The grid times what a step calls (`Engine._verify`: runner.verify_step, a tree from
+    the host, greedy rows), never runner.forward, whose full logits a sharded target sends
+    from rank 0 (no step does). Where greedy steps skip the logits, the grid asks for them
+    (`CostModel.greedy` prices the argmax apart)."""
+    from eagle2.budget import time_grid
+
+    runner = RecordingRunner(greedy_argmax)
+    runner._lengths[:] = torch.tensor([3, 0, 20, 0])
+    grid = time_grid(runner, (1, 2), (1, 4), prefix=8, passes=2)
+    assert len(grid) == 2 and all(len(row) == 2 for row in grid)
+    methods = [name for name, _, _ in runner.calls]
+    assert "forward" not in methods
+    steps = [(args, kwargs) for name, args, kwargs in runner.calls if name == "verify_step"]
+    assert len(steps) == 2 * (1 + 4)  # each sweep: an untimed call, then one per cell
+    shapes = set()
+    for (tree, positions, slots, params, gens), kwargs in steps:
+        num_b, num_n = tree.tokens.shape
+        shapes.add((num_b, num_n))
+        assert tree.tokens.device == HOST  # where the engine's trees come from
+        assert torch.equal(tree.parents[0], torch.arange(num_n) - 1)  # a chain
+        assert torch.equal(positions, torch.tensor([8, 8])[:num_b, None] + torch.arange(num_n))
+        assert slots.tolist() == list(range(num_b)) and gens == [None] * num_b
+        assert all(p.greedy for p in params) and len(params) == num_b
+        assert kwargs == ({"logits": True} if greedy_argmax else {})
+    assert shapes == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert runner.lengths.tolist() == [3, 0, 20, 0]  # restored
+    m = CostModel.measure(runner, max_batch=2, max_nodes=4, prefix=8, repeats=0)
+    assert m.nodes == (1, 2, 3, 4) and "forward" not in [name for name, _, _ in runner.calls]
 
 
 def test_a_slow_phase_of_the_machine_spoils_no_cell():
