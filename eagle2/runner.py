@@ -16,7 +16,7 @@ import torch
 from eagle2.backend import TargetOutput
 from eagle2.config import SamplingParams
 from eagle2.target import TargetModel
-from eagle2.tree import DraftTree
+from eagle2.tree import DraftTree, to_device
 from eagle2.verify import Verified, first_tokens, verify_batch, verify_greedy_lazily
 
 
@@ -35,10 +35,11 @@ class TargetRunner(Protocol):
         ...
 
     def verify_step(self, tree: DraftTree, positions: torch.Tensor, slots: torch.Tensor,
-                    params: list[SamplingParams], generators: list[torch.Generator | None]
-                    ) -> tuple[Verified, torch.Tensor]:
+                    params: list[SamplingParams], generators: list[torch.Generator | None],
+                    logits: bool = False) -> tuple[Verified, torch.Tensor]:
         """One forward over the trees + acceptance. -> (Verified, accepted features [B, A, H],
-        row b valid up to len(nodes[b])). Sampled rows advance their generator."""
+        row b valid up to len(nodes[b])). Sampled rows advance their generator. logits: take
+        the logits even where greedy rows could do without them (what the cost grid times)."""
         ...
 
     def prefill_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -163,10 +164,12 @@ class LocalRunner:
                     best[f][i] = min(best[f][i], time.perf_counter() - t0)
         return best[0], (best[1] if len(best) > 1 else None)
 
-    def verify_step(self, tree, positions, slots, params, generators):
+    def verify_step(self, tree, positions, slots, params, generators, logits: bool = False):
+        """logits: take the logits even where the target finds greedy argmaxes without them
+        (the cost grid times steps so: `budget.time_grid`)."""
         dev = self.device
-        tree = DraftTree(*(t.to(dev) for t in tree._fields()))  # greedy acceptance on the device
-        if self._greedy_only(params):
+        tree = to_device(tree, dev)  # from the engine's HOST: greedy acceptance on the device
+        if not logits and self._greedy_only(params):
             out = self.target_forward(tree.tokens, positions.to(dev), tree.tree_mask,
                                       slots.to(dev))
             hidden = out.hidden
@@ -226,6 +229,7 @@ def timing_tokens(target, num: int) -> torch.Tensor:
     if tok is not None:
         ids = list(tok(TIMING_TEXT)["input_ids"])
         if ids:
+            # host: [1, num] ids, which the caller moves to the target's device
             return torch.tensor((ids * (num // len(ids) + 1))[:num])[None]
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, target.vocab_size, (1, num), generator=gen)
