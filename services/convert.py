@@ -11,6 +11,9 @@ from services.protos import draft_pb2, eagle2_pb2
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+# gRPC's cap on one message between the engine and the draft worker, both ways (their channel
+# and server options); the engine keeps its Draft requests under it (`RemoteDrafter`)
+MAX_MESSAGE_BYTES = 256 << 20
 
 
 def tensor_to_proto(t: torch.Tensor) -> draft_pb2.Tensor:
@@ -30,6 +33,36 @@ def tensor_from_proto(msg: draft_pb2.Tensor) -> torch.Tensor:
     arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(tuple(msg.shape))
     t = torch.from_numpy(arr.copy())
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def last_positions(features: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """features [B, A, F] (row b valid up to counts[b], right-padded) -> [B, W, F] with
+    W = min(width, A): row b's positions [s_b, s_b + W), s_b = max(counts[b] - W, 0), i.e.
+    its last W positions, or its first W (valid and padding) when it has no more. These are
+    all a draft call whose head keeps W positions reads (`Drafter._restart`, TreeConfig
+    catch_up W): what a DraftRequest needs to carry of the features. E.g. counts [5, 2],
+    W 3: positions 2..4 of row 0, 0..2 of row 1."""
+    num_b, num_a, hidden = features.shape
+    if width >= num_a:
+        return features
+    dev = features.device
+    start = (counts.to(dev) - width).clamp(min=0)  # [B]
+    idx = start[:, None] + torch.arange(width, device=dev)  # [B, W]
+    return features.gather(1, idx[:, :, None].expand(num_b, width, hidden))
+
+
+def widen_positions(features: torch.Tensor, counts: torch.Tensor, num_a: int) -> torch.Tensor:
+    """`last_positions` undone where a draft call keeping W positions reads: [B, W, F] ->
+    [B, A, F] with row b's W features at [s_b, s_b + W) and zeros elsewhere (positions such
+    a call never reads; the engine's own padding is zeros too)."""
+    num_b, width, hidden = features.shape
+    if width >= num_a:
+        return features
+    dev = features.device
+    start = (counts.to(dev) - width).clamp(min=0)  # [B]
+    idx = start[:, None] + torch.arange(width, device=dev)  # [B, W]
+    full = features.new_zeros(num_b, num_a, hidden)
+    return full.scatter_(1, idx[:, :, None].expand(num_b, width, hidden), features)
 
 
 def tree_to_spec(cfg: TreeConfig) -> draft_pb2.TreeSpec:

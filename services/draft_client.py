@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 import torch
@@ -27,14 +28,23 @@ log = logging.getLogger(__name__)
 
 
 class RemoteDrafter:
-    """Sends (features, tokens) to the draft worker and returns its trees."""
+    """Sends (features, tokens) to the draft worker and returns its trees.
+
+    A Draft request carries of the features only what the worker's head will run over:
+    each row's last `TreeConfig.catch_up` positions (`convert.last_positions`; the tokens go
+    whole, for prompt lookup's history), and no request is larger than max_message_bytes
+    (`_plan`: rows split over several calls, a row too large even alone trimmed further as a
+    restart of the head would). E.g. an EAGLE-3 head on a 70B target reads 3 x 8192 bf16
+    values a position (48 KiB): one 8k-token prompt (384 MiB) had failed the 256 MiB cap."""
 
     def __init__(self, address: str, timeout_s: float = 60.0,
-                 connect_timeout_s: float | None = None):
+                 connect_timeout_s: float | None = None,
+                 max_message_bytes: int = convert.MAX_MESSAGE_BYTES):
         self.address = address
+        self.max_message_bytes = max_message_bytes
         self.channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 256 << 20),
-            ("grpc.max_send_message_length", 256 << 20)])
+            ("grpc.max_receive_message_length", convert.MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", max_message_bytes)])
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s or timeout_s)
         except grpc.FutureTimeoutError:
@@ -46,14 +56,90 @@ class RemoteDrafter:
         self.rpc_s = 0.0  # wall time of Draft calls, worker compute included
         self.bytes_sent = 0  # serialized DraftRequests
         self.bytes_received = 0  # serialized DraftResponses
+        self.largest_request = 0  # bytes of the largest DraftRequest sent
 
     def draft(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
               counts: torch.Tensor, config: TreeConfig, min_gain: float = 0.0) -> DraftTree:
+        """features [B, A, F], tokens [B, A], counts [B] -> B trees, in one Draft call or,
+        where one would pass max_message_bytes, several (`_plan`)."""
+        tokens, counts = tokens.long().cpu(), counts.long().cpu()
+        num_b = len(seq_ids)
+        trees = []
+        for first, stop, width, keep in self._plan(seq_ids, features, counts, config):
+            # rows drafted apart stop expanding by their share of the batch's min_gain (the
+            # bound's sum runs over the rows of one call: `Drafter.draft`)
+            rows = slice(first, stop)  # (views: no copy of the features)
+            trees.extend(self._call(seq_ids[rows], features[rows], tokens[rows], counts[rows],
+                                    replace(config, catch_up=keep), width,
+                                    min_gain * (stop - first) / num_b))
+        return trees[0] if len(trees) == 1 else DraftTree.concat(trees)
+
+    # bytes of a request besides its tensors' data: the tree spec, tensor headers, field tags
+    OVERHEAD_BYTES = 512
+
+    def _plan(self, seq_ids: list[str], features: torch.Tensor, counts: torch.Tensor,
+              config: TreeConfig) -> list[tuple[int, int, int, int]]:
+        """The calls to make, in row order: (first row, stop row, feature positions W a row
+        carries, catch_up). W: the head's catch_up where a row has more new positions (all
+        it reads of them), else every position. One call where the request stays within
+        max_message_bytes, else runs of consecutive rows packed into calls that do; a row
+        too large even alone carries fewer positions, W' >= 16, in a call of catch_up W'
+        (the head restarts from its last W' positions: `Drafter._restart`, lossless as any
+        catch-up). ValueError where even 16 positions of one row pass the bound."""
+        num_a, hidden = features.shape[1], features.shape[2]
+        keep = config.catch_up
+        width = keep if keep and int(counts.max()) > keep else num_a
+        per_position = hidden * features.element_size()
+
+        def size(rows: int, positions: int) -> int:  # (ids: their longest, a bound)
+            longest = max(len(s.encode()) for s in seq_ids)
+            return self.OVERHEAD_BYTES + rows * (positions * per_position + num_a * 8 + 16 +
+                                                 longest)
+
+        bound = self.max_message_bytes
+        if size(len(seq_ids), width) <= bound:
+            return [(0, len(seq_ids), width, keep)]
+        calls: list[tuple[int, int, int, int]] = []
+        first = 0
+        for b in range(len(seq_ids)):
+            if size(b + 1 - first, width) <= bound:
+                continue
+            if b > first:
+                calls.append((first, b, width, keep))
+            first = b
+            if size(1, width) > bound:  # alone too large: a shorter restart window
+                fits = (bound - size(1, 0)) // per_position
+                if fits < 16:
+                    raise ValueError(f"one sequence's draft features ({per_position} bytes a "
+                                     f"position) pass the {bound}-byte message bound even "
+                                     f"at 16 positions")
+                calls.append((b, b + 1, fits, fits))
+                first = b + 1
+        if first < len(seq_ids):
+            calls.append((first, len(seq_ids), width, keep))
+        return calls
+
+    def _call(self, seq_ids: list[str], features: torch.Tensor, tokens: torch.Tensor,
+              counts: torch.Tensor, config: TreeConfig, width: int,
+              min_gain: float) -> list[DraftTree]:
+        """One Draft call carrying each row's `width` feature positions
+        (`convert.last_positions`) -> [its trees]; two calls of half the rows each where the
+        serialized request still passes the bound (never sent)."""
         req = draft_pb2.DraftRequest(
-            seq_ids=seq_ids, features=convert.tensor_to_proto(features),
-            tokens=convert.tensor_to_proto(tokens.long()),
-            counts=convert.tensor_to_proto(counts.long()), tree=convert.tree_to_spec(config),
-            min_gain=min_gain)
+            seq_ids=seq_ids,
+            features=convert.tensor_to_proto(convert.last_positions(features, counts, width)),
+            tokens=convert.tensor_to_proto(tokens), counts=convert.tensor_to_proto(counts),
+            tree=convert.tree_to_spec(config), min_gain=min_gain)
+        if req.ByteSize() > self.max_message_bytes:
+            if len(seq_ids) == 1:
+                raise ValueError(f"a Draft request of {req.ByteSize()} bytes passes the "
+                                 f"{self.max_message_bytes}-byte message bound")
+            half = len(seq_ids) // 2
+            return [*self._call(seq_ids[:half], features[:half], tokens[:half], counts[:half],
+                                config, width, min_gain * half / len(seq_ids)),
+                    *self._call(seq_ids[half:], features[half:], tokens[half:], counts[half:],
+                                config, width, min_gain * (len(seq_ids) - half) /
+                                len(seq_ids))]
         t0 = time.perf_counter()
         try:
             resp = self.stub.Draft(req, timeout=self.timeout_s)
@@ -65,7 +151,8 @@ class RemoteDrafter:
         self.calls += 1
         self.bytes_sent += req.ByteSize()
         self.bytes_received += resp.ByteSize()
-        return convert.draft_tree_from_proto(resp)
+        self.largest_request = max(self.largest_request, req.ByteSize())
+        return [convert.draft_tree_from_proto(resp)]
 
     def release(self, seq_id: str) -> None:
         self.stub.Release(draft_pb2.ReleaseRequest(seq_ids=[seq_id]), timeout=self.timeout_s)
@@ -113,7 +200,8 @@ class ResilientDrafter:
         spec = [b for b, s in enumerate(seq_ids) if remote is not None and s not in self.plain]
         parts: list[tuple[list[int], DraftTree]] = []
         if spec:
-            rows = torch.tensor(spec)
+            # (every row: the tensors as they are, not a copy of all the features)
+            rows = torch.tensor(spec) if len(spec) < len(seq_ids) else slice(None)
             t0 = time.perf_counter()
             self.held.update(seq_ids[b] for b in spec)  # the worker may hold state from now
             try:

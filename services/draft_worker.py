@@ -108,11 +108,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.busy_s = 0.0
 
     def Draft(self, request, context):
+        """The features may hold each row's last W positions only, W < the tokens' A (what a
+        head keeping W reads: `RemoteDrafter`); the call's catch_up is then W, and they go
+        back to their positions (`convert.widen_positions`) before the drafter runs."""
         try:
             tree_cfg = convert.tree_from_spec(request.tree)
             feats = convert.tensor_from_proto(request.features)
             tokens = convert.tensor_from_proto(request.tokens)
             counts = convert.tensor_from_proto(request.counts)
+            if feats.dim() != 3 or tokens.dim() != 2 or feats.shape[0] != tokens.shape[0]:
+                raise ValueError(f"features {tuple(feats.shape)} and tokens "
+                                 f"{tuple(tokens.shape)} disagree")
+            width, num_a = feats.shape[1], tokens.shape[1]
+            if width < num_a:
+                if tree_cfg.catch_up != width:
+                    raise ValueError(f"features of the last {width} positions need catch_up "
+                                     f"{width}, got {tree_cfg.catch_up}")
+                feats = convert.widen_positions(feats, counts, num_a)
             t0 = time.perf_counter()
             with self.lock:
                 tree = self.drafter.draft(list(request.seq_ids), feats, tokens, counts, tree_cfg,
@@ -136,12 +148,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                         pid=os.getpid(), head=self.head_desc)
 
 
-def start_server(servicer: DraftServicer, port: int,
-                 host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
+def start_server(servicer: DraftServicer, port: int, host: str = "127.0.0.1",
+                 max_message_bytes: int = convert.MAX_MESSAGE_BYTES) -> tuple[grpc.Server, int]:
     """The internal DraftService; on localhost unless told otherwise (it has no auth)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
-                         options=[("grpc.max_receive_message_length", 256 << 20),
-                                  ("grpc.max_send_message_length", 256 << 20)])
+                         options=[("grpc.max_receive_message_length", max_message_bytes),
+                                  ("grpc.max_send_message_length", max_message_bytes)])
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
