@@ -42,8 +42,7 @@ step: a kernel change A/B'd in one process; greedy tokens through its greedy_arg
 its own int8 pack, its exact pass reading the weight its source's greedy_argmax takes; the
 lm_head's logits and the head keep this build's), vanilla-base-kernels
 (plain decoding on them),
-multinomial-draw, vanilla-multinomial-draw (sampled tokens drawn by `torch.multinomial`, V
-exponentials a token, not by `verify.draw`, during that variant's calls), per-layer-op and
+per-layer-op and
 vanilla-per-layer-op (the target's layers one `decoder_layer` operator call each, as before
 `fused.LayerStack` ran consecutive layers as one `decoder_layers` call, with their own cost
 grid), other-ngram (the shipped engine with the n-gram store of `--ngram PATH`, e.g. one built
@@ -68,7 +67,6 @@ from pathlib import Path
 from unittest import mock
 
 import eagle2  # noqa: F401  (first: passive OpenMP waiting)
-import torch
 
 from eagle2 import Eagle2, SamplingParams
 from eagle2.bench.prompts import load_suite
@@ -79,7 +77,7 @@ from eagle2.cpu.kernels import FMA, PACKED
 
 VARIANTS = ("vanilla", "shipped", "no-lookup-alone", "always-draft", "no-ngram",
             "vanilla-logits", "shipped-logits", "grid-costs", "no-lookup-veto", "no-chain-scale",
-            "python-chains", "base-kernels", "multinomial-draw", "vanilla-multinomial-draw",
+            "python-chains", "base-kernels",
             "never-draft", "vanilla-base-kernels", "one-branch", "global-scales", "packed-head",
             "fma-target", "vanilla-fma-target", "no-argmax-tiles", "vanilla-no-argmax-tiles",
             "random-head-costs", "narrow-first-round", "call-by-call-head",
@@ -151,13 +149,6 @@ def build(variant: str, max_batch: int = 8, base_source: str | None = None,
             backend.greedy_head = base_greedy_argmax(backend.greedy_head.proj, base)
         tag = hashlib.sha256(Path(base_source).read_bytes()).hexdigest()[:12]
         own_costs(llm, f"ab-{tag}")  # (one per base source)
-    if variant.endswith("multinomial-draw"):
-        import eagle2.verify
-
-        def multinomial(p, generator):
-            return int(torch.multinomial(p / p.sum(), 1, generator=generator))
-
-        _during_generate(llm, lambda: mock.patch.object(eagle2.verify, "draw", multinomial))
     if variant.endswith("per-layer-op"):
         # the target's layers one `decoder_layer` call each, not one `decoder_layers` call
         # (fused.NATIVE_STACK off while this variant decodes), with its own forward costs
