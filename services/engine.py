@@ -33,7 +33,7 @@ from eagle2.engine import Engine, Event, Request
 from eagle2.runner import LocalRunner
 from services.config import ServiceConfig
 from services.metrics import EngineMetrics
-from services.tp_runner import ShardedRunner
+from services.tp_runner import RankFailure, ShardedRunner
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,15 @@ class TargetEngine:
         actors = getattr(self.engine.runner, "actors", [])
         return ray.get([a.__ray_call__.remote(lambda _: os.getpid()) for a in actors])
 
+    def inject_rank_fault(self, rank: int, after_calls: int = 1) -> None:
+        """Fault tests: tensor-parallel rank `rank` raises out of memory at its
+        `after_calls`-th call from now (`ShardedRunner.inject_fault`); ValueError when the
+        target runs in this replica (no rank)."""
+        runner = self.engine.runner
+        if not isinstance(runner, ShardedRunner):
+            raise ValueError("the target runs in the engine replica: it has no rank to fail")
+        runner.inject_fault(rank, after_calls)
+
     def reset_stats(self) -> None:
         self.inbox.put(("reset_stats", None))
 
@@ -251,12 +260,14 @@ class TargetEngine:
 
     def _step_failed(self, e: Exception) -> None:
         """End every running request with an error event and start over with a clean engine
-        on the same runner (rebuilding the rank group when a rank died; the target in this
-        process has no rank to lose: its errors are INTERNAL)."""
+        on the same runner (rebuilding the rank group when a rank failed: its process died,
+        its task raised, e.g. out of memory, or the call timed out, `RankFailure`; the target
+        in this process has no rank to lose: its errors are INTERNAL)."""
         import ray.exceptions
 
         rank_died = isinstance(self.engine.runner, ShardedRunner) and isinstance(
-            e, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, TimeoutError))
+            e, (RankFailure, ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
+                TimeoutError))
         if rank_died:
             log.error("a tensor-parallel rank failed (%s); failing %d requests and rebuilding "
                       "the ranks", type(e).__name__, len(self.engine.ids()))

@@ -37,6 +37,7 @@ from eagle2.devices import pick_device, pick_dtype
 from eagle2.runner import LocalRunner
 from eagle2.target import embedded_model_dir
 from eagle2.tp import check_tp_size, init_tp
+from eagle2.tree import HOST, to_device
 
 
 class TPRank:
@@ -54,6 +55,7 @@ class TPRank:
         self.runner: LocalRunner | None = None
         self.device = pick_device()  # cuda:0 when Ray gave this actor a GPU
         self.busy_s = 0.0  # seconds inside the calls (deferred cache updates included)
+        self.fault_in = 0  # fault tests: `run` calls until this rank raises (0: never)
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: the rendezvous of the process group (rank 0)."""
@@ -72,59 +74,75 @@ class TPRank:
                                        self.rank)
         return self.runner.info
 
+    # Tensors arrive from the driver on HOST and go back there: `to_device` both ways.
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
         """Rank 0 returns (features, logits) on CPU; the others return None (same values)."""
-        dev = self.runner.device
         features, logits = self.runner.forward(
-            tokens.to(dev), positions.to(dev), tree_mask.to(dev), slots.to(dev),
-            None if logit_index is None else logit_index.to(dev))
-        return (features.cpu(), logits.cpu()) if self.rank == 0 else None
+            *to_device((tokens, positions, tree_mask, slots, logit_index), self.runner.device))
+        return to_device((features, logits), HOST) if self.rank == 0 else None
 
-    def verify_step(self, tree, positions, slots, params, gen_states):
+    def verify_step(self, tree, positions, slots, params, gen_states, logits=False):
         """Every rank runs the forward; rank 0 verifies and returns (Verified, accepted
-        features [B, A, H] on CPU, advanced generator states), the others None."""
-        dev = self.runner.device
+        features [B, A, H] on CPU, advanced generator states), the others None.
+        logits: rank 0 takes the logits even for greedy rows (`LocalRunner.verify_step`)."""
+        tree, positions, slots = to_device((tree, positions, slots), self.runner.device)
         if self.rank != 0:
-            self.runner.forward_features(tree.tokens.to(dev), positions.to(dev),
-                                         tree.tree_mask.to(dev), slots.to(dev))
+            self.runner.forward_features(tree.tokens, positions, tree.tree_mask, slots)
             return None
         gens = _generators(gen_states)
-        verified, feats = self.runner.verify_step(tree, positions, slots, params, gens)
-        return verified, feats.cpu(), _states(gens)
+        verified, feats = self.runner.verify_step(tree, positions, slots, params, gens, logits)
+        return verified, to_device(feats, HOST), _states(gens)
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, gen_states):
         """Rank 0: (features [B, S, H] on CPU, first tokens, generator states); others None."""
-        dev = self.runner.device
-        args = (tokens.to(dev), positions.to(dev), mask.to(dev), slots.to(dev))
+        args = to_device((tokens, positions, mask, slots), self.runner.device)
         if self.rank != 0:
             self.runner.forward_features(*args)
             return None
         gens = _generators(gen_states)
-        feats, first = self.runner.prefill_step(*args, last_idx.to(dev), params, gens)
-        return feats.cpu(), first, _states(gens)
+        feats, first = self.runner.prefill_step(
+            *args, to_device(last_idx, self.runner.device), params, gens)
+        return to_device(feats, HOST), first, _states(gens)
 
     def commit(self, slots, node_idx, kept) -> None:
-        dev = self.runner.device
-        self.runner.commit(slots.to(dev), node_idx.to(dev), kept.to(dev))
+        self.runner.commit(*to_device((slots, node_idx, kept), self.runner.device))
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.runner.copy_slot(src, dst)
 
     def set_lengths(self, slots, values) -> None:
-        self.runner.set_lengths(slots.to(self.runner.device), values.to(self.runner.device))
+        self.runner.set_lengths(*to_device((slots, values), self.runner.device))
 
     def lengths(self) -> torch.Tensor:
-        return self.runner.lengths.cpu()
+        return to_device(self.runner.lengths, HOST)
+
+    def inject_fault(self, after_calls: int) -> None:
+        """Fault tests: this rank's `after_calls`-th `run` from now (1: the next) raises
+        torch.OutOfMemoryError before it starts its method, as a rank that runs out of memory
+        would, while its peers go on into the call's collectives and wait there for it."""
+        self.fault_in = after_calls
 
     def run(self, deferred: list[tuple[str, tuple]], method: str, *args):
         """The cache updates sent since the last call, in order, then `method`; rank 0's
         result comes back with this rank's busy seconds so far."""
+        if self.fault_in:
+            self.fault_in -= 1
+            if not self.fault_in:
+                raise torch.OutOfMemoryError(f"rank {self.rank}: injected fault in {method}")
         t0 = time.perf_counter()
         for name, update_args in deferred:
             getattr(self, name)(*update_args)
         out = getattr(self, method)(*args)
         self.busy_s += time.perf_counter() - t0
         return out, self.busy_s
+
+
+class RankFailure(RuntimeError):
+    """A lockstep call failed on some rank: its task raised (e.g. out of memory), its process
+    died, or the call ran past the timeout. The group cannot go on (its peers wait in the
+    call's collectives for a rank that left them, and the ranks' caches may now disagree):
+    the runner has killed every rank and refuses further calls; the caller rebuilds it, as
+    after a dead rank (`services.engine.TargetEngine._step_failed`: UNAVAILABLE)."""
 
 
 class ShardedRunner:
@@ -157,6 +175,8 @@ class ShardedRunner:
         self.placement = placement
         self.actors: list = []
         self._deferred: list = []  # cache updates for the next call: [(method, args)]
+        self.failed: str | None = None  # what failed the group (`_fail`); then no more calls
+        self.failed_rank: int | None = None  # the rank whose task failed the last call
         self._rank_busy_s = 0.0
         try:
             self._gather([placement.ready()])
@@ -187,10 +207,10 @@ class ShardedRunner:
         uses verify_step / prefill_step; this stays for tests and tools."""
         return self._all("forward", tokens, positions, tree_mask, slots, logit_index)[0]
 
-    def verify_step(self, tree, positions, slots, params, generators):
+    def verify_step(self, tree, positions, slots, params, generators, logits=False):
         sampled = [None if p.greedy else g for p, g in zip(params, generators, strict=True)]
         verified, feats, states = self._all("verify_step", tree, positions, slots, params,
-                                            _states(sampled))[0]
+                                            _states(sampled), logits)[0]
         _restore(generators, states)
         return verified, feats
 
@@ -220,18 +240,32 @@ class ShardedRunner:
         """Each rank's committed lengths (they must all equal `lengths`)."""
         return self._all("lengths")
 
+    def inject_fault(self, rank: int, after_calls: int = 1) -> None:
+        """Fault tests: rank `rank` raises at its `after_calls`-th call from now
+        (`TPRank.inject_fault`); a rebuilt group has no fault."""
+        self._gather([self.actors[rank].inject_fault.remote(after_calls)])
+
     def shutdown(self) -> None:
         """Kill the rank actors and release the placement group (if this runner reserved it)."""
-        for actor in self.actors:
-            ray.kill(actor)
+        self._kill_ranks()
         self.actors, self._deferred = [], []
         if self._own_placement and self.placement is not None:
             remove_placement_group(self.placement)
         self.placement = None
 
+    def _kill_ranks(self) -> None:
+        """Kill every rank actor now: a rank stuck in a collective (waiting for a peer whose
+        task failed) leaves it only so; gloo and NCCL would wait out their own timeouts."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
     def _all(self, method: str, *args, wait: bool = True) -> list:
         """Call `method` on every rank with the same arguments; all results in rank order
-        (wait=False: none, the call goes with the next waiting one)."""
+        (wait=False: none, the call goes with the next waiting one). Any rank's failure fails
+        the group at once: the ranks are killed and RankFailure raised (`_fail`)."""
+        if self.failed is not None:
+            raise RankFailure(f"the tensor-parallel ranks failed earlier ({self.failed}); "
+                              "rebuild the runner")
         if not self.actors:
             raise RuntimeError("this ShardedRunner is shut down")
         self.traffic["bytes_out"] += payload_bytes(args) * len(self.actors)
@@ -243,7 +277,10 @@ class ShardedRunner:
         deferred, self._deferred = self._deferred, []
         refs = [actor.run.remote(deferred, method, *args) for actor in self.actors]
         t0 = time.perf_counter()
-        results, busy = zip(*self._gather(refs), strict=True)
+        try:
+            results, busy = zip(*self._gather(refs), strict=True)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            raise self._fail(method, e) from e
         self.traffic["wait_s"] += time.perf_counter() - t0
         self._rank_busy_s = busy[0]
         self.traffic["bytes_in"] += payload_bytes(results)
@@ -253,20 +290,41 @@ class ShardedRunner:
         """Seconds rank 0 spent inside the calls so far (as of the last one)."""
         return self._rank_busy_s
 
+    def _fail(self, method: str, error: BaseException) -> RankFailure:
+        """The group failed in call `method` (a rank's task raised, its process died, or the
+        call timed out): kill every rank at once, so that none waits on in a collective, and
+        say which rank failed first and how."""
+        self._kill_ranks()
+        self._deferred = []
+        # a task's own exception (e.g. OutOfMemoryError), else the death or the timeout
+        cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+        rank = "no rank answered" if self.failed_rank is None else f"rank {self.failed_rank}"
+        self.failed = f"{rank}: {type(cause).__name__} in {method}"
+        return RankFailure(f"tensor-parallel call failed ({self.failed}): {str(cause)[:200]}")
+
     def _gather(self, refs: list) -> list:
-        """ray.get, but a failed rank raises at once (its peers would wait in an all-reduce)."""
+        """ray.get, but a failed rank raises at once (its peers would wait in an all-reduce);
+        `failed_rank` says which one it was (None: the call timed out)."""
         late = f"tensor-parallel call still running after {self.timeout_s} s"
+        self.failed_rank = None
         if len(refs) == 1:  # one rank: nobody waits for it
             try:
                 return [ray.get(refs[0], timeout=self.timeout_s)]
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(late) from None
+            except ray.exceptions.RayError:
+                self.failed_rank = 0
+                raise
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
             if not done:
                 raise TimeoutError(late)
-            ray.get(done)
+            try:
+                ray.get(done)
+            except ray.exceptions.RayError:
+                self.failed_rank = refs.index(done[0])
+                raise
         return ray.get(refs)
 
 

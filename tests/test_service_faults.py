@@ -152,6 +152,41 @@ def test_kill_tp_rank_mid_stream_gives_unavailable_then_recovers(client, service
           f"(rank rebuild {stats['last_rank_recovery_s']:.1f} s)")
 
 
+def test_a_rank_task_that_raises_gives_unavailable_at_once_then_recovers(client, service,
+                                                                        plain):
+    """A rank's task raises mid-stream (out of memory, injected: `TPRank.inject_fault`): the
+    stream ends at once with UNAVAILABLE, as for a dead rank (before: INTERNAL, and the rank
+    group kept), the ranks are rebuilt, and a retried request gets the plain greedy output."""
+    from ray import serve
+
+    engine = serve.get_deployment_handle("TargetEngine", app_name=CONFIG.get("app_name",
+                                                                              "eagle2"))
+    restarts = service.engine_stats.remote().result()["rank_restarts"]
+    pids = service.rank_pids.remote().result()
+    stream = client.stream(PROMPTS[3], max_tokens=MAX_TOKENS, mode="vanilla")
+    assert next(stream).token_ids
+    engine.inject_rank_fault.remote(0, 2).result()
+    failed = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert time.monotonic() - failed < 60
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.value.details()
+    while True:  # clients retry UNAVAILABLE
+        try:
+            ids = [t for msg in client.stream(PROMPTS[3], max_tokens=MAX_TOKENS)
+                   for t in msg.token_ids]
+            break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - failed < 240
+            time.sleep(1)
+    assert ids == plain[PROMPTS[3]]
+    assert service.engine_stats.remote().result()["rank_restarts"] == restarts + 1
+    assert service.rank_pids.remote().result() != pids
+    print(f"\nTP rank task raised -> a new request served: {time.monotonic() - failed:.1f} s")
+
+
 def scrape() -> dict[str, float]:
     """Ray's Prometheus endpoint: {'name{labels}': value} of the eagle2 series."""
     import urllib.request

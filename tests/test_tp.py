@@ -110,7 +110,8 @@ def tiny_tp2(ray_cluster, tiny):
 
 def test_tp2_shards_hold_one_kv_head_each(tiny_tp2):
     assert tiny_tp2.info == {"vocab_size": 32, "device": "cpu", "dtype": "torch.float32",
-                             "local_kv_heads": 1, "fused": False, "native": False}
+                             "local_kv_heads": 1, "backend": "cpu", "attention": "sdpa",
+                             "fused": False, "native": False}
 
 
 @pytest.mark.parametrize("tensor", [
@@ -215,6 +216,64 @@ def test_tp2_with_an_eagle3_head_equals_unsharded_greedy(ray_cluster, tiny, tiny
         runner.shutdown()
     assert got == expected
     assert feats.shape[-1] == 3 * tiny[0].config.hidden_size
+
+
+def test_tp2_cost_grid_is_timed_through_verify_step_without_logits(tiny_tp2, monkeypatch):
+    """The cost grid times the steps' call (`budget.time_grid`): only token ids and accepted
+    features come back from rank 0, never the [B, N, V] logits `forward` returns."""
+    from eagle2.budget import time_grid
+
+    methods: list[str] = []
+    results: list = []
+    call, gather = tiny_tp2._all, tiny_tp2._gather
+    monkeypatch.setattr(tiny_tp2, "_all", lambda method, *args, **kwargs: methods.append(
+        method) or call(method, *args, **kwargs))
+    monkeypatch.setattr(tiny_tp2, "_gather", lambda refs: results.append(gather(refs))
+                        or results[-1])
+    grid = time_grid(tiny_tp2, (1, 2), (1, 4), prefix=4, passes=1)
+    assert len(grid) == 2 and all(t > 0 for row in grid for t in row)
+    assert methods.count("verify_step") == 1 + 4 and "forward" not in methods
+    shapes = [tuple(t.shape) for r in results for t in tensors_in(r)]
+    assert shapes and all(s[-1] != 32 for s in shapes if len(s) >= 2)  # no [.., V] tensor
+
+
+def test_a_rank_task_that_raises_fails_the_group_at_once(ray_cluster, tiny, tiny_expected):
+    """Rank 1 runs out of memory in a step (an injected fault: its task raises before the
+    forward) while rank 0 waits for it in the forward's all-reduce: the call fails at once
+    with RankFailure naming the rank, every rank is killed (none is left in the collective,
+    where gloo would hold it for 30 minutes and the next call would wait out the runner's
+    timeout), later calls refuse, and a rebuilt group decodes the unsharded target's tokens.
+    Before, the call raised the task's error as it was (INTERNAL to the service, no rebuild)
+    and rank 0 stayed in its all-reduce."""
+    import ray
+
+    from services.tp_runner import RankFailure, ShardedRunner
+
+    prompts, expected = tiny_expected
+    args = (2, MAX_BATCH, MAX_CONTEXT + Engine.tree_margin)
+    runner = ShardedRunner(*args, target=tiny[1], dtype="float32", cpus_per_rank=1,
+                           timeout_s=300)
+    try:
+        actors = list(runner.actors)
+        # calls: prefill, its lengths check, a step, its check, then the step rank 1 fails
+        runner.inject_fault(1, after_calls=5)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match=r"rank 1: OutOfMemoryError in verify_step"):
+            generate(make_engine(runner, tiny[0]), prompts, TINY_TREES["vanilla"])
+        assert time.monotonic() - t0 < 60
+        for actor in actors:  # gone, not waiting in the all-reduce
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.lengths.remote(), timeout=60)
+        with pytest.raises(RankFailure, match="failed earlier"):
+            runner.rank_lengths()
+    finally:
+        runner.shutdown()
+    rebuilt = ShardedRunner(*args, target=tiny[1], dtype="float32", cpus_per_rank=1)
+    try:
+        assert generate(make_engine(rebuilt, tiny[0]), prompts, TINY_TREES["eagle2"])[0] == \
+            expected
+    finally:
+        rebuilt.shutdown()
 
 
 # ---------------------------------------------------------------- tp=3, embedded SmolLM2
