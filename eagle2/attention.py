@@ -224,17 +224,29 @@ class RopeTable:
 
 def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache: KVCache,
                   inp: StepInputs, head_dim: int, skip_input_norm: bool = False) -> torch.Tensor:
-    """One Llama decoder layer on x [B, N, H] that writes its K/V into the cache."""
+    """One Llama decoder layer on x [B, N, H] that writes its K/V into the cache. Where the
+    layer's projections were merged (`eagle2.tp.merge_projections`: `qkv_proj`, `gate_up_proj`)
+    q|k|v and gate|up are one matrix product each."""
     attn = layer.self_attn
     h = x if skip_input_norm else layer.input_layernorm(x)
     num_b, num_n, _ = h.shape
-    q = attn.q_proj(h).view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, Hq, N, Dh]
-    k = attn.k_proj(h).view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, KVH, N, Dh]
-    v = attn.v_proj(h).view(num_b, num_n, -1, head_dim).transpose(1, 2)
+    merged = getattr(attn, "qkv_proj", None)
+    if merged is not None:  # [B, N, (Hq + 2 KVH) Dh] -> q, k, v
+        q, k, v = merged(h).split(attn.qkv_sizes, dim=-1)
+    else:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    q = q.view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, Hq, N, Dh]
+    k = k.view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, KVH, N, Dh]
+    v = v.view(num_b, num_n, -1, head_dim).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, inp.cos, inp.sin)
     out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
     x = x + attn.o_proj(out.transpose(1, 2).reshape(num_b, num_n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    mlp, h = layer.mlp, layer.post_attention_layernorm(x)
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    if gate_up is None:
+        return x + mlp(h)
+    gate, up = gate_up(h).chunk(2, dim=-1)  # [B, N, I] each
+    return x + mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,

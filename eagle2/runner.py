@@ -105,11 +105,6 @@ class LocalRunner:
             return out.features, self.target.logits(out.hidden[rows, logit_index])
         return out.features, self.target.logits(out.hidden)
 
-    def forward_features(self, tokens, positions, tree_mask, slots) -> torch.Tensor:
-        """The forward without lm_head: features [B, N, H] (what a TP rank other than 0 runs:
-        it takes part in the all-reduces, rank 0 verifies)."""
-        return self.target_forward(tokens, positions, tree_mask, slots).features
-
     @property
     def greedy_argmax(self) -> bool:
         """Whether greedy steps take the target's argmax without its logits (the cost model

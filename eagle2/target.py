@@ -164,7 +164,11 @@ class TargetModel:
     @torch.inference_mode()
     def greedy_tokens(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [...]: the argmax of `logits(features)` (ties: the lowest index), without
-        the logits where the backend can (`Backend.greedy_tokens`)."""
+        the logits where the lm_head can (a vocabulary-parallel shard's, `eagle2.tp`) or the
+        backend can (`Backend.greedy_tokens`)."""
+        sharded = getattr(self.lm_head, "greedy_tokens", None)
+        if sharded is not None:
+            return sharded(features)
         return self.backend.greedy_tokens(self, features)
 
 

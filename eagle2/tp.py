@@ -6,8 +6,14 @@ See docs/tensor-parallel.md "Tensor parallelism". Like gpt-fast's `apply_tp`:
   i // (heads / kv_heads), so contiguous blocks of q and KV heads line up);
 - o_proj and down_proj are row-parallel: rank r keeps the same block of the weight's columns
   and the partial outputs are summed by an all-reduce (`RowParallelLinear`);
-- embed_tokens, the norms and lm_head stay whole on every rank, so features and logits come
-  out whole on every rank.
+- q|k|v and gate|up are then merged per rank into one column-parallel matrix each
+  (`merge_projections`: one matrix product instead of three and two, as the production engines
+  build them; the HF modules' weights become views of the merged one);
+- lm_head is vocabulary-parallel (`VocabParallelLMHead`): rank r keeps rows
+  [r * ceil(V / tp), ...) of the vocabulary; greedy tokens cross the ranks as one (max, index)
+  pair a row (`greedy_tokens`), and only sampled rows gather whole logits;
+- embed_tokens and the norms stay whole on every rank, so features come out whole on every
+  rank. Per layer a forward makes two all-reduces (o_proj, down_proj), nothing else.
 
 `load_sharded` builds the model on the meta device and reads only this rank's slices from the
 safetensors shards (`safe_open(...).get_slice`), one tensor at a time, straight to the device:
@@ -76,6 +82,102 @@ class RowParallelLinear(torch.nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
+class VocabParallelLMHead(torch.nn.Module):
+    """This rank's rows of the lm_head: [ceil(V / tp), H] (the last rank's may be fewer), so
+    the vocabulary's weight is split over the ranks instead of held whole by each.
+
+    `forward` gives whole logits [..., V] on every rank (an all-gather: for sampled rows, whose
+    processed distribution needs all of them); `greedy_tokens` gives the argmax without them:
+    each rank's (max, index) pair a row is gathered, [tp, ..., 2] values instead of V."""
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int, tp_size: int, rank: int):
+        super().__init__()
+        self.vocab_size, self.tp_size, self.rank = vocab_size, tp_size, rank
+        self.rows = -(-vocab_size // tp_size)  # rows a rank holds (padded on the last)
+        self.start = rank * self.rows  # this rank's first vocabulary index
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [rows or fewer, H]
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> this rank's logits [..., rows], -inf past the vocabulary's end."""
+        out = F.linear(x, self.weight)
+        pad = self.rows - out.shape[-1]
+        return F.pad(out, (0, pad), value=float("-inf")) if pad else out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self._local(x)  # [..., rows]
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]  # [..., V]
+
+    def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [...] the argmax of the whole logits (ties: the lowest index, as
+        `torch.argmax` on them gives)."""
+        best, idx = self._local(x).float().max(dim=-1)  # [...] each
+        pair = torch.stack([best, (idx + self.start).float()], dim=-1)  # [..., 2]
+        parts = [torch.empty_like(pair) for _ in range(self.tp_size)]
+        dist.all_gather(parts, pair.contiguous())
+        every = torch.stack(parts)  # [tp, ..., 2]: ranks in vocabulary order
+        rank = every[..., 0].argmax(dim=0, keepdim=True)  # first maximum = lowest index
+        return every[..., 1].gather(0, rank)[0].long()
+
+
+def vocab_rows(vocab_size: int, tp_size: int, rank: int) -> slice:
+    """The lm_head rows rank `rank` of tp_size holds (`VocabParallelLMHead`)."""
+    rows = -(-vocab_size // tp_size)
+    return slice(min(rank * rows, vocab_size), min((rank + 1) * rows, vocab_size))
+
+
+def _merge(modules: list[torch.nn.Linear]) -> torch.nn.Linear:
+    """One Linear whose weight (and bias) concatenates the modules' along the outputs; theirs
+    become views of it (no second copy: HF code calling them still sees the same numbers)."""
+    weight = torch.cat([m.weight.detach() for m in modules]).contiguous()
+    biases = [m.bias for m in modules]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases]).contiguous()
+    merged = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                             device="meta")
+    merged.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        merged.bias = torch.nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[start:start + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[start:start + rows], requires_grad=False)
+        start += rows
+    return merged
+
+
+def merge_projections(model: torch.nn.Module) -> None:
+    """Every decoder layer's q|k|v and gate|up as one matrix each (`attn.qkv_proj` with
+    `attn.qkv_sizes`, `mlp.gate_up_proj`), which `attention.decoder_layer` uses. On a shard the
+    merged matrix is the rank's own column-parallel block. Idempotent."""
+    for layer in model.model.layers:
+        merge_layer(layer)
+
+
+def merge_layer(layer: torch.nn.Module) -> None:
+    """`merge_projections` for one decoder layer."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if getattr(attn, "qkv_proj", None) is None:
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        attn.qkv_sizes = tuple(m.weight.shape[0] for m in parts)
+        attn.qkv_proj = _merge(parts)
+    if getattr(mlp, "gate_up_proj", None) is None:
+        mlp.gate_up_proj = _merge([mlp.gate_proj, mlp.up_proj])
+
+
+def _parallel_layers(model: torch.nn.Module, tp_size: int, rank: int,
+                     head_weight: torch.Tensor) -> None:
+    """A shard's layers as the steps run them: row-parallel o/down, merged column-parallel
+    q|k|v and gate|up, and the vocabulary-parallel lm_head from its rows `head_weight`."""
+    _mark_row_parallel(model, tp_size)
+    if tp_size == 1:
+        return
+    merge_projections(model)
+    model.lm_head = VocabParallelLMHead(head_weight, model.config.vocab_size, tp_size, rank)
+
+
 def split_dim(name: str) -> int | None:
     """The dim of parameter `name` that tensor parallelism splits (None: kept whole).
     E.g. "model.layers.3.self_attn.q_proj.weight" -> 0, "...o_proj.weight" -> 1."""
@@ -134,7 +236,10 @@ def apply_tp(target: TargetModel, tp_size: int, rank: int | None = None,
             if split_dim(name) is not None and tp_size > 1:
                 piece = param.data[shard_index(name, tuple(param.shape), tp_size, rank)]
                 param.data = piece.contiguous()
-    _mark_row_parallel(model, tp_size)
+        # (a copy: a tied lm_head shares the embedding's weight, which stays whole)
+        head = model.lm_head.weight.detach()[vocab_rows(len(model.lm_head.weight), tp_size,
+                                                        rank)].clone()
+    _parallel_layers(model, tp_size, rank, head)
     return TargetModel(model.to(pick_device(device)).eval(), target.tokenizer, target.name)
 
 
@@ -179,22 +284,35 @@ def load_sharded(path: str | Path, tp_size: int, rank: int, dtype: torch.dtype,
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     files = checkpoint_files(path)
-    loaded: dict[str, torch.Tensor] = {}  # tensor name -> this rank's part (tied heads share)
-    for pname, param in model.named_parameters(remove_duplicate=False):
+    loaded: dict[tuple, torch.Tensor] = {}  # (tensor name, slice) -> this rank's part
+    head = None  # this rank's lm_head rows (tp_size > 1)
+    for pname, param in list(model.named_parameters(remove_duplicate=False)):
         key = pname if pname in files else None
         if key is None and pname == "lm_head.weight" and "model.embed_tokens.weight" in files:
             key = "model.embed_tokens.weight"  # tied head: the embedding's tensor
         if key is None:
             raise ValueError(f"{path}: checkpoint has no tensor {pname!r}")
-        if key not in loaded:
+        index = shard_index(pname, tuple(param.shape), tp_size, rank)
+        if pname == "lm_head.weight" and tp_size > 1:  # vocabulary-parallel: its rows only
+            index = (vocab_rows(param.shape[0], tp_size, rank), *index[1:])
+        if (key, str(index)) not in loaded:
             with safe_open(files[key], framework="pt") as f:
-                part = f.get_slice(key)[shard_index(pname, tuple(param.shape), tp_size, rank)]
+                part = f.get_slice(key)[index]
             # a copy: safetensors' CPU tensors are views of the file's mapping, whose touched
             # pages (and their read-around neighbours) would stay in this process' RSS
-            loaded[key] = part.to(device=dev, dtype=dtype, copy=True).contiguous()
-        _set_param(model, pname, loaded[key])
+            loaded[key, str(index)] = part.to(device=dev, dtype=dtype, copy=True).contiguous()
+        if pname == "lm_head.weight" and tp_size > 1:
+            head = loaded[key, str(index)]
+            continue
+        _set_param(model, pname, loaded[key, str(index)])
+        if tp_size > 1 and pname.endswith("mlp.up_proj.weight"):
+            # the layer's q|k|v and gate|up are all read: merge them now, so that the parts'
+            # memory is freed for the next layer's reads (merging at the end would hold a
+            # second copy of every layer's at once)
+            merge_layer(model.get_submodule(pname.rsplit(".", 3)[0]))
+            loaded = {k: v for k, v in loaded.items() if k[0] == "model.embed_tokens.weight"}
     _rebuild_buffers(model, config, dev)
-    _mark_row_parallel(model, tp_size)
+    _parallel_layers(model, tp_size, rank, head)
     return TargetModel(model.eval(), None, name or str(path))
 
 

@@ -12,9 +12,11 @@ See docs/tensor-parallel.md "Tensor parallelism".
      the all-reduces inside the model need every rank); rank 0's result is returned. Cache
      updates (commit, copy_slot, set_lengths) return nothing: they ride with the next call,
      one Ray task per step instead of two.
-Verification runs on rank 0, where the logits are: `verify_step` and `prefill_step` return
-token ids, node indices and accepted features only; a sampled request's generator state goes
-to rank 0 with the step and comes back advanced, so results equal in-process verification.
+Every rank verifies (the vocabulary-parallel lm_head gathers over all of them: greedy tokens as
+one (max, index) pair a row and rank, whole logits only for sampled rows) and reaches the same
+tokens; rank 0's `verify_step` and `prefill_step` return token ids, node indices and accepted
+features only. A sampled request's generator state goes to every rank with the step and comes
+back advanced from rank 0, so results equal in-process verification.
 Committed lengths are mirrored on the driver so that the engine reads them without a call;
 `traffic` counts the tensor bytes sent to and received from the ranks.
 """
@@ -75,6 +77,9 @@ class TPRank:
         return self.runner.info
 
     # Tensors arrive from the driver on HOST and go back there: `to_device` both ways.
+    # Every rank runs the same runner call, verification included: the vocabulary-parallel
+    # lm_head (`eagle2.tp.VocabParallelLMHead`) gathers over all of them, and given the same
+    # inputs and generator states each rank reaches the same tokens. Only rank 0 answers.
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
         """Rank 0 returns (features, logits) on CPU; the others return None (same values)."""
         features, logits = self.runner.forward(
@@ -82,26 +87,24 @@ class TPRank:
         return to_device((features, logits), HOST) if self.rank == 0 else None
 
     def verify_step(self, tree, positions, slots, params, gen_states, logits=False):
-        """Every rank runs the forward; rank 0 verifies and returns (Verified, accepted
-        features [B, A, H] on CPU, advanced generator states), the others None.
-        logits: rank 0 takes the logits even for greedy rows (`LocalRunner.verify_step`)."""
+        """Every rank runs the forward and the verification; rank 0 returns (Verified,
+        accepted features [B, A, H] on CPU, advanced generator states), the others None.
+        logits: the logits even for greedy rows (`LocalRunner.verify_step`)."""
         tree, positions, slots = to_device((tree, positions, slots), self.runner.device)
-        if self.rank != 0:
-            self.runner.forward_features(tree.tokens, positions, tree.tree_mask, slots)
-            return None
         gens = _generators(gen_states)
         verified, feats = self.runner.verify_step(tree, positions, slots, params, gens, logits)
+        if self.rank != 0:
+            return None
         return verified, to_device(feats, HOST), _states(gens)
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, gen_states):
         """Rank 0: (features [B, S, H] on CPU, first tokens, generator states); others None."""
         args = to_device((tokens, positions, mask, slots), self.runner.device)
-        if self.rank != 0:
-            self.runner.forward_features(*args)
-            return None
         gens = _generators(gen_states)
         feats, first = self.runner.prefill_step(
             *args, to_device(last_idx, self.runner.device), params, gens)
+        if self.rank != 0:
+            return None
         return to_device(feats, HOST), first, _states(gens)
 
     def commit(self, slots, node_idx, kept) -> None:

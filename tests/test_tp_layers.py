@@ -1,0 +1,118 @@
+"""Tensor-parallel layers as the production engines build them (eagle2.tp), on real gloo ranks.
+
+Two processes each build the same tiny random Llama and take their shard of it (`apply_tp`):
+merged column-parallel q|k|v and gate|up, row-parallel o / down, a vocabulary-parallel lm_head
+whose vocabulary does not split evenly. Against the unsharded model in this process: the same
+features and logits (fp32 tolerance), the same greedy tokens; per forward exactly two
+all-reduces a layer and nothing else; greedy tokens cross the ranks as (max, index) pairs,
+never as vocabulary-sized tensors.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VOCAB, LAYERS = 63, 3  # 63 rows over 2 ranks: 32 and 31, the second padded
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=g)  # [B, N]: a prefix, then a tree
+    positions = torch.arange(7).expand(2, 7).contiguous()
+    mask = torch.tril(torch.ones(7, 7, dtype=torch.bool)).expand(2, 7, 7).contiguous()
+    return tokens, positions, mask
+
+
+def _run(target):
+    """features, logits, greedy tokens of a prefix forward, then of a 3-node tree after it."""
+    from eagle2.runner import LocalRunner
+
+    runner = LocalRunner(target, num_slots=2, max_len=64)
+    tokens, positions, mask = _inputs()
+    slots = torch.arange(2)
+    out = []
+    feats, logits = runner.forward(tokens, positions, mask, slots)
+    out.append((feats, logits, target.greedy_tokens(feats)))
+    runner.commit(slots, torch.arange(7).expand(2, 7), torch.tensor([7, 7]))
+    tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
+    feats, logits = runner.forward(tokens[:, :3], positions[:, :3] + 7,
+                                   tree.expand(2, 3, 3).contiguous(), slots)
+    out.append((feats, logits, target.greedy_tokens(feats)))
+    return out
+
+
+def _rank(rank: int, port: int, queue) -> None:
+    from conftest import tiny_target
+
+    from eagle2.tp import VocabParallelLMHead, apply_tp, init_tp
+
+    torch.set_num_threads(1)
+    init_tp(rank, 2, "127.0.0.1", port, backend="gloo")
+    counts = {"all_reduce": 0, "all_gather": 0, "gathered": []}
+    reduce, gather = dist.all_reduce, dist.all_gather
+
+    def counted_reduce(t, *a, **k):
+        counts["all_reduce"] += 1
+        return reduce(t, *a, **k)
+
+    def counted_gather(parts, t, *a, **k):
+        counts["all_gather"] += 1
+        counts["gathered"].append(t.shape[-1])
+        return gather(parts, t, *a, **k)
+
+    target = apply_tp(tiny_target(vocab=VOCAB, layers=LAYERS, seed=3), 2, rank)
+    attn = target.layers[0].self_attn
+    assert attn.qkv_proj.weight.shape[0] == sum(attn.qkv_sizes)
+    assert isinstance(target.lm_head, VocabParallelLMHead)
+    dist.all_reduce, dist.all_gather = counted_reduce, counted_gather
+    try:
+        out = _run(target)
+        # a forward's features alone: the layers' all-reduces only
+        before = dict(counts)
+        tokens, positions, mask = _inputs()
+        cache = target.allocate_cache(2, 64)
+        target.forward(tokens, positions, mask, cache, torch.arange(2))
+        layer_reduces = counts["all_reduce"] - before["all_reduce"]
+        layer_gathers = counts["all_gather"] - before["all_gather"]
+    finally:
+        dist.all_reduce, dist.all_gather = reduce, gather
+    if rank == 0:
+        queue.put((out, layer_reduces, layer_gathers, counts["gathered"],
+                   tuple(target.lm_head.weight.shape)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_layers_equal_the_whole_model_with_two_all_reduces_a_layer():
+    from conftest import tiny_target
+
+    expected = _run(tiny_target(vocab=VOCAB, layers=LAYERS, seed=3))
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got, reduces, gathers, gathered, head_shape = queue.get(timeout=240)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert head_shape == (32, 64)  # rank 0's half of the 63-token vocabulary
+    assert reduces == 2 * LAYERS and gathers == 0
+    for (f, lg, tok), (ef, elg, etok) in zip(got, expected, strict=True):
+        torch.testing.assert_close(f, ef, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lg, elg, rtol=1e-5, atol=1e-5)
+        assert torch.equal(tok, etok)
+    # logits gathered rows of 32 (a rank's vocabulary); greedy tokens pairs of 2 values
+    assert set(gathered) == {32, 2} and gathered.count(2) == 2
