@@ -33,6 +33,20 @@ class TargetOutput:
     # the residual stream at the inputs of `feature_layers` concatenated, F = 3H (EAGLE-3)
 
 
+def module_layers(target: TargetModel, x: torch.Tensor, cache: KVCache, inp: StepInputs
+                  ) -> TargetOutput:
+    """The target's decoder layers (HF modules, `attention.decoder_layer`) on its embeddings x
+    [B, N, H] and the final norm, keeping the inputs of `target.feature_layers`."""
+    keep = target.feature_layers or ()
+    kept: dict[int, torch.Tensor] = {}
+    for i in range(target.num_layers):
+        if i in keep:
+            kept[i] = x
+        x = decoder_layer(target.layers[i], i, x, cache, inp, target.head_dim)
+    hidden = target.norm(x)
+    return TargetOutput(hidden, torch.cat([kept[i] for i in keep], dim=-1) if keep else hidden)
+
+
 class Backend:
     """torch operations only; one instance per model it serves (it may keep per-model state)."""
 
@@ -65,14 +79,7 @@ class Backend:
         (here SDPA over a dense mask)."""
         x = target.embed(tokens)  # [B, N, H]
         inp = self.forward_inputs(target, cache, slots, tree_mask, positions, x)
-        keep = target.feature_layers or ()
-        kept: dict[int, torch.Tensor] = {}
-        for i in range(target.num_layers):
-            if i in keep:
-                kept[i] = x
-            x = decoder_layer(target.layers[i], i, x, cache, inp, target.head_dim)
-        hidden = target.norm(x)
-        return TargetOutput(hidden, torch.cat([kept[i] for i in keep], dim=-1) if keep else hidden)
+        return module_layers(target, x, cache, inp)
 
     def forward_inputs(self, target: TargetModel, cache: KVCache, slots: torch.Tensor,
                        tree_mask: torch.Tensor, positions: torch.Tensor,

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from eagle2.attention import KVCache, StepInputs, decoder_layer
-from eagle2.backend import Backend, TargetOutput
+from eagle2.backend import Backend, TargetOutput, module_layers
 from eagle2.buckets import Buckets, PaddedStep, pad_nodes, pad_step, unpad
 from eagle2.runner import LocalRunner
 from eagle2.target import TargetModel
@@ -126,14 +126,7 @@ def padded_forward(target: TargetModel, cache: KVCache, step: PaddedStep,
     features [Bb, Nb, ...] (`buckets.unpad` takes the real ones)."""
     x = target.embed(step.tokens)  # [Bb, Nb, H]
     inp = padded_step_inputs(cache, step, rope, keys, contiguous)
-    keep = target.feature_layers or ()
-    kept: dict[int, torch.Tensor] = {}
-    for i in range(target.num_layers):
-        if i in keep:
-            kept[i] = x
-        x = decoder_layer(target.layers[i], i, x, cache, inp, target.head_dim)
-    hidden = target.norm(x)
-    return TargetOutput(hidden, torch.cat([kept[i] for i in keep], dim=-1) if keep else hidden)
+    return module_layers(target, x, cache, inp)
 
 
 def _host_plan(cache: KVCache, slots: torch.Tensor, needed_past_base: int, buckets: Buckets
