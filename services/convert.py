@@ -45,10 +45,14 @@ def last_positions(features: torch.Tensor, counts: torch.Tensor, width: int) -> 
     num_b, num_a, hidden = features.shape
     if width >= num_a:
         return features
-    dev = features.device
-    start = (counts.to(dev) - width).clamp(min=0)  # [B]
-    idx = start[:, None] + torch.arange(width, device=dev)  # [B, W]
+    idx = _window(counts, width, features.device)  # [B, W]
     return features.gather(1, idx[:, :, None].expand(num_b, width, hidden))
+
+
+def _window(counts: torch.Tensor, width: int, dev: torch.device) -> torch.Tensor:
+    """[B, W] the positions [s_b, s_b + W) of `last_positions`, s_b = max(counts[b] - W, 0)."""
+    start = (counts.to(dev) - width).clamp(min=0)  # [B]
+    return start[:, None] + torch.arange(width, device=dev)
 
 
 def widen_positions(features: torch.Tensor, counts: torch.Tensor, num_a: int) -> torch.Tensor:
@@ -58,9 +62,7 @@ def widen_positions(features: torch.Tensor, counts: torch.Tensor, num_a: int) ->
     num_b, width, hidden = features.shape
     if width >= num_a:
         return features
-    dev = features.device
-    start = (counts.to(dev) - width).clamp(min=0)  # [B]
-    idx = start[:, None] + torch.arange(width, device=dev)  # [B, W]
+    idx = _window(counts, width, features.device)  # [B, W]
     full = features.new_zeros(num_b, num_a, hidden)
     return full.scatter_(1, idx[:, :, None].expand(num_b, width, hidden), features)
 
