@@ -467,6 +467,9 @@ class Check:
     target: object = None
     head: object = None
     deadline: float = float("inf")  # this phase's soft budget (time.monotonic)
+    # what was imported before the check began (a test process may already hold Ray or gRPC):
+    # the imports phase reports only what the engine's phases brought in
+    modules_before: frozenset = field(default_factory=lambda: frozenset(sys.modules))
 
     def pick(self, gpu, tiny):
         """The GPU run's value or the tiny run's."""
@@ -611,7 +614,9 @@ def phase_forward_cost_70b_4_layers(c: Check) -> dict:
 
 
 def phase_imports(c: Check) -> dict:
-    return {"imported_forbidden": [m for m in FORBIDDEN if m in sys.modules]}
+    new = set(sys.modules) - c.modules_before
+    return {"imported_forbidden": [m for m in FORBIDDEN if m in new],
+            "imported_before_the_check": [m for m in FORBIDDEN if m in c.modules_before]}
 
 
 # ----- tensor parallelism (two processes) ------------------------------------------------------

@@ -4,8 +4,9 @@ See docs/tensor-parallel.md "Tensor parallelism". A random Llama of ~1 GB (fp32)
 standard multi-shard layout (model-0000X-of-0000N.safetensors + model.safetensors.index.json).
 Two spawned processes join a gloo group (tp = 2) and load it; each measures its own peak RSS
 (VmHWM, reset at the start through /proc/self/clear_refs) while loading and generating. A third
-process loads it with tp = 1. Greedy tokens must be equal, and each rank's peak must grow by at
-most 0.6x the checkpoint (its half of the layers + the replicated embedding and head is ~0.52x).
+process loads it with tp = 1. Greedy tokens must be equal; each rank's peak while loading must grow
+by at most 0.6x the checkpoint (its half of the layers + the embedding and half the head is ~0.52x),
+and over the whole run (fused kernels, KV cache, generation) by at most 0.65x of tp 1's growth.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def rank_main(rank: int, tp_size: int, port: int, path: str, out: mp.Queue) -> N
     base = _memory_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
     target = load_sharded(path, tp_size, rank, torch.float32, "cpu")
+    loaded = (_memory_kb("VmHWM") - base) * 1024
     target.fuse(measure=False)  # tp 1 fuses: no kernel plan measured for a throwaway model
     engine = Engine(LocalRunner(target, 2, 64), None, max_batch=2, max_context=32, tree_margin=8)
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -100,10 +102,13 @@ def rank_main(rank: int, tp_size: int, port: int, path: str, out: mp.Queue) -> N
         for ev in engine.step():
             tokens[ev.seq_id].extend(ev.token_ids)
     out.put((rank, tokens, (_memory_kb("VmHWM") - base) * 1024,
-             target.local_kv_heads()))
+             target.local_kv_heads(), loaded))
 
 
 def run_ranks(tp_size: int, path: Path) -> list[tuple]:
+    # glibc's dynamic mmap threshold otherwise serves some freed-and-reallocated slices from the
+    # heap, where fragmentation now and then keeps ~0.15x of the checkpoint resident (seen in 1 of
+    # 6 runs): a fixed threshold makes the peak what the loader holds, the same in every run
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as s:
@@ -111,8 +116,10 @@ def run_ranks(tp_size: int, path: Path) -> list[tuple]:
         port = s.getsockname()[1]
     procs = [ctx.Process(target=rank_main, args=(r, tp_size, port, str(path), out))
              for r in range(tp_size)]
-    for p in procs:
-        p.start()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+        for p in procs:
+            p.start()
     results = [out.get(timeout=300) for _ in procs]
     for p in procs:
         p.join(timeout=60)
@@ -142,8 +149,14 @@ def test_tp2_ranks_read_their_half_and_equal_tp1(checkpoint):
     assert [r[3] for r in tp2] == [2, 2] and tp1[0][3] == 4  # KV heads per rank
     assert tp2[0][1] == tp1[0][1]  # rank 0's greedy tokens equal the unsharded model's
     assert all(len(t) == NEW_TOKENS for t in tp1[0][1].values())
-    print(f"checkpoint {total / 1e9:.3f} GB; peak RSS growth tp2 "
-          f"{[round(r[2] / total, 3) for r in tp2]}x, tp1 {tp1[0][2] / total:.3f}x")
-    for rank, _, growth, _ in tp2:
-        assert growth <= 0.6 * total, f"rank {rank} peak RSS grew {growth / total:.2f}x"
-    assert tp1[0][2] >= 0.9 * total  # the measure sees a whole-model load
+    print(f"checkpoint {total / 1e9:.3f} GB; peak RSS growth loading / whole run: tp2 "
+          f"{[(round(r[4] / total, 3), round(r[2] / total, 3)) for r in tp2]}x, "
+          f"tp1 {tp1[0][4] / total:.3f} / {tp1[0][2] / total:.3f}x")
+    whole = tp1[0][2]
+    assert tp1[0][4] >= 0.9 * total  # the measure sees a whole-model load
+    for rank, _, growth, _, loaded in tp2:
+        # reading: its half of the layers + the embedding and its half of the head (~0.52x)
+        assert loaded <= 0.6 * total, f"rank {rank} peak RSS grew {loaded / total:.2f}x loading"
+        # the whole run (fusing, the KV cache, generating) adds what the unsharded run adds, in
+        # proportion: kernels that pack weights differ between machines, so compare with tp 1
+        assert growth <= 0.65 * whole, f"rank {rank} peak {growth / whole:.2f}x of tp 1's"
