@@ -36,6 +36,9 @@ from services.metrics import EngineMetrics
 from services.tp_runner import RankFailure, ShardedRunner
 
 log = logging.getLogger(__name__)
+# what of the runner's info names the kernels a step runs: ModelInfo reports it, and costs
+# measured with one set misguide the tree budget with another (`_cost_path`)
+KERNEL_INFO = ("backend", "attention", "device", "dtype", "cuda_graphs")
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -204,8 +207,12 @@ class TargetEngine:
         self.inbox.put(("reset_stats", None))
 
     def info(self) -> dict:
+        """What `ModelInfo` reports from here: the draft, the tree, and the target's kernels
+        (`runner.info`: backend, attention, device, dtype, CUDA graphs)."""
+        kernels = self.engine.runner.info
         return {"draft": self.draft_desc, "tree": asdict(self.tree), "pid": os.getpid(),
-                "target_placement": self.placement}
+                "target_placement": self.placement,
+                "kernels": {k: kernels.get(k) for k in KERNEL_INFO}}
 
     def health(self) -> dict:
         """serving: the step loop runs, the ranks are up, and waiting work makes progress."""
@@ -348,8 +355,8 @@ def _cost_path(cfg: ServiceConfig, placement: str, runner_info: dict):
     from eagle2.budget import COSTS_VERSION
     from eagle2.machine import cache_root, machine_key
 
-    key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{placement}|"
-                      f"{runner_info.get('dtype')}|{cfg.use_gpu}|{cfg.cpus_per_rank}|"
-                      f"fused={runner_info.get('fused')}|native={runner_info.get('native')}|"
-                      f"v{COSTS_VERSION}")
+    kernels = "|".join(f"{k}={runner_info.get(k)}" for k in KERNEL_INFO)
+    key = machine_key(f"service|{cfg.target}|{cfg.tp_size}|{placement}|{cfg.use_gpu}|"
+                      f"{cfg.cpus_per_rank}|{kernels}|fused={runner_info.get('fused')}|"
+                      f"native={runner_info.get('native')}|v{COSTS_VERSION}")
     return cache_root() / "costs" / f"{key}.json"

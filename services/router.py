@@ -259,7 +259,8 @@ class Router:
             top_k=info["tree"]["top_k"], max_context=self.cfg.max_context,
             max_tokens_limit=self.cfg.max_tokens_limit, max_batch_size=self.cfg.max_batch_size,
             vocab_size=self.model_config.vocab_size,
-            target_placement=info["target_placement"])
+            target_placement=info["target_placement"],
+            **{k: v for k, v in info["kernels"].items() if v is not None})
 
     async def Check(self, request, grpc_context):
         """grpc.health.v1.Health/Check: SERVING only while the engine can make progress."""

@@ -168,6 +168,10 @@ def test_model_info_and_health(client):
     info = client.model_info()
     assert info.tp_size == 1 and info.draft_placement == "worker"
     assert info.vocab_size == 49152 and info.max_context == 512
+    # the target's kernels as the engine replica's runner reports them (CPU here: no graphs)
+    assert info.device == "cpu" and info.dtype.startswith("torch.") and not info.cuda_graphs
+    assert info.backend in ("cpu", "torch") and info.attention in (
+        "sdpa", "flex", "exact", "native-exact")
     stub = health_pb2_grpc.HealthStub(client.channel)
     resp = stub.Check(health_pb2.HealthCheckRequest(), metadata=client.metadata)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING

@@ -124,7 +124,8 @@ def test_kill_draft_worker_mid_stream_keeps_every_greedy_output(client, service,
 
 
 def test_kill_tp_rank_mid_stream_gives_unavailable_then_recovers(client, service, plain):
-    assert client.model_info().target_placement == "ranks"
+    info = client.model_info()
+    assert info.target_placement == "ranks" and info.device == "cpu" and info.attention  # rank 0's
     pid = service.rank_pids.remote().result()[0]
     err, killed = kill_mid_stream(client, pid, PROMPTS[1])
     assert err.code() == grpc.StatusCode.UNAVAILABLE
