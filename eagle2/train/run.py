@@ -99,8 +99,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random (measured better) or target: pass-through start with the "
                         "target's last decoder layer")
     t.add_argument("--checkpoint-minutes", type=float, default=3.0)
+    t.add_argument("--log-every", type=int, default=10, help="steps per training-log record")
     t.add_argument("--train-minutes", type=float, default=None,
                    help="stop training after this many minutes (then save the head)")
+    t.add_argument("--deepspeed", default=None, metavar="CONFIG",
+                   help="data-parallel training of an EAGLE-1/2 head on the feature shards "
+                        "with DeepSpeed (a JSON config, or 'zero2': ZeRO stage 2, bf16 on "
+                        "GPUs); one process per device, started by torchrun "
+                        "(docs/training.md)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -132,7 +138,14 @@ def run(args) -> int:
         worker = tuple(int(x) for x in args.worker.split("/"))
         if not data.extract_features(target.hf, root, args.max_len, worker=worker):
             raise ValueError(f"no conversations under {root}; run the 'data' stage first")
-    if "train" in stages:
+    if "train" in stages and args.deepspeed:
+        if _trains_ttt(args):
+            raise ValueError("--deepspeed trains EAGLE-1/2 heads on stored features; drop "
+                             "--arch eagle3 / --ttt / --init-head")
+        from eagle2.train.deepspeed_train import train_deepspeed_from_args
+
+        train_deepspeed_from_args(args, root)
+    elif "train" in stages:
         target = target or _load_target(args, train=True)
         if _trains_ttt(args):
             from eagle2.train.ttt import train_ttt_from_args as train_from_args

@@ -91,12 +91,15 @@ class StepStats:
 
 def step_loss(head: DraftHead, embed: torch.nn.Module, lm_weight: torch.Tensor,
               d2t: torch.Tensor | None, batch: Batch, cfg: TrainConfig,
-              feature_rms: float, gen: torch.Generator | None = None) -> StepStats:
-    """Loss of one padded batch. lm_weight: [Vd, H] draft rows of lm_head (frozen)."""
+              feature_rms: float, gen: torch.Generator | None = None,
+              uniform: torch.Tensor | None = None) -> StepStats:
+    """Loss of one padded batch. lm_weight: [Vd, H] draft rows of lm_head (frozen).
+    uniform: [B, T-1, H] the noise's U(0, 1) draws (default: drawn from gen here)."""
     feats = batch.features  # [B, T, H]
     inputs = feats[:, :-1]
     if cfg.noise > 0 and head.training:
-        u = torch.rand(inputs.shape, generator=gen, device=inputs.device)
+        u = torch.rand(inputs.shape, generator=gen, device=inputs.device) \
+            if uniform is None else uniform
         inputs = inputs + (u - 0.5) * (cfg.noise * feature_rms)
     with torch.no_grad():
         tok_emb = embed(batch.input_ids[:, 1:])  # [B, T-1, H]
@@ -155,11 +158,14 @@ class Resumable:
         self.gen.set_state(state["gen"].cpu() if self.device.type == "cpu" else state["gen"])
         random.setstate(state["python_rng"])
         self._load_extra(state)
+        self._drop_log_after_checkpoint()
+        return True
+
+    def _drop_log_after_checkpoint(self) -> None:
         if self.log_path.exists():  # drop records written after the checkpoint
             recs = [json.loads(x) for x in self.log_path.read_text().splitlines() if x]
             keep = "".join(json.dumps(r) + "\n" for r in recs if r["step"] <= self.step)
             atomic_write(self.log_path, lambda tmp: tmp.write_text(keep))
-        return True
 
     def _write(self, rec: dict) -> None:
         with self.log_path.open("a") as f:
@@ -317,6 +323,15 @@ def build_head(target, train: list[Sequence], vocab_size: int, init: str, seed: 
     return head.to(target.device)
 
 
+def train_config(args) -> TrainConfig:
+    """The EAGLE-1/2 trainer's settings from `eagle2 train-head`'s arguments."""
+    return TrainConfig(lr=args.lr, warmup=args.warmup, epochs=args.epochs,
+                       batch_tokens=args.batch_tokens, noise=args.noise,
+                       ce_weight=args.ce_weight, checkpoint_seconds=60 * args.checkpoint_minutes,
+                       max_seconds=60 * args.train_minutes if args.train_minutes else None,
+                       log_every=args.log_every, seed=args.seed)
+
+
 def train_from_args(args, target, root: Path) -> dict:
     from eagle2.train.plot import plot_log
 
@@ -324,11 +339,7 @@ def train_from_args(args, target, root: Path) -> dict:
     if not any(sources):
         raise ValueError(f"no feature shards under {root}; run the 'features' stage first")
     train, val = split_sources(sources)
-    cfg = TrainConfig(lr=args.lr, warmup=args.warmup, epochs=args.epochs,
-                      batch_tokens=args.batch_tokens, noise=args.noise,
-                      ce_weight=args.ce_weight, checkpoint_seconds=60 * args.checkpoint_minutes,
-                      max_seconds=60 * args.train_minutes if args.train_minutes else None,
-                      seed=args.seed)
+    cfg = train_config(args)
     head = build_head(target, train, args.draft_vocab, args.init, args.seed)
     trainer = Trainer(head, target.embed, target.lm_head, train, val, cfg, root / "train")
     if trainer.maybe_resume():

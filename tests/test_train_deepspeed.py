@@ -1,0 +1,165 @@
+"""`eagle2 train-head --deepspeed`: two CPU ranks (gloo, ZeRO stage 2) against one process.
+
+See docs/training.md "A head for a target larger than one GPU". The reference is the shipped
+single-process trainer on the same feature shards, seed and settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import random_prompts, save_tiny_target, tiny_target
+
+from eagle2.head import load_head
+from eagle2.train import data
+
+deepspeed = pytest.importorskip("deepspeed")
+
+VOCAB = 48
+TRAIN = ("--stages", "train", "--device", "cpu", "--epochs", "2", "--batch-tokens", "160",
+         "--lr", "3e-3", "--warmup", "2", "--noise", "0.1", "--draft-vocab", "32",
+         "--threads", "1", "--log-every", "1")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """A saved tiny target, 60 conversations of its greedy answers (2 chunks) and their
+    feature shards."""
+    root = tmp_path_factory.mktemp("ds")
+    target = tiny_target(vocab=VOCAB, seed=3)
+    save_tiny_target(target, root / "target")
+    prompts = random_prompts(60, VOCAB, seed=1, lo=3, hi=8)
+    answers = [greedy(target, p) for p in prompts]
+    out = root / "data"
+    for chunk in range(2):
+        recs = [{"prompt": "", "prompt_ids": p, "answer_ids": a, "temperature": 0.0}
+                for p, a in zip(prompts[30 * chunk:30 * chunk + 30],
+                                answers[30 * chunk:30 * chunk + 30], strict=True)]
+        data.chunk_path(out, chunk).parent.mkdir(parents=True, exist_ok=True)
+        data.chunk_path(out, chunk).write_text(json.dumps(recs))
+    data.extract_features(target.hf, out)
+    return root
+
+
+def greedy(target, prompt: list[int], new: int = 12) -> list[int]:
+    x = torch.tensor([prompt])
+    out = target.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def copy_data(shards: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(shards / "data", dest)
+    return dest
+
+
+def single(shards: Path, out: Path) -> None:
+    import argparse
+
+    from eagle2.train.run import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--out", str(out), "--target", str(shards / "target"),
+                                  *TRAIN])) == 0
+
+
+def torchrun(shards: Path, out: Path, *extra: str) -> subprocess.Popen:
+    """Two gloo ranks of `eagle2 train-head --deepspeed zero2` (in their own session)."""
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+           "--nproc-per-node", "2", "-m", "eagle2.cli", "train-head",
+           "--out", str(out), "--target", str(shards / "target"), *TRAIN,
+           "--deepspeed", "zero2", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-4000:]
+
+
+def log(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "train" / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(shards, tmp_path_factory):
+    """One process and two DeepSpeed ranks, trained on the same shards."""
+    base = tmp_path_factory.mktemp("runs")
+    one, two = copy_data(shards, base / "one"), copy_data(shards, base / "two")
+    proc = torchrun(shards, two)
+    single(shards, one)
+    finish(proc)
+    return one, two
+
+
+def test_two_ranks_follow_the_single_process_loss_curve(runs):
+    """Each step's batch, noise and gradient are the single process's (the ranks' losses are
+    weighted by their masked positions): the logged training loss agrees step for step
+    within 1e-4 relative, the held-out loss within 1e-4 and top-1 accuracy exactly, and the
+    heads' weights within 1e-4."""
+    one, two = runs
+    a = [r for r in log(one) if "loss" in r]
+    b = [r for r in log(two) if "loss" in r]
+    assert [r["step"] for r in a] == [r["step"] for r in b] and len(a) >= 10
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in b]),
+                               torch.tensor([r["loss"] for r in a]), rtol=1e-4, atol=1e-5)
+    assert a[-1]["loss"] < 0.8 * a[0]["loss"]  # it did learn
+    va, vb = log(one)[-1], log(two)[-1]
+    assert abs(va["val_loss"] - vb["val_loss"]) <= 1e-4 * va["val_loss"]
+    assert va["val_acc"] == vb["val_acc"]
+    ha, hb = load_head(one / "head"), load_head(two / "head")
+    torch.testing.assert_close(ha.d2t, hb.d2t)
+    for (name, x), y in zip(ha.state_dict().items(), hb.state_dict().values(), strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5, msg=name)
+    summary = json.loads((two / "train" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["deepspeed"]["zero_optimization"]["stage"] == 2
+
+
+def test_a_killed_run_resumes_to_the_same_head(runs, shards, tmp_path):
+    """SIGKILL both ranks once a checkpoint past step 3 exists (checkpoints every step), rerun
+    the same command: it resumes from DeepSpeed's latest checkpoint and ends where the
+    uninterrupted run ended."""
+    _, whole = runs
+    out = copy_data(shards, tmp_path / "killed")
+    every_step = ("--checkpoint-minutes", "0")
+    proc = torchrun(shards, out, *every_step)
+    latest = out / "train" / "deepspeed" / "latest"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and int(latest.read_text().strip()[4:] or 0) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    ranks = psutil.Process(proc.pid).children(recursive=True)  # torchrun's own sessions
+    for p in [psutil.Process(proc.pid), *ranks]:
+        p.send_signal(signal.SIGKILL)
+    proc.communicate()
+    psutil.wait_procs(ranks, timeout=30)
+    killed_at = int(latest.read_text().strip()[4:])
+    total = log(whole)[-1]["step"]
+    assert 3 <= killed_at < total
+    resumed = torchrun(shards, out, *every_step)
+    out_text, _ = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, out_text[-4000:]
+    assert f"resumed from step {killed_at}/{total}" in out_text
+    steps = [r["step"] for r in log(out) if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == total  # no step logged twice
+    ha, hb = load_head(whole / "head"), load_head(out / "head")
+    for (name, x), y in zip(ha.state_dict().items(), hb.state_dict().values(), strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=name)
