@@ -1,99 +1,121 @@
-"""`eagle2 bench-service`: what the service costs on top of the in-process engine.
+"""`eagle2 bench-service`: the service over its OpenAI endpoint against the in-process engine.
 
-Starts a local Ray + Serve with the gRPC proxy (like `services.cli_serve.start`) and deploys
-the app twice, side by side on the same gRPC port: `<app>` with draft_placement "worker" (the
-head in its own replica, reached over gRPC by `RemoteDrafter`) and `<app>-ip` with
-draft_placement "inprocess". Both live at once so that their requests can be interleaved
-(the machine is shared and noisy; an idle app costs nothing but memory). Then:
+A serving benchmark in the manner of vLLM's `benchmark_serving.py` and SGLang's
+`bench_serving`: at each concurrency C of a list, C clients (asyncio + aiohttp) each stream
+`POST /v1/chat/completions` (greedy, `ignore_eos`, `max_tokens`; the chat template is applied
+by the server) and take the next prompt when one finishes, until every prompt has run once.
+Reported per level, like those tools:
 
-1. concurrency 1, greedy, mode eagle2, the same prompts: the in-process API
-   (`Eagle2.load().generate`, one prompt at a time, torch threads = the service target's
-   (engine_threads, measured where 0), the service's tree sizes, budget and measured forward
-   and draft costs: both choose the same trees)
-   against
-   the service over gRPC GenerateStream (`Eagle2Client.stream`), both apps, the three paths
-   interleaved per prompt (order rotated); tokens/s = new tokens / client wall time;
-2. aggregate tokens/s through the service at each --concurrency (threads, each its own
-   client, pulling distinct prompts from a queue): total new tokens / wall time, with the
-   engine's verified batch sizes over that run (from engine_stats deltas);
-3. the draft hop: engine draft ms/step with the worker (gRPC) against in-process, both from
-   phase 1's engine_stats deltas; for the worker also the RPC wall per call (draft_rpc_s) and
-   the engine-side remainder (request/response proto encoding: draft_s - draft_rpc_s).
-   DraftServicer.busy_s (the worker's own compute) is not exposed by engine_stats or by the
-   Health RPC, so it is reported as null; the in-process draft ms/step is the estimate of the
-   worker's compute (same Drafter code, same head).
+- output tokens/s (all completion tokens / the level's wall time) and requests/s;
+- TTFT (request sent -> first chunk with tokens), TPOT ((latency - TTFT) / (tokens - 1), per
+  request) and ITL (the gap between successive chunks that carry tokens: one chunk is one
+  engine step, which may carry several tokens), each as mean, median and p99 in ms;
+- errors, and the engine's step breakdown over the level (`engine_stats` deltas: batch sizes,
+  draft / verify / other ms per step, bytes per step, the step loop's host time).
 
-The target runs where the service config puts it (`target_placement`, "auto": in the engine
-replica at tp_size 1); "target_placement" in the JSON says where it ran in each app.
+Beside it, in the same run and process, the in-process engine (`eagle2.api.Eagle2`, the
+service's tree, measured costs and thread count) on the same prompts: at batch 1, and at batch
+C as a closed loop of C requests in flight (a finished one is replaced at once, as the
+clients do); its TTFT / TPOT / ITL are measured on its events the same way. Ratios
+service / in-process are reported per level, and every service output is compared token for
+token with the in-process batch-1 output and with plain decoding (`vanilla`) of the same
+prompt (`return_token_ids`: each chunk carries its token ids).
 
-Prints a summary and writes one JSON file (--out, default runs/bench-service-<ts>.json).
+The service is started here (`services.cli_serve.start`, a fresh local Ray, stopped at the
+end) or, with `--url`, a running one is used (then without engine stats, and the in-process
+engine uses its own costs and `--inprocess-threads`). Prompts: the first `--num-prompts` of a
+bench suite (`eagle2.bench.prompts`: MT-bench by default), sent as one user message each.
+
+The gRPC variant this replaces also compared a draft worker with the head in the engine
+replica (the gRPC hop per step); run this twice with `--draft-placement worker` and
+`inprocess` for that: each row's `engine` block has draft ms per step and the RPC's share.
+Writes a JSON file (--out) and a PNG of tokens/s and TPOT against concurrency beside it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-import queue
 import statistics
 import sys
-import threading
 import time
+import uuid
+from dataclasses import asdict
 from pathlib import Path
-
-DEFAULT_PROMPTS = [
-    "Write a haiku about the sea.",
-    "Name three fruits and their colors.",
-    "Explain what a CPU does in two sentences.",
-    "Give me a short tip for learning Python.",
-    "Describe a cat in one sentence.",
-    "What is the capital of France and why is it famous?",
-    "List four things to pack for a beach trip.",
-    "Tell me a one-line joke about computers.",
-    "How do plants make food? Answer briefly.",
-    "Suggest a name for a friendly robot.",
-]
 
 STAT_SCALARS = ("draft_s", "verify_s", "prefill_s", "other_s", "steps",
                 "draft_rpc_calls", "draft_rpc_s", "rank_bytes_out", "rank_bytes_in",
                 "draft_bytes_out", "draft_bytes_in", "rank_wait_s", "rank_busy_s")
 TRAFFIC = ("rank_bytes_out", "rank_bytes_in", "draft_bytes_out", "draft_bytes_in")
+LOOP_SCALARS = ("loop_steps", "loop_step_s", "loop_host_s", "loop_dispatch_s",
+                "router_messages", "router_delivery_s", "router_work_s")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--num-prompts", type=int, default=4,
-                   help="prompts for the concurrency-1 comparisons (and the minimum number of "
-                        "requests per concurrency level)")
-    p.add_argument("--concurrency", default="1,4,8", help="comma-separated levels")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="rounds of the interleaved concurrency-1 comparison")
+    p.add_argument("--url", default=None,
+                   help="base URL of a running service (http://HOST:PORT); default: start one")
+    p.add_argument("--suite", default="mt_bench", help="prompt suite (eagle2.bench.prompts)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="1,8", help="comma-separated levels")
     p.add_argument("--mode", default="eagle2", choices=["eagle2", "static", "chain", "vanilla"])
-    p.add_argument("--tree-tokens", type=int, default=None,
-                   help="total_tokens of the draft tree (default: the service's)")
-    p.add_argument("--port", type=int, default=19100, help="gRPC port of the Serve proxy")
-    p.add_argument("--http-port", type=int, default=None,
-                   help="Serve's HTTP port (default: --port + 80; unused, but must be free)")
-    p.add_argument("--max-context", type=int, default=512)
-    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--no-inprocess", action="store_true",
+                   help="service only (no in-process rows, no token comparison)")
+    p.add_argument("--no-plain-check", action="store_true",
+                   help="skip the plain-decoding (vanilla) reference run")
+    p.add_argument("--draft-placement", default="worker", choices=["worker", "inprocess"])
     p.add_argument("--engine-threads", default=None,
-                   help="the service's engine_threads: N, or auto (measured, following the "
-                        "load); default: the config's")
+                   help="the started service's engine_threads: N or auto (default: config's)")
     p.add_argument("--inprocess-threads", type=int, default=None,
-                   help="torch threads of the in-process API (default: the service target's)")
-    p.add_argument("--target-placement", default="auto", choices=["auto", "ranks", "engine"],
-                   help="where the service's target runs (auto: in the engine at tp 1)")
-    p.add_argument("--sweep-apps", default="worker",
-                   help="apps for the concurrency sweep: worker, inprocess or both (comma)")
+                   help="torch threads in process (default: the service engine's)")
+    p.add_argument("--port", type=int, default=19100, help="gRPC port of a started service")
+    p.add_argument("--http-port", type=int, default=18100, help="HTTP port of a started one")
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
-    p.add_argument("--out", default=None, help="JSON path (default runs/bench-service-<ts>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default runs/bench-service-<ts>.json); the PNG beside it")
 
 
-# ----- metric aggregation (pure; unit-tested) --------------------------------------------------
+# ----- metrics (pure; unit-tested) -------------------------------------------------------------
+def dist_ms(values: list[float]) -> dict:
+    """mean, median and p99 of seconds, in ms (None when empty)."""
+    import numpy as np
+
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    a = np.asarray(values) * 1000.0
+    return {"mean": round(float(a.mean()), 3), "median": round(float(np.median(a)), 3),
+            "p99": round(float(np.percentile(a, 99)), 3)}
+
+
+def serving_metrics(requests: list[dict], wall_s: float) -> dict:
+    """vLLM's serving metrics over one level. requests: {"token_ids", "ttft_s", "latency_s",
+    "itl_s": [gap per chunk after the first], "error"} each."""
+    ok = [r for r in requests if not r.get("error")]
+    tokens = sum(len(r["token_ids"]) for r in ok)
+    tpot = [(r["latency_s"] - r["ttft_s"]) / (len(r["token_ids"]) - 1)
+            for r in ok if len(r["token_ids"]) > 1]
+    chunks = sum(len(r["itl_s"]) + 1 for r in ok if r["token_ids"])
+    return {
+        "requests": len(requests), "completed": len(ok), "errors": len(requests) - len(ok),
+        "error_messages": sorted({str(r["error"])[:200] for r in requests if r.get("error")}),
+        "output_tokens": tokens, "wall_s": round(wall_s, 4),
+        "output_tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
+        "requests_per_s": round(len(ok) / wall_s, 4) if wall_s > 0 else None,
+        "tokens_per_chunk": round(tokens / chunks, 3) if chunks else None,
+        "ttft_ms": dist_ms([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
+        "tpot_ms": dist_ms(tpot),
+        "itl_ms": dist_ms([g for r in ok for g in r["itl_s"]]),
+    }
+
+
 def stats_delta(before: dict, after: dict) -> dict:
     """Engine stats accumulated between two engine_stats() snapshots of the same engine."""
     out: dict = {}
-    for key in STAT_SCALARS:
+    for key in STAT_SCALARS + LOOP_SCALARS:
         a, b = after.get(key), before.get(key)
         out[key] = None if a is None else a - (b or 0)
     out["batch_sizes"] = list(after.get("batch_sizes", []))[len(before.get("batch_sizes", [])):]
@@ -101,376 +123,363 @@ def stats_delta(before: dict, after: dict) -> dict:
 
 
 def _ms(num: float | None, den: float | None) -> float | None:
-    return None if num is None or not den else 1000.0 * num / den
+    return None if num is None or not den else round(1000.0 * num / den, 3)
 
 
-def summarize(requests: list[dict], wall_s: float | None = None,
-              delta: dict | None = None) -> dict:
-    """requests: {"tokens": int, "wall_s": float[, "ttft_s": float]} per request.
-
-    wall_s: the wall time of the whole run (concurrent runs); None = the requests ran one
-    after another, and the sum of their walls is used. delta: `stats_delta` over the run.
-    """
-    tokens = sum(r["tokens"] for r in requests)
-    req_wall = sum(r["wall_s"] for r in requests)
-    wall = req_wall if wall_s is None else wall_s
-    per_req = [r["tokens"] / r["wall_s"] for r in requests if r["wall_s"] > 0]
+def engine_summary(delta: dict, tokens: int) -> dict:
+    """Per-step figures of one level from a `stats_delta`: the engine's phases, its batch,
+    the traffic to ranks / draft worker, and (service only) the step loop's host time and the
+    router's delivery and per-message work."""
+    steps = delta.get("steps") or 0
+    sizes = delta.get("batch_sizes") or []
+    rpc_s, draft_s = delta.get("draft_rpc_s"), delta.get("draft_s")
+    loop_steps, messages = delta.get("loop_steps"), delta.get("router_messages")
     out = {
-        "requests": len(requests),
-        "new_tokens": tokens,
-        "wall_s": round(wall, 4),
-        "tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
-        "per_request_tokens_per_s_median": round(statistics.median(per_req), 3)
-        if per_req else None,
+        "steps": steps,
+        "tokens_per_step": round(tokens / steps, 3) if steps else None,
+        "draft_ms_per_step": _ms(draft_s, steps),
+        "verify_ms_per_step": _ms(delta.get("verify_s"), steps),
+        "other_ms_per_step": _ms(delta.get("other_s"), steps),
+        "prefill_s": delta.get("prefill_s"),
+        "batch_size_mean": round(statistics.fmean(sizes), 3) if sizes else None,
+        "batch_size_max": max(sizes) if sizes else None,
+        "draft_rpc_calls": delta.get("draft_rpc_calls"),
+        "draft_rpc_ms_per_call": _ms(rpc_s, delta.get("draft_rpc_calls")),
+        "draft_outside_rpc_ms_per_step": _ms(draft_s - rpc_s, steps)
+        if rpc_s is not None and draft_s is not None else None,
+        "rank_wait_ms_per_step": _ms(delta.get("rank_wait_s"), steps),
+        # the service's step loop: Engine.step's wall, the loop's own host time around it
+        # (commands, events, metrics) and, of that, handing the events to the streams
+        "loop_step_ms_per_step": _ms(delta.get("loop_step_s"), loop_steps),
+        "loop_host_ms_per_step": _ms(delta.get("loop_host_s"), loop_steps),
+        "loop_dispatch_ms_per_step": _ms(delta.get("loop_dispatch_s"), loop_steps),
+        # the router: engine handing a step's tokens -> the router holding them (Ray's
+        # stream), and the router's own work per message (detokenize, stop strings, message)
+        "router_delivery_ms_per_message": _ms(delta.get("router_delivery_s"), messages),
+        "router_work_ms_per_message": _ms(delta.get("router_work_s"), messages),
     }
-    ttft = [r["ttft_s"] for r in requests if r.get("ttft_s") is not None]
-    if ttft:
-        out["ttft_ms_mean"] = round(1000.0 * statistics.fmean(ttft), 2)
-    if delta is not None:
-        steps = delta.get("steps") or 0
-        sizes = delta.get("batch_sizes") or []
-        calls = delta.get("draft_rpc_calls")
-        rpc_s = delta.get("draft_rpc_s")
-        eng = {
-            "steps": steps,
-            "tokens_per_step": round(tokens / steps, 3) if steps else None,
-            "draft_ms_per_step": _ms(delta.get("draft_s"), steps),
-            "verify_ms_per_step": _ms(delta.get("verify_s"), steps),
-            "other_ms_per_step": _ms(delta.get("other_s"), steps),
-            "prefill_s": delta.get("prefill_s"),
-            "batch_size_mean": round(statistics.fmean(sizes), 3) if sizes else None,
-            "batch_size_max": max(sizes) if sizes else None,
-            "draft_rpc_calls": calls,
-            "draft_rpc_ms_per_call": _ms(rpc_s, calls),
-            # engine-side cost of the hop outside the RPC (tensor/tree proto en- and decoding)
-            "draft_outside_rpc_ms_per_step": _ms(delta["draft_s"] - rpc_s, steps)
-            if rpc_s is not None and delta.get("draft_s") is not None else None,
-            # the engine's wait for its TP rank calls (prefill included) and rank 0's compute
-            # inside them: their difference is the Ray hop
-            "rank_wait_ms_per_step": _ms(delta.get("rank_wait_s"), steps),
-            "rank_busy_ms_per_step": _ms(delta.get("rank_busy_s"), steps),
-        }
-        eng.update(traffic_per_step(delta, steps))
-        out["engine"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in eng.items()}
-    return out
-
-
-def traffic_per_step(delta: dict, steps: int) -> dict:
-    """Bytes per engine step (decode steps; prefill traffic included) between the engine and
-    its TP ranks and draft worker; "bytes_per_step" is their sum."""
     per = {f"{k}_per_step": round(delta[k] / steps) if steps and delta.get(k) is not None
            else None for k in TRAFFIC}
     known = [v for v in per.values() if v is not None]
-    per["bytes_per_step"] = sum(known) if known else None
-    return per
+    out.update(per, bytes_per_step=sum(known) if known else None)
+    return out
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
-def draft_hop(worker: dict, inprocess: dict) -> dict:
-    """Section 3 from two `summarize(...)["engine"]` dicts on the same prompts."""
-    w, i = worker.get("draft_ms_per_step"), inprocess.get("draft_ms_per_step")
-    hop = round(w - i, 3) if w is not None and i is not None else None
-    return {
-        "worker_draft_ms_per_step": w,
-        "inprocess_draft_ms_per_step": i,
-        "grpc_hop_ms_per_step": hop,
-        "worker_over_inprocess": ratio(w, i),
-        "worker_rpc_ms_per_call": worker.get("draft_rpc_ms_per_call"),
-        "worker_outside_rpc_ms_per_step": worker.get("draft_outside_rpc_ms_per_step"),
-        "worker_verify_ms_per_step": worker.get("verify_ms_per_step"),
-        "inprocess_verify_ms_per_step": inprocess.get("verify_ms_per_step"),
-        "draft_worker_busy_s": None,
-    }
+def compare_ids(service: list[dict], reference: dict[int, list[int]]) -> dict:
+    """Service outputs against a reference per prompt index: how many equal it token for token,
+    and the first prompts that do not."""
+    ok = [r for r in service if not r.get("error")]
+    differ = [r["prompt"] for r in ok if r["token_ids"] != reference.get(r["prompt"])]
+    return {"compared": len(ok), "equal": len(ok) - len(differ), "differ": differ[:8]}
 
 
-# ----- running -----------------------------------------------------------------------------
-def _stream_one(client, prompt: str, max_tokens: int, mode: str) -> dict:
-    t0 = time.perf_counter()
-    ids, ttft = [], None
-    for msg in client.stream(prompt, max_tokens=max_tokens, mode=mode):
-        if ttft is None and msg.token_ids:
-            ttft = time.perf_counter() - t0
-        ids.extend(msg.token_ids)
-    wall = time.perf_counter() - t0
-    return {"tokens": len(ids), "wall_s": wall, "ttft_s": ttft, "token_ids": ids}
+# ----- the service's side: streaming chat completions ------------------------------------------
+async def _stream_request(session, url: str, body: dict) -> dict:
+    rec = {"token_ids": [], "ttft_s": None, "itl_s": [], "latency_s": None, "error": None,
+           "usage_completion_tokens": None, "text": "", "finish_reason": None}
+    t0 = last = time.perf_counter()
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return rec
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                if line == b"data: [DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["error"] = f"stream error: {chunk['error']}"
+                    break
+                if chunk.get("usage"):
+                    rec["usage_completion_tokens"] = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    if ids:
+                        if rec["ttft_s"] is None:
+                            rec["ttft_s"] = now - t0
+                        else:
+                            rec["itl_s"].append(now - last)
+                        last = now
+                        rec["token_ids"].extend(ids)
+                    rec["text"] += choice.get("delta", {}).get("content") or ""
+                    rec["finish_reason"] = choice.get("finish_reason") or rec["finish_reason"]
+        rec["latency_s"] = last - t0
+    except Exception as e:  # a broken connection counts as an error of this request
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
 
 
-def _inprocess_one(llm, prompt: str, max_tokens: int, mode: str) -> dict:
+async def _service_level(base_url: str, prompts: list[str], conc: int, max_tokens: int,
+                         mode: str) -> tuple[list[dict], float]:
+    import aiohttp
+
+    work: asyncio.Queue = asyncio.Queue()
+    for i, p in enumerate(prompts):
+        work.put_nowait((i, p))
+    out: list[dict] = []
+    url = f"{base_url.rstrip('/')}/v1/chat/completions"
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc),
+                                     timeout=timeout) as session:
+        async def client():
+            while not work.empty():
+                i, prompt = work.get_nowait()
+                body = {"model": "eagle2", "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True},
+                        "return_token_ids": True, "mode": mode}
+                rec = await _stream_request(session, url, body)
+                rec["prompt"] = i
+                out.append(rec)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(conc)))
+        wall = time.perf_counter() - t0
+    return out, wall
+
+
+# ----- the in-process side ----------------------------------------------------------------------
+def inprocess_level(llm, prompt_ids: list[list[int]], conc: int, max_tokens: int,
+                    mode: str) -> tuple[list[dict], float]:
+    """Closed loop of `conc` requests in flight on the in-process engine, timed per event."""
+    from dataclasses import replace
+
     from eagle2.config import SamplingParams
 
-    t0 = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens), mode=mode)[0]
-    wall = time.perf_counter() - t0
-    return {"tokens": len(out.token_ids), "wall_s": wall, "token_ids": out.token_ids,
-            "num_steps": out.num_steps}
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tree = replace(llm.tree, mode=mode)
+    engine, todo = llm.engine, list(enumerate(prompt_ids))
+    recs: dict[str, dict] = {}
+    t_start = time.perf_counter()
+    while todo or engine.has_work():
+        while todo and len(engine.seqs) + len(engine.waiting) < conc:
+            i, ids = todo.pop(0)
+            sid = f"bench-{uuid.uuid4().hex[:8]}-{i}"
+            engine.add(llm.request(ids, params, tree, sid))
+            recs[sid] = {"prompt": i, "token_ids": [], "ttft_s": None, "itl_s": [],
+                         "latency_s": None, "error": None, "t0": time.perf_counter()}
+        events = engine.step()
+        now = time.perf_counter()
+        for ev in events:
+            r = recs[ev.seq_id]
+            if ev.token_ids:
+                if r["ttft_s"] is None:
+                    r["ttft_s"] = now - r["t0"]
+                else:
+                    r["itl_s"].append(now - r["last"])
+                r["last"] = now
+                r["token_ids"].extend(ev.token_ids)
+            if ev.finished:
+                r["latency_s"] = r["last"] - r["t0"]
+    wall = time.perf_counter() - t_start
+    return sorted(recs.values(), key=lambda r: r["prompt"]), wall
 
 
-def _concurrent(address: str, app: str, prompts: list[str], conc: int, max_tokens: int,
-                mode: str) -> tuple[list[dict], float]:
-    from services.client import Eagle2Client
-
-    work: queue.Queue = queue.Queue()
-    for p in prompts:
-        work.put(p)
-    results: list[dict] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-    clients = [Eagle2Client(address, application=app) for _ in range(conc)]
-    start = threading.Barrier(conc + 1)
-
-    def worker(c):
-        start.wait()
-        while True:
-            try:
-                p = work.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                r = _stream_one(c, p, max_tokens, mode)
-            except BaseException as e:
-                with lock:
-                    errors.append(e)
-                return
-            with lock:
-                results.append(r)
-
-    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    for c in clients:
-        c.close()
-    if errors:
-        raise errors[0]
-    return results, wall
-
-
-def _start(apps: dict[str, dict], port: int, http_port: int) -> dict:
-    """As cli_serve.start, for several apps on one gRPC proxy; a fresh local Ray."""
-    import ray
-    from ray import serve
-    from ray.serve.config import gRPCOptions
-
-    from services.app import build_app
-    from services.config import ServiceConfig
-    from services.protos import SERVICER_FUNCTIONS
-
-    tp = max(ServiceConfig(**c).tp_size for c in apps.values())
-    # logical CPUs: every replica asks for one; 2 apps need ~7
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1) + 2 * tp,
-                 include_dashboard=False,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    serve.start(grpc_options=gRPCOptions(port=port, grpc_servicer_functions=SERVICER_FUNCTIONS),
-                http_options={"host": "127.0.0.1", "port": http_port})
-    handles = {}
-    for name, conf in apps.items():
-        t0 = time.perf_counter()
-        handles[name] = serve.run(build_app(conf), name=name, route_prefix=f"/{name}")
-        _log(f"deployed {name} ({conf['draft_placement']}) in {time.perf_counter() - t0:.0f} s")
-    return handles
-
-
+# ----- running -----------------------------------------------------------------------------------
 def _log(msg: str) -> None:
     print(f"[bench-service {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run(args) -> int:
-    from dataclasses import asdict
-
-    import torch
-
-    from eagle2.api import Eagle2
-    from eagle2.budget import CostModel
-    from services.config import ServiceConfig
-
-    t_start = time.time()
-    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
-    n = args.num_prompts
-    prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(max(n, 1))]
-    out_path = Path(args.out or f"runs/bench-service-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    http_port = args.http_port or args.port + 80
-    base = {"max_batch_size": args.max_batch_size, "max_context": args.max_context,
+def _service_config(args) -> dict:
+    conf = {"max_batch_size": args.max_batch_size, "max_context": args.max_context,
             "max_tokens_limit": min(1024, args.max_context - 1),
             "default_max_tokens": min(args.max_tokens, args.max_context - 1),
-            "grpc_port": args.port, "max_queued_requests": 64,
-            "target": args.target, "draft": args.draft,
-            "target_placement": args.target_placement,
-            **({} if args.engine_threads is None else {"engine_threads": (
-                args.engine_threads if args.engine_threads == "auto"
-                else int(args.engine_threads))}),
-            "tree": {"mode": args.mode, **({"total_tokens": args.tree_tokens, "depth": 5,
-                                            "top_k": 8} if args.tree_tokens else {})}}
-    names = {"worker": "eagle2", "inprocess": "eagle2-ip"}
-    apps = {names[pl]: {**base, "draft_placement": pl, "app_name": names[pl]}
-            for pl in ("worker", "inprocess")}
-    address = f"localhost:{args.port}"
-    report: dict = {
-        "command": "bench-service", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "args": {k: v for k, v in vars(args).items() if not callable(v)},
-        "prompts": prompts, "service_config": base,
-        "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
-    }
+            "grpc_port": args.port, "max_queued_requests": 256, "target": args.target,
+            "draft": args.draft, "draft_placement": args.draft_placement,
+            "tree": {"mode": args.mode}}
+    if args.engine_threads is not None:
+        conf["engine_threads"] = (args.engine_threads if args.engine_threads == "auto"
+                                  else int(args.engine_threads))
+    return conf
 
-    import ray
-    from ray import serve
 
-    try:
-        handles = _start(apps, args.port, http_port)
-        from services.client import Eagle2Client
+def _stats(handle) -> dict | None:
+    return None if handle is None else handle.engine_stats.remote().result()
 
-        clients = {pl: Eagle2Client(address, application=names[pl]) for pl in names}
-        first = {pl: handles[names[pl]].engine_stats.remote().result() for pl in names}
-        report["draft"] = {pl: first[pl]["draft"] for pl in names}
-        report["target_placement"] = {pl: first[pl]["target_placement"] for pl in names}
-        report["target_dtype"] = {pl: first[pl]["target_dtype"] for pl in names}
-        # warm-up: one short request per path (first-call costs out of the numbers)
-        for pl in names:
-            _stream_one(clients[pl], prompts[0], 8, args.mode)
 
+def run(args) -> int:
+    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency needs levels >= 1, got {args.concurrency!r}")
+    if args.num_prompts < 1 or args.max_tokens < 1:
+        raise ValueError("--num-prompts and --max-tokens must be >= 1")
+    from eagle2.bench.prompts import load_suite
+
+    prompts = [p.user_message for p in load_suite(args.suite, args.num_prompts)]
+    out_path = Path(args.out or f"runs/bench-service-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    report: dict = {"command": "bench-service", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "args": {k: v for k, v in vars(args).items() if not callable(v)},
+                    "prompts": prompts, "machine": {"cpus": os.cpu_count(),
+                                                    "loadavg_start": os.getloadavg()}}
+    handle = None
+    if args.url is None:
+        from services.cli_serve import start
+
+        conf = _service_config(args)
+        report["service_config"] = conf
         t0 = time.perf_counter()
-        # the service's tree (sizes, budget) and its measured forward and draft costs, so
-        # that both choose the same trees: costs are measured once per process and cached,
-        # and two measurements on a shared machine differ enough to change the choices
-        tree = ServiceConfig(**apps[names["inprocess"]]).tree.to_core()
-        service_stats = handles[names["inprocess"]].engine_stats.remote().result()
-        costs = service_stats["costs"]
-        threads = args.inprocess_threads or service_stats["torch_threads"]
-        report["torch_threads"] = {"service_engine": service_stats["torch_threads"],
-                                   "inprocess": threads}
-        torch.set_num_threads(threads)
-        report["inproc_costs"] = "service" if costs else "own"
-        llm = Eagle2.load(args.target, args.draft, tree=tree, max_batch=args.max_batch_size,
-                          max_context=args.max_context,
-                          costs=CostModel.from_json(costs) if costs else None,
-                          threads=threads)
-        _log(f"in-process model loaded in {time.perf_counter() - t0:.0f} s "
-             f"(torch threads {torch.get_num_threads()})")
-        _inprocess_one(llm, prompts[0], 8, args.mode)
-        if report["draft"]["inprocess"] == "untrained":
-            report["note"] = ("no trained draft head for this target: the head is untrained, "
-                              "so tau ~ 1 (lossless, slow); draft/verify costs per step are "
-                              "still those of a real tree")
-        _log("warm")
-
-        # ----- 1 + 3: concurrency 1, the three paths interleaved ------------------------
-        paths = ["inproc", "worker", "inprocess"]
-        recs: dict[str, list[dict]] = {p: [] for p in paths}
-        before = {pl: handles[names[pl]].engine_stats.remote().result() for pl in names}
-        before_local = asdict(llm.engine.stats)
-        for rep in range(args.repeats):
-            for i, prompt in enumerate(prompts):
-                k = (i + rep) % len(paths)
-                for path in paths[k:] + paths[:k]:
-                    if path == "inproc":
-                        r = _inprocess_one(llm, prompt, args.max_tokens, args.mode)
-                    else:
-                        r = _stream_one(clients[path], prompt, args.max_tokens, args.mode)
-                    r["prompt"] = i
-                    recs[path].append(r)
-            _log(f"concurrency-1 round {rep + 1}/{args.repeats} done")
-        after = {pl: handles[names[pl]].engine_stats.remote().result() for pl in names}
-        c1 = {"inproc": summarize(recs["inproc"], None,
-                                  stats_delta(before_local, asdict(llm.engine.stats)))}
-        for pl in names:
-            c1[f"service_{pl}"] = summarize(recs[pl], None, stats_delta(before[pl], after[pl]))
-        ref = {r["prompt"]: r["token_ids"] for r in recs["inproc"]}
-        c1["token_ids_match_inproc"] = {
-            pl: all(r["token_ids"] == ref[r["prompt"]] for r in recs[pl]) for pl in names}
-        c1["service_over_inproc"] = {
-            pl: ratio(c1[f"service_{pl}"]["tokens_per_s"], c1["inproc"]["tokens_per_s"])
-            for pl in names}
-        report["concurrency1"] = c1
-        report["draft_hop"] = draft_hop(c1["service_worker"]["engine"],
-                                        c1["service_inprocess"]["engine"])
-        report["draft_hop"]["draft_worker_busy_s_note"] = (
-            "DraftServicer.busy_s is not exposed (engine_stats / DraftService.Health carry "
-            "no busy time); inprocess_draft_ms_per_step estimates the worker's compute")
-        try:
-            from services.draft_client import RemoteDrafter
-
-            addr = handles[names["worker"]].engine_stats.remote().result()["draft_address"]
-            h = RemoteDrafter(addr, timeout_s=10).health()
-            report["draft_hop"]["draft_worker_health"] = {
-                "draft_requests": h.draft_requests, "pid": h.pid, "head": h.head}
-        except Exception as e:
-            report["draft_hop"]["draft_worker_health"] = f"unavailable: {e}"
-
-        # ----- 2: concurrency sweep -------------------------------------------------------
-        sweep_apps = [a.strip() for a in args.sweep_apps.split(",") if a.strip()]
-        if "both" in sweep_apps:
-            sweep_apps = ["worker", "inprocess"]
-        sweep: list[dict] = []
-        for pl in sweep_apps:
-            for conc in levels:
-                reqs = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(max(n, conc))]
-                b = handles[names[pl]].engine_stats.remote().result()
-                res, wall = _concurrent(address, names[pl], reqs, conc, args.max_tokens,
-                                        args.mode)
-                a = handles[names[pl]].engine_stats.remote().result()
-                s = summarize(res, wall, stats_delta(b, a))
-                sweep.append({"placement": pl, "concurrency": conc, **s})
-                _log(f"{pl} concurrency {conc}: {s['tokens_per_s']} tok/s, "
-                     f"batch mean {s['engine']['batch_size_mean']}")
-        for pl in sweep_apps:
-            rows = [r for r in sweep if r["placement"] == pl]
-            c1row = next((r for r in rows if r["concurrency"] == 1), None)
-            for r in rows:
-                r["speedup_over_c1"] = ratio(r["tokens_per_s"], c1row["tokens_per_s"]) \
-                    if c1row else None
-        report["concurrency_sweep"] = sweep
-        for c in clients.values():
-            c.close()
+        handle = start(conf, http_port=args.http_port, address="local")
+        _log(f"service started in {time.perf_counter() - t0:.0f} s")
+    base_url = args.url or f"http://127.0.0.1:{args.http_port}"
+    try:
+        report.update(_measure(args, handle, base_url, prompts, levels))
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-    report["machine"]["loadavg_end"] = os.getloadavg()
-    report["total_s"] = round(time.time() - t_start, 1)
+        if handle is not None:
+            from services.cli_serve import shutdown
 
+            shutdown(handle, drain_s=2.0)
+    report["machine"]["loadavg_end"] = os.getloadavg()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("target_placement", "concurrency1", "draft_hop",
-                                              "concurrency_sweep")}, indent=2))
-    print(format_summary(report), file=sys.stderr)
-    print(f"wrote {out_path}", file=sys.stderr)
+    png = out_path.with_suffix(".png")
+    plot(report, png)
+    print(format_summary(report))
+    print(f"wrote {out_path} and {png}", file=sys.stderr)
     return 0
 
 
+def _measure(args, handle, base_url: str, prompts: list[str], levels: list[int]) -> dict:
+    """Warm both sides, then per level the service and (unless --no-inprocess) the in-process
+    engine at batch 1 and at batch = the level, on the same prompts."""
+    import torch
+
+    asyncio.run(_service_level(base_url, prompts[:1], 1, 8, args.mode))  # warm-up
+    first = _stats(handle)
+    out: dict = {"service": {"url": base_url, "draft": first and first["draft"],
+                             "target_placement": first and first["target_placement"],
+                             "target_dtype": first and first["target_dtype"],
+                             "torch_threads": first and first["torch_threads"]}}
+    llm = None
+    if not args.no_inprocess:
+        from eagle2.api import Eagle2
+        from eagle2.budget import CostModel
+        from services.config import ServiceConfig
+
+        tree = ServiceConfig(**(_service_config(args))).tree.to_core()
+        costs = first and first["costs"]
+        threads = args.inprocess_threads or (first and first["torch_threads"]) or "auto"
+        llm = Eagle2.load(args.target, args.draft, tree=tree, max_batch=max(levels),
+                          max_context=args.max_context, threads=threads,
+                          costs=CostModel.from_json(costs) if costs else None)
+        out["inprocess"] = {"torch_threads": torch.get_num_threads(),
+                            "costs": "service's" if costs else "own"}
+        prompt_ids = [llm.encode(p) for p in prompts]
+        inprocess_level(llm, prompt_ids[:1], 1, 8, args.mode)  # warm-up
+    rows, reference = [], None
+    if llm is not None:
+        recs, wall = inprocess_level(llm, prompt_ids, 1, args.max_tokens, args.mode)
+        batch1 = serving_metrics(recs, wall)
+        reference = {r["prompt"]: r["token_ids"] for r in recs}
+        out["inprocess_batch1"] = batch1
+        _log(f"in-process batch 1: {batch1['output_tokens_per_s']} tok/s")
+    all_service: list[dict] = []
+    for conc in levels:
+        row = {"concurrency": conc}
+        before = _stats(handle)
+        recs, wall = asyncio.run(_service_level(base_url, prompts, conc, args.max_tokens,
+                                                args.mode))
+        after = _stats(handle)
+        row["service"] = serving_metrics(recs, wall)
+        row["service"]["usage_equals_token_ids"] = all(
+            r["usage_completion_tokens"] == len(r["token_ids"]) for r in recs
+            if not r.get("error"))
+        if handle is not None:
+            row["service"]["engine"] = engine_summary(stats_delta(before, after),
+                                                      row["service"]["output_tokens"])
+        all_service += [{**r, "concurrency": conc} for r in recs]
+        if llm is not None:
+            s0 = asdict(llm.engine.stats)
+            recs_ip, wall_ip = inprocess_level(llm, prompt_ids, conc, args.max_tokens,
+                                               args.mode)
+            row["inprocess"] = serving_metrics(recs_ip, wall_ip)
+            row["inprocess"]["engine"] = engine_summary(
+                stats_delta(s0, asdict(llm.engine.stats)), row["inprocess"]["output_tokens"])
+            sv, ip = row["service"], row["inprocess"]
+            row["service_over_inprocess"] = {
+                "output_tokens_per_s": ratio(sv["output_tokens_per_s"],
+                                             ip["output_tokens_per_s"]),
+                "tpot_mean": ratio(sv["tpot_ms"]["mean"], ip["tpot_ms"]["mean"]),
+                "ttft_mean": ratio(sv["ttft_ms"]["mean"], ip["ttft_ms"]["mean"])}
+            row["service_over_inprocess_batch1"] = ratio(
+                sv["output_tokens_per_s"], out["inprocess_batch1"]["output_tokens_per_s"])
+            row["service_ids_equal_inprocess_batch1"] = compare_ids(recs, reference)
+        rows.append(row)
+        _log(f"c={conc}: service {row['service']['output_tokens_per_s']} tok/s, in-process "
+             f"{row.get('inprocess', {}).get('output_tokens_per_s')} tok/s")
+    out["levels"] = rows
+    if llm is not None and not args.no_plain_check:
+        recs, _ = inprocess_level(llm, prompt_ids, max(levels), args.max_tokens, "vanilla")
+        plain = {r["prompt"]: r["token_ids"] for r in recs}
+        out["service_ids_equal_plain_decoding"] = compare_ids(all_service, plain)
+    out["service_outputs"] = [{k: r[k] for k in ("concurrency", "prompt", "token_ids",
+                                                  "usage_completion_tokens", "finish_reason")}
+                              for r in all_service]
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["levels"]
+    conc = [r["concurrency"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for side, style in (("service", "o-"), ("inprocess", "s--")):
+        if all(side in r for r in rows):
+            ax1.plot(conc, [r[side]["output_tokens_per_s"] for r in rows], style, label=side)
+            ax2.plot(conc, [r[side]["tpot_ms"]["mean"] for r in rows], style,
+                     label=f"{side} (mean)")
+            ax2.plot(conc, [r[side]["tpot_ms"]["p99"] for r in rows], style, alpha=0.4,
+                     label=f"{side} (p99)")
+    ax1.set(xlabel="concurrency (in-process: batch)", ylabel="output tokens/s",
+            title="throughput")
+    ax2.set(xlabel="concurrency (in-process: batch)", ylabel="TPOT ms", title="time per token")
+    for ax in (ax1, ax2):
+        ax.set_xticks(conc)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    args = report["args"]
+    fig.suptitle(f"eagle2 bench-service: {args['suite']} x {args['num_prompts']} prompts x "
+                 f"{args['max_tokens']} tokens, mode {args['mode']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def format_summary(report: dict) -> str:
-    c1, hop = report["concurrency1"], report["draft_hop"]
-    lines = ["", f"target placement: {report.get('target_placement')}",
-             "== concurrency 1 (same prompts, greedy) ==",
-             f"in-process API          {c1['inproc']['tokens_per_s']} tok/s"]
-    for pl in ("worker", "inprocess"):
-        s = c1[f"service_{pl}"]
-        lines.append(f"service, draft {pl:<9} {s['tokens_per_s']} tok/s "
-                     f"(x{c1['service_over_inproc'][pl]} of in-process; "
-                     f"ids match: {c1['token_ids_match_inproc'][pl]})")
-    for pl in ("worker", "inprocess"):
-        e = c1[f"service_{pl}"].get("engine") or {}
-        lines.append(f"bytes/step, draft {pl:<9} {e.get('bytes_per_step')} (ranks out "
-                     f"{e.get('rank_bytes_out_per_step')} in {e.get('rank_bytes_in_per_step')}; "
-                     f"draft out {e.get('draft_bytes_out_per_step')} in "
-                     f"{e.get('draft_bytes_in_per_step')})")
-    lines += ["== draft hop (engine draft time per step) ==",
-              f"worker (gRPC) {hop['worker_draft_ms_per_step']} ms/step "
-              f"(RPC {hop['worker_rpc_ms_per_call']} ms/call, outside RPC "
-              f"{hop['worker_outside_rpc_ms_per_step']} ms/step); in-process "
-              f"{hop['inprocess_draft_ms_per_step']} ms/step; hop "
-              f"{hop['grpc_hop_ms_per_step']} ms/step (x{hop['worker_over_inprocess']})",
-              "== aggregate through the service =="]
-    for r in report.get("concurrency_sweep", []):
-        lines.append(f"{r['placement']:<9} c={r['concurrency']}: {r['tokens_per_s']} tok/s "
-                     f"(x{r['speedup_over_c1']} of c=1), batch mean "
-                     f"{r['engine']['batch_size_mean']} max {r['engine']['batch_size_max']}, "
-                     f"{r['engine'].get('bytes_per_step')} bytes/step")
+    lines = []
+    b1 = report.get("inprocess_batch1")
+    if b1:
+        lines.append(f"in-process batch 1: {b1['output_tokens_per_s']} tok/s, TPOT mean "
+                     f"{b1['tpot_ms']['mean']} ms")
+    for r in report["levels"]:
+        s = r["service"]
+        line = (f"c={r['concurrency']}: service {s['output_tokens_per_s']} tok/s "
+                f"({s['requests_per_s']} req/s, {s['errors']} errors), TTFT "
+                f"{s['ttft_ms']['mean']}/{s['ttft_ms']['median']}/{s['ttft_ms']['p99']} ms, "
+                f"TPOT {s['tpot_ms']['mean']}/{s['tpot_ms']['median']}/{s['tpot_ms']['p99']}, "
+                f"ITL {s['itl_ms']['mean']}/{s['itl_ms']['median']}/{s['itl_ms']['p99']} "
+                "(mean/median/p99)")
+        if "inprocess" in r:
+            ip = r["inprocess"]
+            line += (f"; in-process batch {r['concurrency']} {ip['output_tokens_per_s']} tok/s "
+                     f"TPOT {ip['tpot_ms']['mean']} ms; service/in-process "
+                     f"x{r['service_over_inprocess']['output_tokens_per_s']}; ids equal "
+                     f"{r['service_ids_equal_inprocess_batch1']['equal']}/"
+                     f"{r['service_ids_equal_inprocess_batch1']['compared']}")
+        lines.append(line)
+    plain = report.get("service_ids_equal_plain_decoding")
+    if plain:
+        lines.append(f"service outputs equal to plain decoding: {plain['equal']}/"
+                     f"{plain['compared']}")
     return "\n".join(lines)

@@ -54,9 +54,11 @@ def config_from_args(args) -> dict:
 
 
 def start(conf: dict, blocking: bool = False, http_port: int = 8000,
-          metrics_port: int | None = None):
+          metrics_port: int | None = None, address: str | None = None):
     """Start Ray (if needed) and Serve with the gRPC proxy; deploy; return the Serve handle.
-    metrics_port: Ray's Prometheus endpoint (services/metrics.py), None = Ray's choice."""
+    metrics_port: Ray's Prometheus endpoint (services/metrics.py), None = Ray's choice.
+    address: `ray.init`'s ("local": always a new cluster of this process's own, never one
+    that `ray start` left running)."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -68,7 +70,8 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
     if not ray.is_initialized():
         # logical CPUs: rank actors, the draft worker and the replicas share real cores
         extra = {} if metrics_port is None else {"_metrics_export_port": metrics_port}
-        ray.init(num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size, include_dashboard=False,
+        ray.init(address=address, num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size,
+                 include_dashboard=False,
                  **extra,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
                                                # idle OpenMP threads must not spin on cores

@@ -53,10 +53,13 @@ def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
                         status_code=HTTP_STATUS.get(code, 500))
 
 
-# Fields the server implements, per endpoint (OpenAI's names; top_k, ignore_eos and mode are
-# the common extensions of vLLM and SGLang, and this server's speculation mode).
+# Fields the server implements, per endpoint (OpenAI's names; top_k, ignore_eos and
+# return_token_ids are the common extensions of vLLM and SGLang, mode this server's
+# speculation mode). return_token_ids: each choice (each streamed chunk's) also carries the
+# generated token ids as "token_ids", as vLLM's.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "stream", "stream_options", "n", "user", "mode", "ignore_eos"}
+                 "stream", "stream_options", "n", "user", "mode", "ignore_eos",
+                 "return_token_ids"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 # Fields accepted only at the value that changes nothing (what a client sends by default);
@@ -163,6 +166,8 @@ def to_generate_request(body: dict, chat: bool) -> eagle2_pb2.GenerateRequest:
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise ValueError("ignore_eos must be a boolean")
     req.ignore_eos = bool(ignore_eos)
+    if not isinstance(body.get("return_token_ids", False), bool):
+        raise ValueError("return_token_ids must be a boolean")
     return req
 
 
@@ -192,17 +197,21 @@ async def handle(router, request: Request) -> Response:
         first = await stream.__anext__()  # errors before the first token: a plain error
         if isinstance(first, tuple):
             return error_response(*first)
-        return StreamingResponse(_sse(stream, first, head, kind, chat, include_usage(body)),
+        return StreamingResponse(_sse(stream, first, head, kind, chat, include_usage(body),
+                                      bool(body.get("return_token_ids"))),
                                  media_type="text/event-stream")
-    text, last = "", None
+    text, ids, last = "", [], None
     async for msg in stream:
         if isinstance(msg, tuple):
             return error_response(*msg)
         text += msg.text_delta
+        ids.extend(msg.token_ids)
         last = msg
     choice = {"index": 0, "finish_reason": FINISH.get(last.finish_reason, "stop"),
               **({"message": {"role": "assistant", "content": text}} if chat else
                  {"text": text, "logprobs": None})}
+    if body.get("return_token_ids"):
+        choice["token_ids"] = ids
     return JSONResponse({**head, "object": kind, "choices": [choice], "usage": _usage(last)})
 
 
@@ -212,9 +221,11 @@ def _usage(msg) -> dict:
             "total_tokens": msg.usage.prompt_tokens + msg.usage.completion_tokens}
 
 
-async def _sse(stream, first, head: dict, kind: str, chat: bool, with_usage: bool = False):
-    """Server-sent events: one chunk per streamed message (with `"usage": null` when the
-    client asked for usage), then the usage chunk (no choices) if asked, then `[DONE]`."""
+async def _sse(stream, first, head: dict, kind: str, chat: bool, with_usage: bool = False,
+               with_ids: bool = False):
+    """Server-sent events: one chunk per streamed message (one engine step's tokens; with
+    `"usage": null` when the client asked for usage, and the step's `token_ids` when it asked
+    for them), then the usage chunk (no choices) if asked, then `[DONE]`."""
     msg = first
     role_sent = False
     last = None
@@ -231,6 +242,8 @@ async def _sse(stream, first, head: dict, kind: str, chat: bool, with_usage: boo
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": msg.text_delta, "finish_reason": finish}
+        if with_ids:
+            choice["token_ids"] = list(msg.token_ids)
         chunk = {**head, "object": obj, "choices": [choice]}
         if with_usage:
             chunk["usage"] = None
