@@ -184,6 +184,16 @@ def loss_mask(prompt_len: int, total_len: int) -> torch.Tensor:
 @torch.inference_mode()
 def target_features(hf_model, ids: list[list[int]]) -> list[torch.Tensor]:
     """Features [L, H] per sequence (last hidden state after the final norm); right-padded."""
+    return [final for final, _ in target_outputs(hf_model, ids)]
+
+
+@torch.inference_mode()
+def target_outputs(hf_model, ids: list[list[int]], layers: tuple[int, ...] | None = None
+                   ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per sequence (fp32, on the CPU): the final features [L, H] and, for `layers` (EAGLE-3:
+    decoder-layer inputs, HF `hidden_states` indices), their residual streams side by side
+    [L, 3H] (None without layers). Right-padded batches; the model may be spread over
+    devices (accelerate's hooks move the activations, each output comes back here)."""
     lengths = [len(x) for x in ids]
     num_t = max(lengths)
     device = hf_model.device
@@ -192,15 +202,23 @@ def target_features(hf_model, ids: list[list[int]]) -> list[torch.Tensor]:
     for b, x in enumerate(ids):
         batch[b, :len(x)] = torch.tensor(x)
         attn[b, :len(x)] = 1
-    hidden = hf_model.model(input_ids=batch, attention_mask=attn).last_hidden_state
-    return [hidden[b, :n].float().cpu() for b, n in enumerate(lengths)]
+    out = hf_model.model(input_ids=batch, attention_mask=attn,
+                         output_hidden_states=layers is not None)
+    hidden = out.last_hidden_state.float().cpu()
+    aux = None if layers is None else \
+        torch.cat([out.hidden_states[i].float().cpu() for i in layers], dim=-1)
+    return [(hidden[b, :n], None if aux is None else aux[b, :n])
+            for b, n in enumerate(lengths)]
 
 
 def extract_features(hf_model, root: Path, max_len: int = 2048, batch_size: int = 8,
-                     worker: tuple[int, int] = (0, 1)) -> int:
+                     worker: tuple[int, int] = (0, 1),
+                     layers: tuple[int, ...] | None = None) -> int:
     """One shard per conversation chunk (same number); skip finished shards. Returns chunks.
 
-    worker (i, n): only chunks whose number is i mod n (several processes in parallel)."""
+    worker (i, n): only chunks whose number is i mod n (several processes in parallel).
+    layers: also store these decoder layers' inputs side by side (`aux`, an EAGLE-3 head's
+    features; `target_outputs`)."""
     (root / "features").mkdir(parents=True, exist_ok=True)
     chunks = sorted((root / "conversations").glob("chunk_*.json"))
     todo = [c for c in chunks if int(c.stem.split("_")[1]) % worker[1] == worker[0]
@@ -209,19 +227,21 @@ def extract_features(hf_model, root: Path, max_len: int = 2048, batch_size: int 
         recs = json.loads(chunk.read_text())
         seqs = [(r["prompt_ids"] + r["answer_ids"])[:max_len] for r in recs]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths together
-        by_idx: dict[int, torch.Tensor] = {}
+        by_idx: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for s in range(0, len(order), batch_size):
             group = order[s:s + batch_size]
-            feats = target_features(hf_model, [seqs[i] for i in group])
-            by_idx.update(zip(group, feats, strict=True))
+            outs = target_outputs(hf_model, [seqs[i] for i in group], layers)
+            by_idx.update(zip(group, outs, strict=True))
         masks = [loss_mask(len(r["prompt_ids"]), len(x))
                  for r, x in zip(recs, seqs, strict=True)]
         tensors = {
             "input_ids": torch.tensor([t for x in seqs for t in x], dtype=torch.int32),  # [L*]
             "lengths": torch.tensor([len(x) for x in seqs], dtype=torch.int32),  # [N]
             "loss_mask": torch.cat(masks),  # [L*]
-            "features": torch.cat([by_idx[i] for i in range(len(seqs))]).half(),  # [L*, H]
+            "features": torch.cat([by_idx[i][0] for i in range(len(seqs))]).half(),  # [L*, H]
         }
+        if layers is not None:
+            tensors["aux"] = torch.cat([by_idx[i][1] for i in range(len(seqs))]).half()  # [L*, 3H]
         atomic_write(shard_path(root, int(chunk.stem.split("_")[1])),
                      lambda tmp, t=tensors: save_file(t, str(tmp)))
     return len(chunks)
@@ -232,6 +252,7 @@ class Sequence:
     input_ids: torch.Tensor  # [L] long
     loss_mask: torch.Tensor  # [L] bool
     features: torch.Tensor  # [L, H] fp16
+    aux: torch.Tensor | None = None  # [L, 3H] fp16: EAGLE-3 layers' inputs (if stored)
 
 
 def load_shards(root: Path) -> list[Sequence]:
@@ -243,7 +264,8 @@ def load_shards(root: Path) -> list[Sequence]:
         ids = t["input_ids"].long().split(lengths)
         masks = t["loss_mask"].split(lengths)
         feats = t["features"].split(lengths)
-        out.extend(Sequence(i, m, x) for i, m, x in zip(ids, masks, feats, strict=True))
+        aux = t["aux"].split(lengths) if "aux" in t else [None] * len(lengths)
+        out.extend(Sequence(*x) for x in zip(ids, masks, feats, aux, strict=True))
     return out
 
 

@@ -48,7 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-minutes", type=float, default=None,
                    help="stop self-distillation after this many minutes (whole chunks)")
     g.add_argument("--worker", default="0/1",
-                   help="I/N: this process does chunks i with i %% N == I (data and features)")
+                   help="I/N: this process does chunks i with i %% N == I (data and features); "
+                        "auto: RANK/WORLD_SIZE as torchrun sets them")
+    g.add_argument("--device-map", default=None, metavar="MAP",
+                   help="features stage: spread the target over devices with accelerate "
+                        "(auto | balanced | sequential over this process's share of the GPUs, "
+                        "or a JSON file {module: device}); bf16 on GPUs")
+    g.add_argument("--offload-folder", default=None,
+                   help="with --device-map: where modules mapped to 'disk' live")
     g.add_argument("--max-len", type=int, default=2048, help="truncate conversations")
     g.add_argument("--import-data", action="append", default=[], metavar="ARCHIVE",
                    help="first extract an archive of chunks (--export-data) into OUT, keeping "
@@ -134,9 +141,16 @@ def run(args) -> int:
     if "data" in stages:
         target = _data_stage(args, cfg, root)
     if "features" in stages:
-        target = target or _load_target(args)
-        worker = tuple(int(x) for x in args.worker.split("/"))
-        if not data.extract_features(target.hf, root, args.max_len, worker=worker):
+        from eagle2.train.multi_device import worker_of
+
+        hf = _features_model(args) if args.device_map else (target or _load_target(args)).hf
+        layers = None
+        if args.arch == "eagle3":
+            from eagle2.eagle3 import default_feature_layers
+
+            layers = default_feature_layers(hf.config.num_hidden_layers)
+        if not data.extract_features(hf, root, args.max_len, worker=worker_of(args.worker),
+                                     layers=layers):
             raise ValueError(f"no conversations under {root}; run the 'data' stage first")
     if "train" in stages and args.deepspeed:
         if _trains_ttt(args):
@@ -179,6 +193,18 @@ def _load_target(args, train: bool = False):
     return TargetModel.load(args.target, dtype=dtype, device=args.device)
 
 
+def _features_model(args):
+    """The target's HF model spread over devices by accelerate (`--device-map`)."""
+    from eagle2.train.multi_device import load_across_devices, placement
+
+    spec = args.device_map
+    device_map = json.loads(Path(spec).read_text()) if spec.endswith(".json") else spec
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    hf = load_across_devices(args.target, dtype, device_map, offload_folder=args.offload_folder)
+    print(f"target spread over {sorted(set(placement(hf).values()))}", flush=True)
+    return hf
+
+
 def _prompts(source: str, num: int, seed: int) -> list[str]:
     if source == "synthetic":
         from eagle2.train.prompts import make_prompts
@@ -218,7 +244,9 @@ def _data_stage(args, cfg, root: Path):
     deadline = time.time() + 60 * args.data_minutes if args.data_minutes else None
     start = time.time()
     total = 0
-    worker, num_workers = (int(x) for x in args.worker.split("/"))
+    from eagle2.train.multi_device import worker_of
+
+    worker, num_workers = worker_of(args.worker)
     for idx in range(worker, cfg.num_chunks, num_workers):
         if deadline is not None and time.time() > deadline:
             log.warning("data stage stopped at its time box (%s min)", args.data_minutes)
