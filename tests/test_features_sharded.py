@@ -30,11 +30,25 @@ SPLIT = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1":
          "lm_head": "disk"}
 
 
+def char_tokenizer(path: Path) -> None:
+    """Replace a saved tiny target's tokenizer by one token a character (lower-case letters,
+    digits, space and a few marks; id 0 for the rest), so that prompt texts differ in ids."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = " abcdefghijklmnopqrstuvwxyz0123456789.,?'-:"
+    words = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}},
+                                       unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory) -> Path:
     """A saved 6-layer tiny target and 5 chunks of 6 conversations."""
     root = tmp_path_factory.mktemp("feat")
     save_tiny_target(tiny_target(vocab=VOCAB, layers=LAYERS, seed=5), root / "target")
+    char_tokenizer(root / "target")
     prompts = random_prompts(30, VOCAB, seed=1, lo=3, hi=9)
     answers = random_prompts(30, VOCAB, seed=2, lo=4, hi=15)
     for chunk in range(5):
@@ -121,3 +135,27 @@ def test_a_node_splits_its_gpus_and_chunks_over_processes(monkeypatch):
         worker_of("2")
     with pytest.raises(ValueError, match=r"0\.\.N-1"):
         worker_of("2/2")
+
+
+def test_answers_of_a_split_target_are_the_engines(conversations, tmp_path):
+    """`--stages data --device-map`: HF generate on the target split over memory and disk
+    writes the chunks (prompt ids, greedy answers) the engine writes with the whole target."""
+    from eagle2.cli import main
+
+    split_map = tmp_path / "split.json"
+    split_map.write_text(json.dumps(SPLIT))
+    common = ["train-head", "--stages", "data", "--target", str(conversations / "target"),
+              "--device", "cpu", "--num-prompts", "6", "--chunk-size", "3",
+              "--max-new-tokens", "10", "--threads", "1"]
+    assert main([*common, "--out", str(tmp_path / "engine")]) == 0
+    assert main([*common, "--out", str(tmp_path / "spread"), "--device-map", str(split_map),
+                 "--offload-folder", str(tmp_path / "offload")]) == 0
+    for chunk in range(2):
+        a = json.loads(data.chunk_path(tmp_path / "engine", chunk).read_text())
+        b = json.loads(data.chunk_path(tmp_path / "spread", chunk).read_text())
+        assert len(a) == len(b) == 3
+        for x, y in zip(a, b, strict=True):
+            assert x["prompt_ids"] == y["prompt_ids"]
+            assert len(x["answer_ids"]) == 10 and x["answer_ids"] == y["answer_ids"]
+        assert len({len(x["prompt_ids"]) for x in a}) > 1  # the batch was padded
+        assert len({tuple(x["answer_ids"]) for x in a}) > 1

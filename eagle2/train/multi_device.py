@@ -1,5 +1,5 @@
-"""The features stage for a target larger than one device: the target spread over devices by
-Hugging Face's loading (accelerate's `device_map`), one such copy per process.
+"""The data and features stages for a target larger than one device: the target spread over
+devices by Hugging Face's loading (accelerate's `device_map`), one such copy per process.
 
 See docs/training.md "A head for a target larger than one GPU".
 
@@ -8,13 +8,14 @@ consecutive decoder layers on consecutive devices and accelerate's hooks move th
 stream from one device to the next (a pipeline without overlap: one device computes at a
 time). Several processes share a node by splitting its GPUs: under a launcher (torchrun sets
 LOCAL_RANK and LOCAL_WORLD_SIZE) process r of n takes GPUs [r G / n, (r + 1) G / n) of the G
-it sees, and the conversation chunks r, r + n, ... (`--worker auto`); the shards are
-resumable per chunk (`eagle2.train.data.extract_features`).
+it sees, and the conversation chunks r, r + n, ... (`--worker auto`); chunks and shards are
+written atomically and skipped once written, so a killed stage resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,3 +85,48 @@ def load_across_devices(spec: str | None, dtype: torch.dtype, device_map: str | 
 def placement(hf_model) -> dict[str, str]:
     """Where accelerate put each module ({} for a model on one device)."""
     return {k: str(v) for k, v in getattr(hf_model, "hf_device_map", {}).items()}
+
+
+@dataclass(frozen=True)
+class Answer:
+    token_ids: list[int]  # the answer, its EOS included when it stopped there
+
+
+class SpreadGenerator:
+    """The data stage's answers from a target spread over devices: HF `generate` (greedy, or
+    sampling seeded per chunk), the two methods `generate_conversations` calls. Slower than
+    the engine (no speculation, one device busy at a time) but needs no device that holds the
+    whole target. Answers stop at EOS (kept, as the engine keeps it) or max_tokens."""
+
+    def __init__(self, hf_model, tokenizer, eos_ids: frozenset[int]):
+        self.hf, self.tokenizer, self.eos_ids = hf_model, tokenizer, eos_ids
+
+    def encode(self, prompt: str) -> list[int]:
+        from eagle2.text import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[str], params, mode: str = "vanilla") -> list[Answer]:
+        assert mode == "vanilla", mode
+        ids = [self.encode(p) for p in prompts]
+        width = max(len(x) for x in ids)
+        pad = 0
+        batch = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # left-padded
+        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        sample = params.temperature > 0
+        out = self.hf.generate(
+            batch.to(self.hf.device), attention_mask=attn.to(self.hf.device),
+            max_new_tokens=params.max_tokens, do_sample=sample,
+            temperature=params.temperature if sample else None, top_p=params.top_p,
+            top_k=params.top_k or None, pad_token_id=pad,
+            eos_token_id=sorted(self.eos_ids) or None)
+        return [Answer(self._cut(row[width:].tolist())) for row in out.cpu()]
+
+    def _cut(self, tokens: list[int]) -> list[int]:
+        for i, t in enumerate(tokens):
+            if t in self.eos_ids:
+                return tokens[:i + 1]
+        return tokens

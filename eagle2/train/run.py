@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="I/N: this process does chunks i with i %% N == I (data and features); "
                         "auto: RANK/WORLD_SIZE as torchrun sets them")
     g.add_argument("--device-map", default=None, metavar="MAP",
-                   help="features stage: spread the target over devices with accelerate "
+                   help="data and features stages: spread the target over devices with "
+                        "accelerate "
                         "(auto | balanced | sequential over this process's share of the GPUs, "
                         "or a JSON file {module: device}); bf16 on GPUs")
     g.add_argument("--offload-folder", default=None,
@@ -223,11 +224,32 @@ def _prompts(source: str, num: int, seed: int) -> list[str]:
     return prompts
 
 
+def _spread_generator(args):
+    """`--device-map`: answers from the target spread over devices (HF generate)."""
+    from transformers import AutoTokenizer
+
+    from eagle2.target import embedded_model_dir
+    from eagle2.train.multi_device import SpreadGenerator
+
+    if args.prompt_source == "self":
+        raise ValueError("--device-map answers synthetic or stdlib-code prompts "
+                         "(--prompt-source self needs the engine)")
+    hf = _features_model(args)
+    tokenizer = AutoTokenizer.from_pretrained(args.target or embedded_model_dir())
+    eos = hf.generation_config.eos_token_id
+    eos = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    return SpreadGenerator(hf, tokenizer, frozenset(i for i in eos if i is not None))
+
+
 def _data_stage(args, cfg, root: Path):
     from eagle2.api import Eagle2
     from eagle2.train.data import chunk_path, generate_conversations
-    llm = Eagle2.load(args.target, draft="untrained", dtype=args.gen_dtype, device=args.device,
-                      max_batch=cfg.max_batch, max_context=args.max_len, threads=None)
+    if args.device_map:
+        llm = _spread_generator(args)
+    else:
+        llm = Eagle2.load(args.target, draft="untrained", dtype=args.gen_dtype,
+                          device=args.device, max_batch=cfg.max_batch, max_context=args.max_len,
+                          threads=None)
     if args.prompt_source == "self":
         from eagle2.train.self_prompts import bench_texts, chunk_prompts
 
@@ -258,5 +280,5 @@ def _data_stage(args, cfg, root: Path):
         total += generate_conversations(llm, prompts, cfg, root, [idx])
         rate = total / max(time.time() - start, 1e-9)
         print(f"chunk {idx}: {total} answer tokens, {rate:.1f} tokens/s", flush=True)
-    return llm.target
+    return getattr(llm, "target", None)
 
