@@ -3,7 +3,12 @@
 A background thread owns the core `Engine` and runs draft -> verify -> commit steps while any
 request is active; requests join between steps and leave when finished or cancelled. Each
 request's events go back to its caller (the router) through an asyncio queue, streamed over a
-Serve handle. The target runs in this process (`LocalRunner`, target_placement "engine", the
+Serve handle: one message per step per request with all the tokens that step gave it (or,
+when the router has fallen behind, one message with every step it has not read yet). The
+loop never waits on a stream: it hands a step's events to the replica's event loop in one
+call and goes on; Ray's metrics are flushed from another thread (`_flush_metrics`), and the
+loop times itself (`LoopTimes`: the step, its own host time, the hand-off), reported by
+`stats()`. The target runs in this process (`LocalRunner`, target_placement "engine", the
 default at tp_size 1) or on tp_size rank actors (`ShardedRunner`, "ranks"); the drafter is the
 draft worker over gRPC (`ResilientDrafter`: plain decoding while the worker is away) or, for
 single-GPU set-ups, in this process.
@@ -79,8 +84,10 @@ class TargetEngine:
         self.last_rank_recovery_s: float | None = None
         self.last_progress = time.monotonic()  # last finished step, or idle
         self.metrics = EngineMetrics()
+        self.times = LoopTimes()
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
+        threading.Thread(target=self._flush_metrics, name="engine-metrics", daemon=True).start()
 
     def _auto_threads(self, runner: LocalRunner) -> None:
         """The target's thread count as `Eagle2.load(threads="auto")` sets it (EAGLE2_THREADS,
@@ -153,6 +160,8 @@ class TargetEngine:
         try:
             while not finished:
                 item = await box.get()
+                while not box.empty() and "error" not in item:  # the caller fell behind
+                    item = _merge(item, box.get_nowait())
                 finished = item["finished"] or "error" in item
                 yield item
         finally:
@@ -183,6 +192,7 @@ class TargetEngine:
         out["rank_restarts"] = self.rank_restarts
         out["last_rank_recovery_s"] = self.last_rank_recovery_s
         out["loop_alive"] = self.thread.is_alive()
+        out.update(self.times.as_dict())
         out.update(traffic_stats(self.engine.runner, getattr(d, "remote", None) or d))
         return out
 
@@ -230,6 +240,15 @@ class TargetEngine:
             raise RuntimeError("engine step loop stopped")
 
     # ----- the step loop (its own thread) ------------------------------------------------------
+    def _flush_metrics(self) -> None:
+        """Ray's metrics from what the step loop counted, about once a second (off its path)."""
+        while True:
+            time.sleep(1.0)
+            try:
+                self.metrics.flush()
+            except Exception:
+                log.exception("metrics flush failed")
+
     def _loop(self) -> None:
         while True:
             try:
@@ -239,6 +258,7 @@ class TargetEngine:
                 time.sleep(0.1)
 
     def _once(self) -> None:
+        t0 = time.perf_counter()
         block = not self.engine.has_work()
         if block:
             self.last_progress = time.monotonic()
@@ -246,24 +266,41 @@ class TargetEngine:
         try:
             while True:
                 cmd, arg = self.inbox.get(block=block, timeout=None if block else 0)
+                if block:  # idle until now: the wait is not the loop's host time
+                    t0, block = time.perf_counter(), False
                 self._command(cmd, arg)
-                block = False
         except queue.Empty:
             pass
         if not self.engine.has_work():
             return
+        t_step = time.perf_counter()
         try:
             events = self.engine.step()
         except Exception as e:
             self._step_failed(e)
             return
+        t_events = time.perf_counter()
         self.last_progress = time.monotonic()
-        for ev in events:
-            self._send(ev.seq_id, _event_dict(ev))
+        self._dispatch(events)
+        t_sent = time.perf_counter()
         d = self.drafter
         self.metrics.step(len(self.engine.seqs), len(self.engine.waiting),
                           [len(ev.token_ids) for ev in events if ev.num_steps > 1])  # 1: prefill
         self.metrics.drafter(getattr(d, "fallbacks", 0), getattr(d, "reconnects", 0))
+        self.times.add(t_events - t_step, time.perf_counter() - t0 - (t_events - t_step),
+                       t_sent - t_events)
+
+    def _dispatch(self, events: list[Event]) -> None:
+        """Hand a step's events to their streams: one call into each event loop that holds
+        any of them (the replica has one), whatever the number of streams."""
+        now = time.time()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for ev in events:
+            box = self.outboxes.get(ev.seq_id)
+            if box is not None:
+                by_loop.setdefault(box[0], []).append((box[1], _event_dict(ev, now)))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _step_failed(self, e: Exception) -> None:
         """End every running request with an error event and start over with a clean engine
@@ -318,6 +355,7 @@ class TargetEngine:
             self.engine.cancel(arg)
         elif cmd == "reset_stats":
             self.engine.stats = type(self.engine.stats)()
+            self.times = LoopTimes()
             if hasattr(self.drafter, "calls"):
                 self.drafter.calls, self.drafter.rpc_s = 0, 0.0
 
@@ -325,7 +363,7 @@ class TargetEngine:
         box = self.outboxes.get(seq_id)
         if box is not None:
             loop, q = box
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            loop.call_soon_threadsafe(q.put_nowait, item)  # (errors and refusals: rare)
 
 
 def traffic_stats(runner, drafter) -> dict:
@@ -342,10 +380,43 @@ def traffic_stats(runner, drafter) -> dict:
             "rank_wait_s": traffic.get("wait_s"), "rank_busy_s": busy() if busy else None}
 
 
-def _event_dict(ev: Event) -> dict:
+class LoopTimes:
+    """Where the step loop's time goes, summed over its steps: `Engine.step` (compute: draft,
+    verify, commit, with their own host work), the loop's host time around it (commands,
+    events, metrics) and, of that, handing the events to the streams. Read from other threads
+    as plain floats (a torn read is off by one step at most)."""
+
+    def __init__(self):
+        self.steps, self.step_s, self.host_s, self.dispatch_s = 0, 0.0, 0.0, 0.0
+
+    def add(self, step_s: float, host_s: float, dispatch_s: float) -> None:
+        self.steps += 1
+        self.step_s += step_s
+        self.host_s += host_s
+        self.dispatch_s += dispatch_s
+
+    def as_dict(self) -> dict:
+        return {"loop_steps": self.steps, "loop_step_s": self.step_s,
+                "loop_host_s": self.host_s, "loop_dispatch_s": self.dispatch_s}
+
+
+def _put_all(items: list[tuple[asyncio.Queue, dict]]) -> None:
+    for box, item in items:
+        box.put_nowait(item)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    """Two consecutive events of one request as one: b's tokens after a's, b's totals."""
+    if "error" in b:
+        return b
+    return {**b, "token_ids": a["token_ids"] + b["token_ids"], "time": a["time"]}
+
+
+def _event_dict(ev: Event, now: float) -> dict:
+    """time: when the step loop handed it over (the router measures the delivery from it)."""
     return {"token_ids": ev.token_ids, "finished": ev.finished,
             "finish_reason": ev.finish_reason, "num_steps": ev.num_steps,
-            "accepted_at_depth": ev.accepted_at_depth, "time": time.time()}
+            "accepted_at_depth": ev.accepted_at_depth, "time": now}
 
 
 def _cost_path(cfg: ServiceConfig, placement: str, runner_info: dict):

@@ -18,6 +18,9 @@ p + 1.
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+
 from ray.util import metrics
 
 _LATENCY_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
@@ -31,7 +34,9 @@ class RouterMetrics:
         self.ttft = metrics.Histogram("eagle2_time_to_first_token_seconds",
                                       "Request arrival to first token.", _LATENCY_S)
         self.itl = metrics.Histogram("eagle2_inter_token_latency_seconds",
-                                     "Time between streamed tokens.", _LATENCY_S)
+                                     "Time between streamed messages over the tokens each "
+                                     "carries (one observation per message: a step's tokens "
+                                     "arrive together).", _LATENCY_S)
         self.generation_tokens = metrics.Counter("eagle2_generation_tokens_total",
                                                  "Tokens generated.")
         self.prompt_tokens = metrics.Counter("eagle2_prompt_tokens_total", "Prompt tokens.")
@@ -41,6 +46,11 @@ class RouterMetrics:
 
 
 class EngineMetrics:
+    """The engine's series. The step loop only counts into plain Python numbers (`step`,
+    `drafter`: a few additions per step, no Ray call); `flush`, called about once a second
+    from a thread of its own (`TargetEngine._flush_metrics`), hands the sums to Ray's metrics,
+    so recording them costs the step nothing beyond the additions."""
+
     def __init__(self, max_depth: int = 16):
         self.running = metrics.Gauge("eagle2_num_requests_running",
                                      "Sequences in the running batch.")
@@ -64,23 +74,40 @@ class EngineMetrics:
                                              "Tensor-parallel rank groups rebuilt.")
         self.max_depth = max_depth
         self._seen = {"fallbacks": 0, "reconnects": 0}
+        self._lock = threading.Lock()
+        self._gauges = (0, 0)
+        self._lengths: Counter[int] = Counter()  # tokens per step of one sequence -> steps
+        self._drafter = (0, 0)
 
     def step(self, num_running: int, num_waiting: int, new_tokens: list[int]) -> None:
         """After one decoding step: new_tokens = tokens each sequence got from it."""
-        self.running.set(num_running)
-        self.waiting.set(num_waiting)
-        for n in new_tokens:
-            self.drafts.inc()
-            self.acceptance_length.observe(n)
-            if n > 1:
-                self.accepted.inc(n - 1)
-                for pos in range(min(n - 1, self.max_depth)):
-                    self.accepted_per_pos.inc(1, {"position": str(pos)})
+        with self._lock:
+            self._gauges = (num_running, num_waiting)
+            self._lengths.update(new_tokens)
 
     def drafter(self, fallbacks: int, reconnects: int) -> None:
-        """Mirror the drafter's counters (they change in its own threads)."""
-        for name, value, counter in (("fallbacks", fallbacks, self.fallbacks),
-                                     ("reconnects", reconnects, self.reconnects)):
+        """The drafter's counters (they change in its own threads), as of this step."""
+        self._drafter = (fallbacks, reconnects)
+
+    def flush(self) -> None:
+        """Hand what the steps counted since the last flush to Ray's metrics."""
+        with self._lock:
+            (running, waiting), lengths, self._lengths = self._gauges, self._lengths, Counter()
+        self.running.set(running)
+        self.waiting.set(waiting)
+        if lengths:
+            self.drafts.inc(sum(lengths.values()))
+            accepted = sum((n - 1) * k for n, k in lengths.items())
+            if accepted:
+                self.accepted.inc(accepted)
+            for pos in range(min(max(lengths) - 1, self.max_depth)):
+                steps = sum(k for n, k in lengths.items() if n - 1 > pos)
+                self.accepted_per_pos.inc(steps, {"position": str(pos)})
+            for n, k in lengths.items():  # Ray's histogram takes one observation a call
+                for _ in range(k):
+                    self.acceptance_length.observe(n)
+        for name, value, counter in (("fallbacks", self._drafter[0], self.fallbacks),
+                                     ("reconnects", self._drafter[1], self.reconnects)):
             if value > self._seen[name]:
                 counter.inc(value - self._seen[name])
                 self._seen[name] = value

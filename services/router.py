@@ -97,6 +97,9 @@ class Router:
         self.admitted = 0
         self.draining = False
         self.metrics = RouterMetrics()
+        # per streamed message: the engine's hand-off -> here (Ray's stream), and the work
+        # here (detokenizing, stop strings, the message); engine_stats() reports the sums
+        self.times = {"router_messages": 0, "router_delivery_s": 0.0, "router_work_s": 0.0}
         self.api_keys = auth.load_keys(cfg.api_keys_file, cfg.api_keys_env)
         if not self.api_keys:
             log.warning("no API keys configured: anyone who reaches the gRPC port can call it")
@@ -169,6 +172,7 @@ class Router:
         first = True
         try:
             async for ev in gen:
+                received = time.time()
                 if "error" in ev:
                     raise RequestError(grpc.StatusCode[ev["error"]], ev["message"])
                 self._observe(first, t_last, len(ev["token_ids"]))
@@ -185,6 +189,10 @@ class Router:
                     msg.stats.CopyFrom(convert.stats_to_proto(
                         mode or self.cfg.tree.mode, ev["num_steps"], len(text.token_ids),
                         {int(k): v for k, v in ev["accepted_at_depth"].items()}))
+                times = self.times
+                times["router_messages"] += 1
+                times["router_delivery_s"] += received - ev["time"]
+                times["router_work_s"] += time.time() - received
                 yield msg
                 if done:
                     return
@@ -203,7 +211,7 @@ class Router:
             self.metrics.generation_tokens.inc(num_tokens)
         if first:
             self.metrics.ttft.observe(gap)
-        for _ in range(min(num_tokens, 64)):  # one observation per token of a multi-token step
+        elif num_tokens:  # one observation per message (a step's tokens arrive together)
             self.metrics.itl.observe(gap / num_tokens)
 
     async def GenerateStream(self, request, grpc_context):
@@ -303,7 +311,8 @@ class Router:
         return self.admitted
 
     async def engine_stats(self) -> dict:
-        return await self.engine.stats.remote()
+        """The engine's stats and this router's per-message times (`self.times`)."""
+        return {**await self.engine.stats.remote(), **self.times}
 
     async def engine_health(self) -> dict:
         return await self.engine.health.remote()

@@ -99,3 +99,14 @@ def test_malformed_options_are_refused(body, error):
     with pytest.raises(ValueError, match=error):
         to_generate_request({"messages": [{"role": "user", "content": "Hi"}], **body},
                             chat=True)
+
+
+def test_return_token_ids_is_a_boolean_extension():
+    """vLLM's return_token_ids: accepted on both endpoints (each choice then carries the
+    generated ids, services/openai_http._sse); any other type is refused."""
+    for chat, body in ((True, {"messages": [{"role": "user", "content": "Hi"}]}),
+                       (False, {"prompt": "Hi"})):
+        req = to_generate_request({**body, "return_token_ids": True, "stream": True}, chat)
+        assert req.ignore_eos is False
+        with pytest.raises(ValueError, match="return_token_ids must be a boolean"):
+            to_generate_request({**body, "return_token_ids": "yes"}, chat)
