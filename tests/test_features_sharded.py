@@ -113,6 +113,10 @@ def test_stored_eagle3_layers_are_the_inputs_of_layers_2_l2_and_l3(conversations
     data.extract_features(target.hf, root, layers=(2, LAYERS // 2, LAYERS - 3))
     seqs = data.load_shards(root)
     assert len(seqs) == 30
+    for a, b in zip(seqs, data.load_shards(root, mmap=True), strict=True):  # the same, mapped
+        for key in ("input_ids", "loss_mask", "features", "aux"):
+            x, y = getattr(a, key), getattr(b, key)
+            assert x.dtype == y.dtype and torch.equal(x, y), key
     for s in seqs[::7]:
         with torch.no_grad():
             out = target.hf.model(s.input_ids[None], output_hidden_states=True)

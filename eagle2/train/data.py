@@ -255,17 +255,42 @@ class Sequence:
     aux: torch.Tensor | None = None  # [L, 3H] fp16: EAGLE-3 layers' inputs (if stored)
 
 
-def load_shards(root: Path) -> list[Sequence]:
-    """All stored sequences, split back out of their shards."""
+def load_shards(root: Path, mmap: bool = False) -> list[Sequence]:
+    """All stored sequences, split back out of their shards. mmap: the features are views of
+    the files mapped into memory (read when a batch is collated; the page cache is shared by
+    the processes of a node), for data sets larger than the host's memory."""
     out: list[Sequence] = []
     for f in sorted((root / "features").glob("shard_*.safetensors")):
-        t = load_file(str(f))
+        t = map_file(f) if mmap else load_file(str(f))
         lengths = t["lengths"].tolist()
         ids = t["input_ids"].long().split(lengths)
         masks = t["loss_mask"].split(lengths)
         feats = t["features"].split(lengths)
         aux = t["aux"].split(lengths) if "aux" in t else [None] * len(lengths)
         out.extend(Sequence(*x) for x in zip(ids, masks, feats, aux, strict=True))
+    return out
+
+
+_NUMPY = {"F16": "float16", "BF16": None, "F32": "float32", "I32": "int32", "I64": "int64",
+          "BOOL": "bool"}
+
+
+def map_file(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as copy-on-write views of the mapped file (format: an
+    8-byte little-endian header size, a JSON header of dtype, shape and byte offsets, data)."""
+    import numpy as np
+
+    with path.open("rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    header.pop("__metadata__", None)
+    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + size)
+    out = {}
+    for name, info in header.items():
+        dtype = _NUMPY[info["dtype"]]
+        assert dtype is not None, f"{path}: {name} is {info['dtype']} (stored fp16 expected)"
+        start, end = info["data_offsets"]
+        out[name] = torch.from_numpy(raw[start:end].view(dtype).reshape(info["shape"]))
     return out
 
 

@@ -104,10 +104,18 @@ def resolve_config(user: dict, cfg: TrainConfig, world: int, cuda: bool) -> dict
 
 
 def init_distributed(device: torch.device) -> DistEnv:
-    """Join the group (NCCL on CUDA, gloo on CPUs) and return this rank's place in it."""
+    """Join the group (NCCL on CUDA, gloo on CPUs) and return this rank's place in it.
+
+    On CPUs, DeepSpeed's backend would JIT-compile its shared-memory all-reduce at init (C++:
+    minutes on a busy machine, ranks queued on a file lock, rebuilt whenever its flags change);
+    only `inference_all_reduce` uses it, so it is marked incompatible and skipped: training's
+    reductions go through the gloo process group."""
     import deepspeed
+    import deepspeed.ops
 
     env = DistEnv.from_env()
+    if device.type == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     return env
 
@@ -264,7 +272,8 @@ def train_deepspeed_from_args(args, root: Path) -> dict:
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
-    sources = [load_shards(path) for path in [root, *map(Path, args.extra_data)]]
+    # mapped, not read: a 70B target's features outgrow the host's memory (~16 KB a token)
+    sources = [load_shards(path, mmap=True) for path in [root, *map(Path, args.extra_data)]]
     if not any(sources):
         raise ValueError(f"no feature shards under {root}; run the 'features' stage first")
     train, val = split_sources(sources)
