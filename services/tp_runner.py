@@ -8,17 +8,22 @@ See docs/tensor-parallel.md "Tensor parallelism".
   2. start one `TPRank` per bundle; rank 0 names the rendezvous (its node IP + a free port);
   3. every rank joins the process group, reads only its own slices of the checkpoint
      (`eagle2.tp.load_rank`) and allocates its own KV cache (its share of the KV heads);
-  4. every runner call is sent to all ranks with the same inputs and waited for (lockstep:
-     the all-reduces inside the model need every rank); rank 0's result is returned. Cache
-     updates (commit, copy_slot, set_lengths) return nothing: they ride with the next call,
-     one Ray task per step instead of two.
+  4. one Ray call per rank starts its step loop (`TPRank.serve`), which connects to the
+     driver's step channel (`eagle2.tp_channel`) and reads messages until it is closed; from
+     then on a step makes no Ray call: every runner call is one message, written to all ranks
+     (lockstep: the all-reduces inside the model need every rank), and only rank 0 replies.
+     Cache updates (commit, copy_slot, set_lengths) return nothing: they ride with the next
+     message, one message per step instead of two.
+Ray still places, starts, health-checks and kills the ranks; a rank that dies closes its
+connection, one whose step raises reports the error, and either fails the call at once
+(`RankFailure`).
 Every rank verifies (the vocabulary-parallel lm_head gathers over all of them: greedy tokens as
 one (max, index) pair a row and rank, whole logits only for sampled rows) and reaches the same
 tokens; rank 0's `verify_step` and `prefill_step` return token ids, node indices and accepted
 features only. A sampled request's generator state goes to every rank with the step and comes
 back advanced from rank 0, so results equal in-process verification.
 Committed lengths are mirrored on the driver so that the engine reads them without a call;
-`traffic` counts the tensor bytes sent to and received from the ranks.
+`traffic` counts the messages and bytes sent to and received from the ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import socket
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -39,6 +45,7 @@ from eagle2.devices import pick_device, pick_dtype
 from eagle2.runner import LocalRunner
 from eagle2.target import embedded_model_dir
 from eagle2.tp import check_tp_size, init_tp
+from eagle2.tp_channel import DriverChannel, RankChannel, RankError, RankLost
 from eagle2.tree import HOST, to_device
 
 
@@ -139,6 +146,29 @@ class TPRank:
         self.busy_s += time.perf_counter() - t0
         return out, self.busy_s
 
+    def serve(self, host: str, port: int) -> str:
+        """The step loop (one Ray call for the rank's life): connect to the driver's channel,
+        then run each message (deferred updates, method, args, every_rank) with `run` and
+        reply (rank 0, or every rank when every_rank), until the driver closes the channel.
+        A step that raises is reported to the driver and ends the loop: the group is failed
+        (its peers may wait in a collective) and the driver kills it."""
+        channel = RankChannel(host, port, self.rank)
+        try:
+            while True:
+                try:
+                    deferred, method, args, every_rank = channel.receive()
+                except ConnectionError:
+                    return "closed"  # the driver shut the group down (or is gone)
+                try:
+                    out = self.run(deferred, method, *args)
+                except Exception as e:
+                    channel.report(e)
+                    raise
+                if self.rank == 0 or every_rank:
+                    channel.reply(out)
+        finally:
+            channel.close()
+
 
 class RankFailure(RuntimeError):
     """A lockstep call failed on some rank: its task raised (e.g. out of memory), its process
@@ -177,13 +207,17 @@ class ShardedRunner:
                                         strategy="STRICT_PACK")
         self.placement = placement
         self.actors: list = []
+        self.loops: list = []  # each rank's step loop (`TPRank.serve`): ends when it fails
+        self._channel: DriverChannel | None = None
+        self._stepping = threading.Lock()  # held while a message is out (`check_health`)
         self._deferred: list = []  # cache updates for the next call: [(method, args)]
         self.failed: str | None = None  # what failed the group (`_fail`); then no more calls
         self.failed_rank: int | None = None  # the rank whose task failed the last call
         self._rank_busy_s = 0.0
         try:
             self._gather([placement.ready()])
-            actor_cls = ray.remote(TPRank)
+            # threaded: Ray calls beside the step loop (inject_fault, a pid) still run
+            actor_cls = ray.remote(max_concurrency=4)(TPRank)
             self.actors = [actor_cls.options(
                 num_cpus=cpus_per_rank, num_gpus=gpu_per_rank if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -193,12 +227,19 @@ class ShardedRunner:
                 for rank in range(tp_size)]
             master_addr, master_port = self._gather([self.actors[0].address.remote()])[0]
             infos = self._gather([a.start.remote(master_addr, master_port) for a in self.actors])
+            self._channel = DriverChannel(ray.util.get_node_ip_address(), tp_size)
+            self.loops = [a.serve.remote(*self._channel.address) for a in self.actors]
+            self._channel.accept(timeout_s, alive=self._loops_alive)
         except BaseException:
             self.shutdown()
             raise
         self.info = infos[0]  # vocab_size, device, dtype, local_kv_heads, fused of rank 0
         self.vocab_size = infos[0]["vocab_size"]
-        self.traffic: Counter = Counter()  # bytes_out (to ranks), bytes_in (from rank 0), calls
+        # calls: runner calls (deferred updates included); steps: messages sent; ray_calls: Ray
+        # calls to the ranks since the loops started (none per step); bytes_out / bytes_in,
+        # frames_out / frames_in: what crossed the channel (a message is one frame a rank);
+        # wait_s: seconds the driver waited for the ranks' replies
+        self.traffic: Counter = Counter()
 
     # ----- TargetRunner -----------------------------------------------------------------------
     @property
@@ -241,17 +282,38 @@ class ShardedRunner:
     # ----- lifecycle and checks ---------------------------------------------------------------
     def rank_lengths(self) -> list[torch.Tensor]:
         """Each rank's committed lengths (they must all equal `lengths`)."""
-        return self._all("lengths")
+        return self._all("lengths", every_rank=True)
 
     def inject_fault(self, rank: int, after_calls: int = 1) -> None:
         """Fault tests: rank `rank` raises at its `after_calls`-th call from now
         (`TPRank.inject_fault`); a rebuilt group has no fault."""
+        self.traffic["ray_calls"] += 1
         self._gather([self.actors[rank].inject_fault.remote(after_calls)])
 
+    def check_health(self) -> None:
+        """RankFailure if a rank died or its loop ended since the last call (no step needed:
+        a dead rank's connection has ended; Ray says whether a loop is still running). Safe
+        from another thread: while a step is in flight it returns at once (the step watches
+        the connections itself)."""
+        self._check_usable()
+        if not self._stepping.acquire(blocking=False):
+            return
+        try:
+            self._channel.poll()
+            self._loops_alive()
+        except (RankError, RankLost, RuntimeError, ray.exceptions.RayError) as e:
+            raise self._fail("check_health", e) from e
+        finally:
+            self._stepping.release()
+
     def shutdown(self) -> None:
-        """Kill the rank actors and release the placement group (if this runner reserved it)."""
+        """Close the channel (the loops end), kill the rank actors and release the placement
+        group (if this runner reserved it)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         self._kill_ranks()
-        self.actors, self._deferred = [], []
+        self.actors, self.loops, self._deferred = [], [], []
         if self._own_placement and self.placement is not None:
             remove_placement_group(self.placement)
         self.placement = None
@@ -262,52 +324,81 @@ class ShardedRunner:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
 
-    def _all(self, method: str, *args, wait: bool = True) -> list:
-        """Call `method` on every rank with the same arguments; all results in rank order
-        (wait=False: none, the call goes with the next waiting one). Any rank's failure fails
-        the group at once: the ranks are killed and RankFailure raised (`_fail`)."""
+    def _loops_alive(self) -> None:
+        """Raise the error of a rank's step loop that has ended (it never ends by itself)."""
+        done, _ = ray.wait(self.loops, num_returns=1, timeout=0)
+        if done:
+            self.failed_rank = self.loops.index(done[0])
+            ray.get(done[0])  # its error (a task that raised, an actor that died)
+            raise RuntimeError(f"rank {self.failed_rank}'s step loop ended")
+
+    def _check_usable(self) -> None:
         if self.failed is not None:
             raise RankFailure(f"the tensor-parallel ranks failed earlier ({self.failed}); "
                               "rebuild the runner")
-        if not self.actors:
+        if self._channel is None:
             raise RuntimeError("this ShardedRunner is shut down")
-        self.traffic["bytes_out"] += payload_bytes(args) * len(self.actors)
+
+    def _all(self, method: str, *args, wait: bool = True, every_rank: bool = False) -> list:
+        """Run `method` on every rank with the same arguments: one message on the channel.
+        -> [rank 0's result], or every rank's in rank order when every_rank; wait=False: none,
+        the call goes with the next message. Any rank's failure fails the group at once: the
+        ranks are killed and RankFailure raised (`_fail`)."""
+        self._check_usable()
         self.traffic["calls"] += 1
         if not wait:  # a snapshot, as a sent call would be
             self._deferred.append((method, tuple(a.clone() if isinstance(a, torch.Tensor) else a
                                                  for a in args)))
             return []
         deferred, self._deferred = self._deferred, []
-        refs = [actor.run.remote(deferred, method, *args) for actor in self.actors]
+        ranks = tuple(range(self.tp_size)) if every_rank else (0,)
         t0 = time.perf_counter()
         try:
-            results, busy = zip(*self._gather(refs), strict=True)
-        except (ray.exceptions.RayError, TimeoutError) as e:
+            with self._stepping:
+                self._channel.broadcast((deferred, method, args, every_rank))
+                results, busy = zip(*self._receive(ranks), strict=True)
+        except (RankError, RankLost, TimeoutError) as e:
             raise self._fail(method, e) from e
         self.traffic["wait_s"] += time.perf_counter() - t0
+        self.traffic["steps"] += 1
+        for key in ("bytes_out", "bytes_in", "frames_out", "frames_in"):
+            self.traffic[key] = self._channel.counts[key]
         self._rank_busy_s = busy[0]
-        self.traffic["bytes_in"] += payload_bytes(results)
         return list(results)
+
+    def _receive(self, ranks: tuple[int, ...]) -> list:
+        """The (result, busy seconds) replies of `ranks` to the message just sent."""
+        return self._channel.receive(ranks, self.timeout_s)
 
     def rank_busy_s(self) -> float:
         """Seconds rank 0 spent inside the calls so far (as of the last one)."""
         return self._rank_busy_s
 
     def _fail(self, method: str, error: BaseException) -> RankFailure:
-        """The group failed in call `method` (a rank's task raised, its process died, or the
+        """The group failed in call `method` (a rank's step raised, its process died or the
         call timed out): kill every rank at once, so that none waits on in a collective, and
         say which rank failed first and how."""
+        if self._channel is not None:
+            self._channel.close()
         self._kill_ranks()
         self._deferred = []
-        # a task's own exception (e.g. OutOfMemoryError), else the death or the timeout
-        cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+        if isinstance(error, RankError):
+            self.failed_rank, kind = error.rank, error.kind
+        elif isinstance(error, RankLost):
+            self.failed_rank, kind = error.rank, "process gone"
+        elif isinstance(error, ray.exceptions.RayTaskError):  # a loop's own exception
+            kind = type(error.cause).__name__
+        else:  # a timeout, or a loop that ended (`_loops_alive` names its rank)
+            self.failed_rank = None if isinstance(error, TimeoutError) else self.failed_rank
+            kind = type(error).__name__
         rank = "no rank answered" if self.failed_rank is None else f"rank {self.failed_rank}"
-        self.failed = f"{rank}: {type(cause).__name__} in {method}"
-        return RankFailure(f"tensor-parallel call failed ({self.failed}): {str(cause)[:200]}")
+        self.failed = f"{rank}: {kind} in {method}"
+        return RankFailure(f"tensor-parallel call failed ({self.failed}): {str(error)[:200]}")
 
     def _gather(self, refs: list) -> list:
         """ray.get, but a failed rank raises at once (its peers would wait in an all-reduce);
-        `failed_rank` says which one it was (None: the call timed out)."""
+        `failed_rank` says which one it was (None: the call timed out). For the start and
+        Ray calls beside the step loops."""
         late = f"tensor-parallel call still running after {self.timeout_s} s"
         self.failed_rank = None
         if len(refs) == 1:  # one rank: nobody waits for it

@@ -184,8 +184,8 @@ def test_tp2_sampling_equals_unsharded_and_no_logits_leave_the_ranks(tiny, tiny_
     local = LocalRunner(tiny[0], MAX_BATCH, MAX_CONTEXT + Engine.tree_margin)
     expected = run(make_engine(local, tiny[0]), prompts, params, tree, seeds=[1, 2, 3])
     results: list = []
-    gather = tiny_tp2._gather
-    monkeypatch.setattr(tiny_tp2, "_gather", lambda refs: results.append(gather(refs))
+    receive = tiny_tp2._receive
+    monkeypatch.setattr(tiny_tp2, "_receive", lambda ranks: results.append(receive(ranks))
                         or results[-1])
     before = dict(tiny_tp2.traffic)
     got = run(make_engine(tiny_tp2, tiny[0]), prompts, params, tree, seeds=[1, 2, 3])
@@ -225,16 +225,92 @@ def test_tp2_cost_grid_is_timed_through_verify_step_without_logits(tiny_tp2, mon
 
     methods: list[str] = []
     results: list = []
-    call, gather = tiny_tp2._all, tiny_tp2._gather
+    call, receive = tiny_tp2._all, tiny_tp2._receive
     monkeypatch.setattr(tiny_tp2, "_all", lambda method, *args, **kwargs: methods.append(
         method) or call(method, *args, **kwargs))
-    monkeypatch.setattr(tiny_tp2, "_gather", lambda refs: results.append(gather(refs))
+    monkeypatch.setattr(tiny_tp2, "_receive", lambda ranks: results.append(receive(ranks))
                         or results[-1])
     grid = time_grid(tiny_tp2, (1, 2), (1, 4), prefix=4, passes=1)
     assert len(grid) == 2 and all(t > 0 for row in grid for t in row)
     assert methods.count("verify_step") == 1 + 4 and "forward" not in methods
     shapes = [tuple(t.shape) for r in results for t in tensors_in(r)]
     assert shapes and all(s[-1] != 32 for s in shapes if len(s) >= 2)  # no [.., V] tensor
+
+
+def test_steps_make_no_ray_call_and_only_rank_0_replies(tiny, tiny_tp2, tiny_expected,
+                                                         monkeypatch):
+    """After the start, a step is one frame a rank on the step channel and one reply from
+    rank 0: no Ray call, whatever the number of steps (the Ray calls are counted at the
+    source: every `.remote` the runner makes to an actor goes through `actors`)."""
+    prompts, expected = tiny_expected
+    sent: list[str] = []
+
+    class Counted:  # wraps each actor handle: records every method called on it
+        def __init__(self, actor):
+            self.actor = actor
+
+        def __getattr__(self, name):
+            sent.append(name)
+            return getattr(self.actor, name)
+
+    checks = []  # `generate` asks every rank for its lengths after each step
+    rank_lengths = tiny_tp2.rank_lengths
+    monkeypatch.setattr(tiny_tp2, "rank_lengths", lambda: checks.append(1) or rank_lengths())
+    actors = tiny_tp2.actors
+    tiny_tp2.actors = [Counted(a) for a in actors]
+    before = dict(tiny_tp2.traffic)
+    try:
+        got, _ = generate(make_engine(tiny_tp2, tiny[0]), prompts, TreeConfig("vanilla"))
+    finally:
+        tiny_tp2.actors = actors
+    assert got == expected
+    messages = tiny_tp2.traffic["steps"] - before.get("steps", 0)
+    assert messages - len(checks) >= max(MAX_TOKENS) and sent == []
+    assert tiny_tp2.traffic["frames_out"] - before.get("frames_out", 0) == 2 * messages
+    # replies: rank 0's to each step, both ranks' to each lengths check
+    assert tiny_tp2.traffic["frames_in"] - before.get("frames_in", 0) == \
+        messages + len(checks)
+
+
+def test_a_killed_rank_fails_the_next_step_and_the_health_check_at_once(ray_cluster, tiny):
+    """kill -9 of a rank between steps: the health check sees its connection end (no step,
+    no timeout), and a step sent to a group with a killed rank fails with RankFailure within
+    seconds, not after the 300 s timeout (its peer's all-reduce reads the closed socket)."""
+    import os
+    import signal
+
+    import ray
+
+    from services.tp_runner import RankFailure, ShardedRunner
+
+    def pid(actor) -> int:
+        return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+
+    args = (2, MAX_BATCH, MAX_CONTEXT + Engine.tree_margin)
+    for check in (True, False):
+        runner = ShardedRunner(*args, target=tiny[1], dtype="float32", cpus_per_rank=1,
+                               timeout_s=300)
+        try:
+            engine = make_engine(runner, tiny[0])
+            engine.add(Request("a", (1, 2, 3), SamplingParams(max_tokens=50, ignore_eos=True),
+                               TreeConfig("vanilla")))
+            engine.step()
+            runner.check_health()  # all alive: nothing raised
+            os.kill(pid(runner.actors[1]), signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(RankFailure, match=r"rank \d: "):
+                if check:
+                    while time.monotonic() - t0 < 30:
+                        runner.check_health()
+                        time.sleep(0.05)
+                else:
+                    while engine.has_work():
+                        engine.step()
+            assert time.monotonic() - t0 < 30
+            with pytest.raises(RankFailure, match="failed earlier"):
+                runner.rank_lengths()
+        finally:
+            runner.shutdown()
 
 
 def test_a_rank_task_that_raises_fails_the_group_at_once(ray_cluster, tiny, tiny_expected):
