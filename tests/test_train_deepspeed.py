@@ -109,23 +109,24 @@ def runs(shards, tmp_path_factory):
 def test_two_ranks_follow_the_single_process_loss_curve(runs):
     """Each step's batch, noise and gradient are the single process's (the ranks' losses are
     weighted by their masked positions): the logged training loss agrees step for step
-    within 1e-4 relative, the held-out loss within 1e-4 and top-1 accuracy exactly, and the
-    heads' weights within 1e-4."""
+    within 1e-5 relative (measured: 1.4e-7 over 14 steps), the held-out loss within 1e-5 and
+    the held-out top-1 agreement with the target exactly, and the heads' weights within
+    2e-6."""
     one, two = runs
     a = [r for r in log(one) if "loss" in r]
     b = [r for r in log(two) if "loss" in r]
     assert [r["step"] for r in a] == [r["step"] for r in b] and len(a) >= 10
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in b]),
-                               torch.tensor([r["loss"] for r in a]), rtol=1e-4, atol=1e-5)
+                               torch.tensor([r["loss"] for r in a]), rtol=1e-5, atol=1e-6)
     assert a[-1]["loss"] < 0.8 * a[0]["loss"]  # it did learn
     va, vb = log(one)[-1], log(two)[-1]
-    assert abs(va["val_loss"] - vb["val_loss"]) <= 1e-4 * va["val_loss"]
+    assert abs(va["val_loss"] - vb["val_loss"]) <= 1e-5 * va["val_loss"]
     assert va["val_acc"] == vb["val_acc"]
     ha, hb = load_head(one / "head"), load_head(two / "head")
     torch.testing.assert_close(ha.d2t, hb.d2t)
     for (name, x), y in zip(ha.state_dict().items(), hb.state_dict().values(), strict=True):
-        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=2e-6, msg=name)  # 4.2e-7 measured
     summary = json.loads((two / "train" / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert summary["deepspeed"]["zero_optimization"]["stage"] == 2
