@@ -64,15 +64,19 @@ def copy_data(shards: Path, dest: Path) -> Path:
     return dest
 
 
-def single(shards: Path, out: Path) -> None:
+def single_args(out: Path, *argv: str) -> int:
+    """`eagle2 train-head --out OUT ARGV` in this process."""
     import argparse
 
     from eagle2.train.run import add_arguments, run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert run(parser.parse_args(["--out", str(out), "--target", str(shards / "target"),
-                                  *TRAIN])) == 0
+    return run(parser.parse_args(["--out", str(out), *argv]))
+
+
+def single(shards: Path, out: Path) -> None:
+    assert single_args(out, "--target", str(shards / "target"), *TRAIN) == 0
 
 
 def torchrun(shards: Path, out: Path, *extra: str) -> subprocess.Popen:
@@ -164,3 +168,18 @@ def test_a_killed_run_resumes_to_the_same_head(runs, shards, tmp_path):
     ha, hb = load_head(whole / "head"), load_head(out / "head")
     for (name, x), y in zip(ha.state_dict().items(), hb.state_dict().values(), strict=True):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_deepspeed_runs_the_train_stage_alone_and_keeps_its_own_optimizer(tmp_path):
+    from eagle2.train.deepspeed_train import read_config, resolve_config
+    from eagle2.train.trainer import TrainConfig
+
+    with pytest.raises(ValueError, match="--stages train"):
+        single_args(tmp_path, "--stages", "data,features,train", "--deepspeed", "zero2")
+    with pytest.raises(ValueError, match="optimizer"):
+        resolve_config({"optimizer": {"type": "Adam"}}, TrainConfig(), 2, cuda=False)
+    cfg = resolve_config(read_config("zero2"), TrainConfig(grad_clip=0.5), 8, cuda=True)
+    assert cfg["bf16"]["enabled"] is True and cfg["zero_optimization"]["stage"] == 2
+    assert (cfg["train_batch_size"], cfg["gradient_clipping"]) == (8, 0.5)
+    assert resolve_config(read_config("zero2"), TrainConfig(), 2, cuda=False)["bf16"] == \
+        {"enabled": False}

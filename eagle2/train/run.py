@@ -124,6 +124,10 @@ def run(args) -> int:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         raise ValueError(f"unknown stage(s) {bad}; use a subset of {STAGES}")
+    if args.deepspeed and stages != ["train"]:
+        raise ValueError("--deepspeed runs the train stage alone (--stages train): every rank "
+                         "would run the other stages whole; run them first, split with "
+                         "--worker auto (docs/training.md)")
     if args.threads:
         torch.set_num_threads(args.threads)
     root = Path(args.out)
