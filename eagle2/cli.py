@@ -25,7 +25,8 @@ COMMANDS = {
     "plan": ("eagle2.plan", "plan GPU placement and memory for a model"),
     "serve": ("services.cli_serve", "start Ray Serve with the gRPC service (port 9000)"),
     "client": ("services.client", "call a running service over gRPC"),
-    "bench-service": ("services.bench_service", "benchmark the service against in-process"),
+    "bench-service": ("services.bench_service",
+                      "benchmark the service's OpenAI endpoint against the in-process engine"),
     "soak": ("services.soak", "run a bounded mixed load against the service, with a verdict"),
 }
 

@@ -14,9 +14,10 @@ Reported per level, like those tools:
   draft / verify / other ms per step, bytes per step, the step loop's host time).
 
 Beside it, in the same run and process, the in-process engine (`eagle2.api.Eagle2`, the
-service's tree, measured costs and thread count) on the same prompts: at batch 1, and at batch
-C as a closed loop of C requests in flight (a finished one is replaced at once, as the
-clients do); its TTFT / TPOT / ITL are measured on its events the same way. Ratios
+service's tree, measured costs and thread count) on the same prompts at batch C; its TTFT /
+TPOT / ITL are measured on its events the same way. The two sides take turns: the prompts go
+in groups of C, each group through the service and then in process or the other way round,
+alternating, so that a shared machine's changing load falls on both alike (`_level`). Ratios
 service / in-process are reported per level, and every service output is compared token for
 token with the in-process batch-1 output and with plain decoding (`vanilla`) of the same
 prompt (`return_token_ids`: each chunk carries its token ids).
@@ -329,26 +330,26 @@ def run(args) -> int:
         handle = start(conf, http_port=args.http_port, address="local")
         _log(f"service started in {time.perf_counter() - t0:.0f} s")
     base_url = args.url or f"http://127.0.0.1:{args.http_port}"
-    try:
+    try:  # the report is written before the service stops
         report.update(_measure(args, handle, base_url, prompts, levels))
+        report["machine"]["loadavg_end"] = os.getloadavg()
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(report, indent=2))
+        png = out_path.with_suffix(".png")
+        plot(report, png)
+        print(format_summary(report))
+        print(f"wrote {out_path} and {png}", file=sys.stderr, flush=True)
     finally:
         if handle is not None:
             from services.cli_serve import shutdown
 
-            shutdown(handle, drain_s=2.0)
-    report["machine"]["loadavg_end"] = os.getloadavg()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2))
-    png = out_path.with_suffix(".png")
-    plot(report, png)
-    print(format_summary(report))
-    print(f"wrote {out_path} and {png}", file=sys.stderr)
+            shutdown(handle, drain_s=2.0, serve_timeout_s=60.0)
     return 0
 
 
 def _measure(args, handle, base_url: str, prompts: list[str], levels: list[int]) -> dict:
     """Warm both sides, then per level the service and (unless --no-inprocess) the in-process
-    engine at batch 1 and at batch = the level, on the same prompts."""
+    engine at batch = the level on the same prompts, interleaved (`_level`)."""
     import torch
 
     asyncio.run(_service_level(base_url, prompts[:1], 1, 8, args.mode))  # warm-up
@@ -357,7 +358,7 @@ def _measure(args, handle, base_url: str, prompts: list[str], levels: list[int])
                              "target_placement": first and first["target_placement"],
                              "target_dtype": first and first["target_dtype"],
                              "torch_threads": first and first["torch_threads"]}}
-    llm = None
+    llm, prompt_ids = None, None
     if not args.no_inprocess:
         from eagle2.api import Eagle2
         from eagle2.budget import CostModel
@@ -373,47 +374,27 @@ def _measure(args, handle, base_url: str, prompts: list[str], levels: list[int])
                             "costs": "service's" if costs else "own"}
         prompt_ids = [llm.encode(p) for p in prompts]
         inprocess_level(llm, prompt_ids[:1], 1, 8, args.mode)  # warm-up
-    rows, reference = [], None
-    if llm is not None:
+    reference = None
+    if llm is not None and 1 not in levels:
         recs, wall = inprocess_level(llm, prompt_ids, 1, args.max_tokens, args.mode)
-        batch1 = serving_metrics(recs, wall)
+        out["inprocess_batch1"] = serving_metrics(recs, wall)
         reference = {r["prompt"]: r["token_ids"] for r in recs}
-        out["inprocess_batch1"] = batch1
-        _log(f"in-process batch 1: {batch1['output_tokens_per_s']} tok/s")
-    all_service: list[dict] = []
+    rows, all_service = [], []
     for conc in levels:
-        row = {"concurrency": conc}
-        before = _stats(handle)
-        recs, wall = asyncio.run(_service_level(base_url, prompts, conc, args.max_tokens,
-                                                args.mode))
-        after = _stats(handle)
-        row["service"] = serving_metrics(recs, wall)
-        row["service"]["usage_equals_token_ids"] = all(
-            r["usage_completion_tokens"] == len(r["token_ids"]) for r in recs
-            if not r.get("error"))
-        if handle is not None:
-            row["service"]["engine"] = engine_summary(stats_delta(before, after),
-                                                      row["service"]["output_tokens"])
+        row, recs, recs_ip = _level(args, handle, llm, base_url, prompts, prompt_ids, conc)
+        if conc == 1 and llm is not None:
+            out["inprocess_batch1"] = row["inprocess"]
+            reference = {r["prompt"]: r["token_ids"] for r in recs_ip}
         all_service += [{**r, "concurrency": conc} for r in recs]
-        if llm is not None:
-            s0 = asdict(llm.engine.stats)
-            recs_ip, wall_ip = inprocess_level(llm, prompt_ids, conc, args.max_tokens,
-                                               args.mode)
-            row["inprocess"] = serving_metrics(recs_ip, wall_ip)
-            row["inprocess"]["engine"] = engine_summary(
-                stats_delta(s0, asdict(llm.engine.stats)), row["inprocess"]["output_tokens"])
-            sv, ip = row["service"], row["inprocess"]
-            row["service_over_inprocess"] = {
-                "output_tokens_per_s": ratio(sv["output_tokens_per_s"],
-                                             ip["output_tokens_per_s"]),
-                "tpot_mean": ratio(sv["tpot_ms"]["mean"], ip["tpot_ms"]["mean"]),
-                "ttft_mean": ratio(sv["ttft_ms"]["mean"], ip["ttft_ms"]["mean"])}
-            row["service_over_inprocess_batch1"] = ratio(
-                sv["output_tokens_per_s"], out["inprocess_batch1"]["output_tokens_per_s"])
-            row["service_ids_equal_inprocess_batch1"] = compare_ids(recs, reference)
         rows.append(row)
-        _log(f"c={conc}: service {row['service']['output_tokens_per_s']} tok/s, in-process "
-             f"{row.get('inprocess', {}).get('output_tokens_per_s')} tok/s")
+    for row in rows:
+        if llm is None:
+            continue
+        recs = [r for r in all_service if r["concurrency"] == row["concurrency"]]
+        row["service_over_inprocess_batch1"] = ratio(
+            row["service"]["output_tokens_per_s"],
+            out["inprocess_batch1"]["output_tokens_per_s"])
+        row["service_ids_equal_inprocess_batch1"] = compare_ids(recs, reference)
     out["levels"] = rows
     if llm is not None and not args.no_plain_check:
         recs, _ = inprocess_level(llm, prompt_ids, max(levels), args.max_tokens, "vanilla")
@@ -423,6 +404,52 @@ def _measure(args, handle, base_url: str, prompts: list[str], levels: list[int])
                                                   "usage_completion_tokens", "finish_reason")}
                               for r in all_service]
     return out
+
+
+def _level(args, handle, llm, base_url: str, prompts: list[str], prompt_ids, conc: int):
+    """One concurrency level. The prompts go in groups of `conc`; each group runs through the
+    service (`conc` clients) and in process (batch `conc`), the two in turn, which goes first
+    alternating by group, so that a shared machine's changing load falls on both sides alike.
+    Rates are summed tokens over summed group walls."""
+    groups = [list(range(i, min(i + conc, len(prompts)))) for i in range(0, len(prompts), conc)]
+    svc, ip, walls = [], [], {"service": 0.0, "inprocess": 0.0}
+    before = _stats(handle)
+    s0 = asdict(llm.engine.stats) if llm is not None else None
+
+    def service(idx):
+        recs, wall = asyncio.run(_service_level(base_url, [prompts[i] for i in idx], conc,
+                                                args.max_tokens, args.mode))
+        svc.extend({**r, "prompt": idx[r["prompt"]]} for r in recs)
+        walls["service"] += wall
+
+    def inprocess(idx):
+        recs, wall = inprocess_level(llm, [prompt_ids[i] for i in idx], conc, args.max_tokens,
+                                     args.mode)
+        ip.extend({**r, "prompt": idx[r["prompt"]]} for r in recs)
+        walls["inprocess"] += wall
+
+    for k, idx in enumerate(groups):
+        sides = [service] if llm is None else [service, inprocess][::1 if k % 2 == 0 else -1]
+        for side in sides:
+            side(idx)
+    after = _stats(handle)
+    row: dict = {"concurrency": conc, "service": serving_metrics(svc, walls["service"])}
+    sv = row["service"]
+    sv["usage_equals_token_ids"] = all(r["usage_completion_tokens"] == len(r["token_ids"])
+                                       for r in svc if not r.get("error"))
+    if handle is not None:
+        sv["engine"] = engine_summary(stats_delta(before, after), sv["output_tokens"])
+    if llm is not None:
+        row["inprocess"] = ip_ = serving_metrics(ip, walls["inprocess"])
+        ip_["engine"] = engine_summary(stats_delta(s0, asdict(llm.engine.stats)),
+                                       ip_["output_tokens"])
+        row["service_over_inprocess"] = {
+            "output_tokens_per_s": ratio(sv["output_tokens_per_s"], ip_["output_tokens_per_s"]),
+            "tpot_mean": ratio(sv["tpot_ms"]["mean"], ip_["tpot_ms"]["mean"]),
+            "ttft_mean": ratio(sv["ttft_ms"]["mean"], ip_["ttft_ms"]["mean"])}
+    _log(f"c={conc}: service {sv['output_tokens_per_s']} tok/s, in-process "
+         f"{row.get('inprocess', {}).get('output_tokens_per_s')} tok/s")
+    return row, sorted(svc, key=lambda r: r["prompt"]), sorted(ip, key=lambda r: r["prompt"])
 
 
 def plot(report: dict, path: Path) -> None:

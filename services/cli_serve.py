@@ -53,6 +53,16 @@ def config_from_args(args) -> dict:
     return conf
 
 
+# Ray Serve's shorter per-message path (its RAY_SERVE_THROUGHPUT_OPTIMIZED settings, without
+# direct ingress, which would move the public ports): calls between the proxies, the router and
+# the engine over gRPC instead of Ray actor tasks, and the replicas' user code and handle routing
+# on their main event loop instead of a thread and a loop of their own (no cross-thread hop per
+# streamed message). The same variables in the environment override these (e.g. "0" to compare).
+SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
 def start(conf: dict, blocking: bool = False, http_port: int = 8000,
           metrics_port: int | None = None, address: str | None = None):
     """Start Ray (if needed) and Serve with the gRPC proxy; deploy; return the Serve handle.
@@ -73,7 +83,7 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
         ray.init(address=address, num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size,
                  include_dashboard=False,
                  **extra,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                 runtime_env={"env_vars": {**serve_env(), "TOKENIZERS_PARALLELISM": "false",
                                                # idle OpenMP threads must not spin on cores
                                                # the next process in the step needs
                                                "OMP_WAIT_POLICY": "PASSIVE",
@@ -85,6 +95,11 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
     # one application: mounted at "/", so OpenAI clients use http://HOST:PORT/v1 (the router
     # also answers under /<app_name>/v1, the path of a multi-application deployment)
     return serve.run(build_app(conf), name=cfg.app_name, route_prefix="/", blocking=blocking)
+
+
+def serve_env() -> dict[str, str]:
+    """SERVE_ENV with the values this process's environment sets instead."""
+    return {k: os.environ.get(k, v) for k, v in SERVE_ENV.items()}
 
 
 def run(args) -> int:
@@ -108,10 +123,12 @@ def run(args) -> int:
     return 0
 
 
-def shutdown(handle, drain_s: float) -> None:
+def shutdown(handle, drain_s: float, serve_timeout_s: float = 5.0) -> None:
     """Refuse new requests, let running ones finish (at most drain_s), then stop Serve and
-    Ray (at most 5 s more). If the replicas are already gone (Ctrl-C reaches the whole
-    process group), skip on."""
+    Ray (at most serve_timeout_s more for Serve). If the replicas are already gone (Ctrl-C
+    reaches the whole process group), skip on. A program that goes on afterwards (the bench,
+    tests) gives Serve longer: Ray's stop while Serve's is still under way once crashed the
+    calling process."""
     import time
 
     import ray
@@ -129,7 +146,7 @@ def shutdown(handle, drain_s: float) -> None:
     # may already have stopped: give it a few seconds, then stop Ray's processes regardless.
     stopper = threading.Thread(target=serve.shutdown, daemon=True)
     stopper.start()
-    stopper.join(timeout=5)
+    stopper.join(timeout=serve_timeout_s)
     ray.shutdown()
     reap(started, grace_s=5.0)
 
