@@ -13,7 +13,9 @@ See docs/tensor-parallel.md "Tensor parallelism". Like gpt-fast's `apply_tp`:
   [r * ceil(V / tp), ...) of the vocabulary; greedy tokens cross the ranks as one (max, index)
   pair a row (`greedy_tokens`), and only sampled rows gather whole logits;
 - embed_tokens and the norms stay whole on every rank, so features come out whole on every
-  rank. Per layer a forward makes two all-reduces (o_proj, down_proj), nothing else.
+  rank. Per layer a forward makes two all-reduces (o_proj, down_proj), nothing else: NCCL's
+  on GPUs, on CPUs a `SocketGroup`'s (`eagle2.tp_comm`: gloo's thread handoffs cost
+  milliseconds an op where ranks share busy cores).
 
 `load_sharded` builds the model on the meta device and reads only this rank's slices from the
 safetensors shards (`safe_open(...).get_slice`), one tensor at a time, straight to the device:
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 from eagle2.devices import pick_device
 from eagle2.target import TargetModel
+from eagle2.tp_comm import SocketGroup
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split the weight's dim 0
 ROW = ("o_proj", "down_proj")  # split the weight's dim 1, all-reduce the output
@@ -75,9 +78,13 @@ class RowParallelLinear(torch.nn.Linear):
     """x [..., in / tp] @ weight shard [out, in / tp].T, summed over the ranks (all-reduce).
     A bias (whole on every rank) is added once, after the sum."""
 
+    group: SocketGroup | None = None  # CPU ranks: the socket collectives (else torch's)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self.group is not None:
+            self.group.all_reduce(out)
+        elif dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
@@ -96,6 +103,13 @@ class VocabParallelLMHead(torch.nn.Module):
         self.rows = -(-vocab_size // tp_size)  # rows a rank holds (padded on the last)
         self.start = rank * self.rows  # this rank's first vocabulary index
         self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [rows or fewer, H]
+        self.group: SocketGroup | None = None  # CPU ranks: the socket collectives
+
+    def _gather(self, parts: list[torch.Tensor], local: torch.Tensor) -> None:
+        if self.group is not None:
+            self.group.all_gather(parts, local)
+        else:
+            dist.all_gather(parts, local)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """[..., H] -> this rank's logits [..., rows], -inf past the vocabulary's end."""
@@ -106,7 +120,7 @@ class VocabParallelLMHead(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self._local(x)  # [..., rows]
         parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-        dist.all_gather(parts, local.contiguous())
+        self._gather(parts, local.contiguous())
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]  # [..., V]
 
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +129,7 @@ class VocabParallelLMHead(torch.nn.Module):
         best, idx = self._local(x).float().max(dim=-1)  # [...] each
         pair = torch.stack([best, (idx + self.start).float()], dim=-1)  # [..., 2]
         parts = [torch.empty_like(pair) for _ in range(self.tp_size)]
-        dist.all_gather(parts, pair.contiguous())
+        self._gather(parts, pair.contiguous())
         every = torch.stack(parts)  # [tp, ..., 2]: ranks in vocabulary order
         rank = every[..., 0].argmax(dim=0, keepdim=True)  # first maximum = lowest index
         return every[..., 1].gather(0, rank)[0].long()
@@ -168,14 +182,21 @@ def merge_layer(layer: torch.nn.Module) -> None:
 
 
 def _parallel_layers(model: torch.nn.Module, tp_size: int, rank: int,
-                     head_weight: torch.Tensor) -> None:
+                     head_weight: torch.Tensor, device: torch.device) -> None:
     """A shard's layers as the steps run them: row-parallel o/down, merged column-parallel
-    q|k|v and gate|up, and the vocabulary-parallel lm_head from its rows `head_weight`."""
+    q|k|v and gate|up, and the vocabulary-parallel lm_head from its rows `head_weight`; on a
+    CPU their collectives go over a `SocketGroup` of the process group's ranks."""
     _mark_row_parallel(model, tp_size)
     if tp_size == 1:
         return
     merge_projections(model)
     model.lm_head = VocabParallelLMHead(head_weight, model.config.vocab_size, tp_size, rank)
+    if device.type == "cpu":
+        group = SocketGroup()
+        model.lm_head.group = group
+        for module in model.modules():
+            if isinstance(module, RowParallelLinear):
+                module.group = group
 
 
 def split_dim(name: str) -> int | None:
@@ -239,8 +260,9 @@ def apply_tp(target: TargetModel, tp_size: int, rank: int | None = None,
         # (a copy: a tied lm_head shares the embedding's weight, which stays whole)
         head = model.lm_head.weight.detach()[vocab_rows(len(model.lm_head.weight), tp_size,
                                                         rank)].clone()
-    _parallel_layers(model, tp_size, rank, head)
-    return TargetModel(model.to(pick_device(device)).eval(), target.tokenizer, target.name)
+    dev = pick_device(device)
+    _parallel_layers(model, tp_size, rank, head, dev)
+    return TargetModel(model.to(dev).eval(), target.tokenizer, target.name)
 
 
 # Kept as the old name: callers shard a loaded target the same way.
@@ -312,7 +334,7 @@ def load_sharded(path: str | Path, tp_size: int, rank: int, dtype: torch.dtype,
             merge_layer(model.get_submodule(pname.rsplit(".", 3)[0]))
             loaded = {k: v for k, v in loaded.items() if k[0] == "model.embed_tokens.weight"}
     _rebuild_buffers(model, config, dev)
-    _parallel_layers(model, tp_size, rank, head)
+    _parallel_layers(model, tp_size, rank, head, dev)
     return TargetModel(model.eval(), None, name or str(path))
 
 

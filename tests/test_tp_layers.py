@@ -4,8 +4,10 @@ Two processes each build the same tiny random Llama and take their shard of it (
 merged column-parallel q|k|v and gate|up, row-parallel o / down, a vocabulary-parallel lm_head
 whose vocabulary does not split evenly. Against the unsharded model in this process: the same
 features and logits (fp32 tolerance), the same greedy tokens; per forward exactly two
-all-reduces a layer and nothing else; greedy tokens cross the ranks as (max, index) pairs,
-never as vocabulary-sized tensors.
+all-reduces a layer and nothing else, over the CPU ranks' socket group (`eagle2.tp_comm`; the
+gloo process group carries none); greedy tokens cross the ranks as (max, index) pairs, never
+as vocabulary-sized tensors. The socket group's collectives themselves: every rank gets the
+same bits, for tp 2 and 3.
 """
 
 from __future__ import annotations
@@ -56,26 +58,32 @@ def _rank(rank: int, port: int, queue) -> None:
     from conftest import tiny_target
 
     from eagle2.tp import VocabParallelLMHead, apply_tp, init_tp
+    from eagle2.tp_comm import SocketGroup
 
     torch.set_num_threads(1)
     init_tp(rank, 2, "127.0.0.1", port, backend="gloo")
-    counts = {"all_reduce": 0, "all_gather": 0, "gathered": []}
-    reduce, gather = dist.all_reduce, dist.all_gather
+    counts = {"all_reduce": 0, "all_gather": 0, "gathered": [], "gloo": 0}
+    reduce, gather = SocketGroup.all_reduce, SocketGroup.all_gather
+    gloo_reduce, gloo_gather = dist.all_reduce, dist.all_gather
 
-    def counted_reduce(t, *a, **k):
+    def counted_reduce(self, t):
         counts["all_reduce"] += 1
-        return reduce(t, *a, **k)
+        return reduce(self, t)
 
-    def counted_gather(parts, t, *a, **k):
+    def counted_gather(self, parts, t):
         counts["all_gather"] += 1
         counts["gathered"].append(t.shape[-1])
-        return gather(parts, t, *a, **k)
+        return gather(self, parts, t)
+
+    def gloo(*a, **k):
+        counts["gloo"] += 1
 
     target = apply_tp(tiny_target(vocab=VOCAB, layers=LAYERS, seed=3), 2, rank)
     attn = target.layers[0].self_attn
     assert attn.qkv_proj.weight.shape[0] == sum(attn.qkv_sizes)
     assert isinstance(target.lm_head, VocabParallelLMHead)
-    dist.all_reduce, dist.all_gather = counted_reduce, counted_gather
+    SocketGroup.all_reduce, SocketGroup.all_gather = counted_reduce, counted_gather
+    dist.all_reduce, dist.all_gather = gloo, gloo
     try:
         out = _run(target)
         # a forward's features alone: the layers' all-reduces only
@@ -86,7 +94,9 @@ def _rank(rank: int, port: int, queue) -> None:
         layer_reduces = counts["all_reduce"] - before["all_reduce"]
         layer_gathers = counts["all_gather"] - before["all_gather"]
     finally:
-        dist.all_reduce, dist.all_gather = reduce, gather
+        SocketGroup.all_reduce, SocketGroup.all_gather = reduce, gather
+        dist.all_reduce, dist.all_gather = gloo_reduce, gloo_gather
+    assert counts["gloo"] == 0
     if rank == 0:
         queue.put((out, layer_reduces, layer_gathers, counts["gathered"],
                    tuple(target.lm_head.weight.shape)))
@@ -116,3 +126,44 @@ def test_tp2_layers_equal_the_whole_model_with_two_all_reduces_a_layer():
         assert torch.equal(tok, etok)
     # logits gathered rows of 32 (a rank's vocabulary); greedy tokens pairs of 2 values
     assert set(gathered) == {32, 2} and gathered.count(2) == 2
+
+
+def _collectives(rank: int, world: int, port: int, queue) -> None:
+    from eagle2.tp import init_tp
+    from eagle2.tp_comm import SocketGroup
+
+    init_tp(rank, world, "127.0.0.1", port, backend="gloo")
+    group = SocketGroup()
+    g = torch.Generator().manual_seed(rank)
+    mine = torch.randn(3, 5, generator=g)  # rank-dependent values
+    summed = mine.clone()
+    group.all_reduce(summed)
+    big = torch.full((1 << 20,), float(rank + 1))  # 4 MiB: more than a socket buffer holds
+    group.all_reduce(big)
+    parts = [torch.empty(2, dtype=torch.bfloat16) for _ in range(world)]
+    group.all_gather(parts, torch.tensor([rank, -rank], dtype=torch.bfloat16))
+    queue.put((rank, mine, summed, big[:2].clone(), parts))
+    dist.barrier()
+    group.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_socket_group_sums_and_gathers_the_same_bits_on_every_rank(world):
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_collectives, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = sorted((queue.get(timeout=240) for _ in range(world)), key=lambda x: x[0])
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    expected = got[0][1].clone()
+    for r in range(1, world):
+        expected += got[r][1]  # rank order, as every rank sums
+    for _, _, summed, big, parts in got:
+        assert torch.equal(summed, expected)  # bitwise, on every rank
+        assert torch.equal(big, torch.full((2,), float(sum(range(1, world + 1)))))
+        assert [p.tolist() for p in parts] == [[r, -r] for r in range(world)]

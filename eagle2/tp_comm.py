@@ -1,0 +1,103 @@
+"""The CPU ranks' collectives over TCP sockets: the all-reduce of the row-parallel layers and
+the all-gather of the vocabulary-parallel lm_head (docs/tensor-parallel.md "Collectives").
+
+On GPUs the ranks all-reduce with NCCL (`torch.distributed`). On CPUs gloo does it, but a
+gloo op passes through the process group's worker thread and the transport's I/O thread on
+every rank: where the ranks share a few busy cores, each of those handoffs waits for a core,
+and a decode step makes two such ops a layer. Here a rank writes its tensor's bytes straight
+to each peer's socket and reads theirs in the same thread (the production engines' CPU
+backends likewise replace gloo for these, with shared memory: vLLM's and SGLang's shm
+all-reduce; shared memory needs polling, which oversubscribed cores cannot afford).
+
+Every rank sums the parts in rank order, so all ranks hold the same bits, as gloo's do. The
+ranks of a group run on one node (the placement is STRICT_PACK): they connect over loopback,
+after exchanging their ports over the process group (`dist.all_gather_object`). A peer that
+dies closes its sockets, so a rank waiting for it raises ConnectionError instead of waiting.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import torch
+import torch.distributed as dist
+
+_RANK = struct.Struct("<Q")
+
+
+class SocketGroup:
+    """A full mesh of TCP connections between the world's ranks (pairs in rank order)."""
+
+    def __init__(self, timeout_s: float = 1800.0):
+        """Needs the torch.distributed process group (gloo): it carries the ports."""
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        listener = socket.create_server(("127.0.0.1", 0))
+        ports: list = [None] * self.world_size
+        dist.all_gather_object(ports, listener.getsockname()[1])
+        self.peers: dict[int, socket.socket] = {}
+        for peer in range(self.rank):  # connect to the lower ranks, accept the higher ones
+            sock = socket.create_connection(("127.0.0.1", ports[peer]), timeout=timeout_s)
+            sock.sendall(_RANK.pack(self.rank))
+            self.peers[peer] = sock
+        listener.settimeout(timeout_s)
+        for _ in range(self.rank + 1, self.world_size):
+            sock, _ = listener.accept()
+            (peer,) = _RANK.unpack(_recv(sock, _RANK.size))
+            self.peers[peer] = sock
+        listener.close()
+        for sock in self.peers.values():
+            sock.settimeout(timeout_s)  # a peer that hangs fails the op (as gloo's timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape and dtype on all), in rank order. Pairs go in a global
+        order (lower rank, higher rank) and within a pair the lower rank writes first, so big
+        tensors cannot leave two ranks both blocked writing."""
+        t = t.detach().contiguous()
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        parts: list[torch.Tensor | None] = [None] * self.world_size
+        parts[self.rank] = t
+        for peer in sorted(self.peers):
+            sock = self.peers[peer]
+            if self.rank < peer:
+                sock.sendall(raw)
+                data = _recv(sock, len(raw))
+            else:
+                data = _recv(sock, len(raw))
+                sock.sendall(raw)
+            parts[peer] = torch.frombuffer(data, dtype=torch.uint8).view(t.dtype).view(t.shape)
+        return parts
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """t <- the sum of every rank's t (in rank order: the same bits on every rank)."""
+        if t.numel() == 0:
+            return
+        parts = self._exchange(t)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        t.copy_(total)
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
+        """out[r] <- rank r's t."""
+        if t.numel() == 0:
+            return
+        for dst, part in zip(out, self._exchange(t), strict=True):
+            dst.copy_(part)
+
+    def close(self) -> None:
+        for sock in self.peers.values():
+            sock.close()
+        self.peers = {}
+
+
+def _recv(sock: socket.socket, size: int) -> bytearray:
+    out = bytearray(size)
+    view, got = memoryview(out), 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise ConnectionError("a tensor-parallel peer closed its connection")
+        got += n
+    return out
