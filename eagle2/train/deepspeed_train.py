@@ -130,20 +130,73 @@ def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
                  batch.lengths[rows])
 
 
-class DeepSpeedTrainer(Trainer):
-    """`Trainer` with its optimizer step, checkpoints and loop run by a DeepSpeed engine."""
+class DeepSpeedMixin:
+    """A resumable trainer's (`eagle2.train.trainer.Resumable`) optimizer, checkpoints and
+    log under a DeepSpeed engine; the host class sets head, opt, gen, cfg, out and device."""
 
-    def __init__(self, head: DraftHead, embed: torch.nn.Module, lm_head: torch.nn.Module,
-                 train: list[Sequence], val: list[Sequence], cfg: TrainConfig, out: Path,
-                 ds_config: dict, env: DistEnv):
+    def _setup_deepspeed(self, ds_config: dict, env: DistEnv) -> None:
         import deepspeed
 
-        super().__init__(head, embed, lm_head, train, val, cfg, out)
         self.env = env
         self.bf16 = bool(ds_config["bf16"]["enabled"])
         self.engine, self.opt, _, _ = deepspeed.initialize(
             model=self.head, optimizer=self.opt, config=ds_config)
         self.ckpt_dir = self.out / "deepspeed"
+
+    def _set_lr(self) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.total_steps, self.cfg)
+
+    def _zero(self) -> torch.Tensor:
+        """0 with a gradient path to every parameter (each rank reduces every gradient)."""
+        return sum(p.sum() for p in self.head.parameters()) * 0.0
+
+    # -- checkpoints: DeepSpeed's, with the trainer's state as client state --
+    def save_checkpoint(self) -> None:
+        tag = f"step{self.step:08d}"
+        client = {"step": self.step, "elapsed": self.elapsed, "gen": self.gen.get_state(),
+                  "python_rng": random.getstate(), "config": asdict(self.cfg),
+                  **self._extra_state()}
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
+        dist.barrier()
+        if self.env.is_main:  # `latest` names the new tag now: older ones can go
+            for old in self.ckpt_dir.glob("step*"):
+                if old.name != tag:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def maybe_resume(self) -> bool:
+        if not (self.ckpt_dir / "latest").exists():
+            return False
+        path, client = self.engine.load_checkpoint(str(self.ckpt_dir))
+        assert path is not None, f"unreadable DeepSpeed checkpoint under {self.ckpt_dir}"
+        self.step, self.elapsed = client["step"], client["elapsed"]
+        gen = client["gen"]
+        self.gen.set_state(gen.cpu() if self.device.type == "cpu" else gen)
+        random.setstate(client["python_rng"])
+        self._load_extra(client)
+        if self.env.is_main:
+            self._drop_log_after_checkpoint()
+        return True
+
+    def _write(self, rec: dict) -> None:
+        if self.env.is_main:
+            super()._write(rec)
+
+    def _agree(self, *flags: bool) -> list[bool]:
+        """Rank 0's flags on every rank (each rank's clock differs a little)."""
+        t = torch.tensor([float(f) for f in flags], device=self.device)
+        dist.broadcast(t, src=0)
+        return [bool(x) for x in t.tolist()]
+
+
+class DeepSpeedTrainer(DeepSpeedMixin, Trainer):
+    """`Trainer` with its optimizer step, checkpoints and loop run by a DeepSpeed engine."""
+
+    def __init__(self, head: DraftHead, embed: torch.nn.Module, lm_head: torch.nn.Module,
+                 train: list[Sequence], val: list[Sequence], cfg: TrainConfig, out: Path,
+                 ds_config: dict, env: DistEnv):
+        super().__init__(head, embed, lm_head, train, val, cfg, out)
+        self._setup_deepspeed(ds_config, env)
 
     # -- one step: this rank's rows of the single-process batch --
     def _rank_loss(self, full: Batch, uniform: torch.Tensor | None) -> tuple[StepStats, int]:
@@ -151,8 +204,7 @@ class DeepSpeedTrainer(Trainer):
         part = select_rows(full, rows).to(self.device)
         local = int(part.loss_mask[:, :-1].sum())
         if local == 0:  # no rows or no masked position: a zero gradient, still all-reduced
-            zero = sum(p.sum() for p in self.head.parameters()) * 0.0
-            return StepStats(zero, 0.0, 0.0, 0.0, 0), 0
+            return StepStats(self._zero(), 0.0, 0.0, 0.0, 0), 0
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             stats = step_loss(self.head, self.embed, self.lm_weight, self.d2t, part, self.cfg,
                               self.feature_rms, uniform=None if uniform is None
@@ -160,8 +212,7 @@ class DeepSpeedTrainer(Trainer):
         return stats, local
 
     def train_step(self) -> StepStats:
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.total_steps, self.cfg)
+        self._set_lr()
         full = self.batch_at(self.step, device="cpu")
         uniform = None
         if self.cfg.noise > 0:  # the whole batch's draws, as one process draws them
@@ -189,42 +240,6 @@ class DeepSpeedTrainer(Trainer):
     def evaluate(self, seqs: list[Sequence] | None = None) -> dict[str, float]:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             return super().evaluate(seqs)
-
-    # -- checkpoints: DeepSpeed's, with the trainer's state as client state --
-    def save_checkpoint(self) -> None:
-        tag = f"step{self.step:08d}"
-        client = {"step": self.step, "elapsed": self.elapsed, "gen": self.gen.get_state(),
-                  "python_rng": random.getstate(), "config": asdict(self.cfg)}
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
-        dist.barrier()
-        if self.env.is_main:  # `latest` names the new tag now: older ones can go
-            for old in self.ckpt_dir.glob("step*"):
-                if old.name != tag:
-                    shutil.rmtree(old, ignore_errors=True)
-
-    def maybe_resume(self) -> bool:
-        if not (self.ckpt_dir / "latest").exists():
-            return False
-        path, client = self.engine.load_checkpoint(str(self.ckpt_dir))
-        assert path is not None, f"unreadable DeepSpeed checkpoint under {self.ckpt_dir}"
-        self.step, self.elapsed = client["step"], client["elapsed"]
-        gen = client["gen"]
-        self.gen.set_state(gen.cpu() if self.device.type == "cpu" else gen)
-        random.setstate(client["python_rng"])
-        if self.env.is_main:
-            self._drop_log_after_checkpoint()
-        return True
-
-    def _write(self, rec: dict) -> None:
-        if self.env.is_main:
-            super()._write(rec)
-
-    # -- the loop --
-    def _agree(self, *flags: bool) -> list[bool]:
-        """Rank 0's flags on every rank (each rank's clock differs a little)."""
-        t = torch.tensor([float(f) for f in flags], device=self.device)
-        dist.broadcast(t, src=0)
-        return [bool(x) for x in t.tolist()]
 
     def run(self, max_steps: int | None = None) -> dict:
         end = self.total_steps if max_steps is None else min(max_steps, self.total_steps)

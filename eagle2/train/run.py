@@ -111,9 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--train-minutes", type=float, default=None,
                    help="stop training after this many minutes (then save the head)")
     t.add_argument("--deepspeed", default=None, metavar="CONFIG",
-                   help="data-parallel training of an EAGLE-1/2 head on the feature shards "
-                        "with DeepSpeed (a JSON config, or 'zero2': ZeRO stage 2, bf16 on "
-                        "GPUs); one process per device, started by torchrun "
+                   help="data-parallel training with DeepSpeed (a JSON config, or 'zero2': "
+                        "ZeRO stage 2, bf16 on GPUs): an EAGLE-1/2 head on the feature shards, "
+                        "or the training-time test (--arch eagle3 / --ttt: every rank loads "
+                        "the target); one process per device, started by torchrun "
                         "(docs/training.md)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -157,10 +158,11 @@ def run(args) -> int:
         if not data.extract_features(hf, root, args.max_len, worker=worker_of(args.worker),
                                      layers=layers):
             raise ValueError(f"no conversations under {root}; run the 'data' stage first")
-    if "train" in stages and args.deepspeed:
-        if _trains_ttt(args):
-            raise ValueError("--deepspeed trains EAGLE-1/2 heads on stored features; drop "
-                             "--arch eagle3 / --ttt / --init-head")
+    if "train" in stages and args.deepspeed and _trains_ttt(args):
+        from eagle2.train.deepspeed_ttt import train_ttt_deepspeed_from_args
+
+        train_ttt_deepspeed_from_args(args, root, lambda a: _load_target(a, train=True))
+    elif "train" in stages and args.deepspeed:
         from eagle2.train.deepspeed_train import train_deepspeed_from_args
 
         train_deepspeed_from_args(args, root)

@@ -200,19 +200,33 @@ def unroll(head: DraftHead | Eagle3Head, embed: torch.nn.Module, input_ids: torc
     return outs
 
 
+def step_mask(batch: Batch, top: torch.Tensor, valid: torch.Tensor, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, tgt_top), both [B, T]: the positions step k trains (answer positions whose
+    target argmax lies in the draft vocabulary) and that argmax's draft index. Step k at
+    position t predicts token[t + 2 + k]: the target's logits at t + 1 + k. top: [B, T] the
+    draft index of the target's argmax (-1 outside); valid: [B, T] not padding."""
+    tgt_top = F.pad(top[:, 1 + k:], (0, 1 + k), value=-1)
+    return F.pad(batch.loss_mask[:, k:], (0, k)) & valid & (tgt_top >= 0), tgt_top
+
+
 def unrolled_loss(head: DraftHead | Eagle3Head, embed: torch.nn.Module, batch: Batch,
                   feats: torch.Tensor, logits: torch.Tensor, cfg: TTTConfig, t2d: torch.Tensor,
                   lm_weight: torch.Tensor, feature_rms: float = 1.0,
-                  gen: torch.Generator | None = None) -> StepStats:
+                  gen: torch.Generator | None = None, uniform: torch.Tensor | None = None,
+                  denominators: list[float] | None = None) -> StepStats:
     """The training-time test over one batch (see the module doc).
 
     feats: target features at every position; logits: [B, T, V] the target's. t2d: [V] long,
     the draft index of each target token (-1 outside the draft vocabulary). lm_weight: [Vd, H]
-    the draft logits' matrix (`head.output_weight`: the head's own or the target's rows)."""
+    the draft logits' matrix (`head.output_weight`: the head's own or the target's rows).
+    uniform: [B, T, F] the noise's U(0, 1) draws (default: drawn from gen). denominators: per
+    step, what its summed cross-entropy is divided by in the loss (default: its count here,
+    a mean; data-parallel ranks give the whole batch's count / ranks)."""
     num_t = batch.input_ids.shape[1]
     device = feats.device
     if cfg.noise > 0 and head.training:
-        u = torch.rand(feats.shape, generator=gen, device=device)
+        u = torch.rand(feats.shape, generator=gen, device=device) if uniform is None else uniform
         feats = feats + (u - 0.5) * (cfg.noise * feature_rms)
     outs = unroll(head, embed, batch.input_ids, batch.lengths, feats, cfg.steps)
     valid = torch.arange(num_t, device=device)[None] < batch.lengths[:, None]
@@ -223,9 +237,7 @@ def unrolled_loss(head: DraftHead | Eagle3Head, embed: torch.nn.Module, batch: B
         top = t2d[logits.argmax(-1)]  # [B, T] draft index of the target's argmax, -1 outside
         probs = torch.softmax(logits[..., draft_ids], dim=-1)  # [B, T, Vd] renormalised
     for k, g in enumerate(outs):
-        # step k at position t predicts token[t + 2 + k]: the target's logits at t + 1 + k
-        tgt_top = F.pad(top[:, 1 + k:], (0, 1 + k), value=-1)  # [B, T]
-        mask = F.pad(batch.loss_mask[:, k:], (0, k)) & valid & (tgt_top >= 0)
+        mask, tgt_top = step_mask(batch, top, valid, k)
         if not mask.any():
             stats.ce.append(0.0)
             stats.acc.append(0.0)
@@ -235,8 +247,10 @@ def unrolled_loss(head: DraftHead | Eagle3Head, embed: torch.nn.Module, batch: B
         p = probs[rows, cols + 1 + k]  # [M, Vd]
         draft_logits = head.pre_logits(g[rows, cols]) @ lm_weight.T  # [M, Vd]
         logp = torch.log_softmax(draft_logits.float(), dim=-1)
-        ce = -(p * logp).sum(-1).mean()
-        total = total + cfg.decay ** k * ce
+        ce_rows = -(p * logp).sum(-1)  # [M]
+        ce = ce_rows.mean()
+        total = total + cfg.decay ** k * (ce if denominators is None
+                                          else ce_rows.sum() / denominators[k])
         with torch.no_grad():
             acc = (logp.argmax(-1) == tgt_top[rows, cols]).float().mean().item()
         stats.ce.append(ce.item())
@@ -419,9 +433,11 @@ def build_eagle3_head(target, train: list[Sequence], vocab_size: int, seed: int,
     return head.to(target.device)
 
 
-def train_ttt_from_args(args, target, root: Path) -> dict:
+def train_ttt_from_args(args, target, root: Path, make_trainer=TTTTrainer) -> dict:
     """The `train` stage of `eagle2 train-head --arch eagle3` (or `--ttt`): conversations of
-    OUT and --extra-data -> split -> TTT training -> the head saved in the published layout."""
+    OUT and --extra-data -> split -> TTT training -> the head saved in the published layout.
+    make_trainer: (head, target, train, val, cfg, out) -> the trainer (data-parallel ranks:
+    `eagle2.train.deepspeed_ttt`; only rank 0 writes the head and summary)."""
     from eagle2.head import save_head
     from eagle2.train.plot import plot_ttt_log
 
@@ -437,7 +453,7 @@ def train_ttt_from_args(args, target, root: Path) -> dict:
                     patience=args.patience, bf16=args.bf16,
                     checkpoint_seconds=60 * args.checkpoint_minutes,
                     max_seconds=60 * args.train_minutes if args.train_minutes else None,
-                    seed=args.seed)
+                    log_every=args.log_every, seed=args.seed)
     if args.init_head:  # fine-tune an existing head (its kind and draft vocabulary)
         from eagle2.head import load_head
 
@@ -449,10 +465,12 @@ def train_ttt_from_args(args, target, root: Path) -> dict:
 
         head = build_head(target, train, args.draft_vocab, args.init, args.seed)
     out = root / f"train-ttt-{head.kind}"
-    trainer = TTTTrainer(head, target, train, val, cfg, out)
+    trainer = make_trainer(head, target, train, val, cfg, out)
     if trainer.maybe_resume():
         print(f"resumed from step {trainer.step}/{trainer.total_steps}", flush=True)
     summary = trainer.run()
+    if getattr(trainer, "env", None) is not None and not trainer.env.is_main:
+        return summary
     summary.update(num_sequences=len(train), num_val_sequences=len(val),
                    trained_positions=sum(int(s.loss_mask.sum()) for s in train),
                    draft_vocab=int(head.d2t.numel()), feature_layers=trainer.layers,
