@@ -31,10 +31,17 @@ class KVCache:
 
     Positions [0, lengths[b]) are committed; positions after it are scratch written by the
     current tree step and either committed by `commit` or overwritten by the next step.
+
+    Two layouts of the same tensors (docs/kv-cache.md): slotted (`block_tables` None), where
+    block b is slot b's whole row of S entries; paged, where k and v hold fixed-size blocks
+    of `block_size` entries, per layer [blocks, KVH, block_size, Dh] (FlashInfer's paged KV
+    cache, kv_layout "HND"), and slot b's position p is entry p % block_size of block
+    block_tables[b, p // block_size]. The last block is the null block: table entries no
+    block was given to point at it (scratch that nobody reads unmasked).
     """
 
-    k: torch.Tensor  # [L, slots, KVH, S, Dh]
-    v: torch.Tensor  # [L, slots, KVH, S, Dh]
+    k: torch.Tensor  # [L, blocks, KVH, S, Dh] (slotted: blocks = slots; paged: S = block_size)
+    v: torch.Tensor  # [L, blocks, KVH, S, Dh]
     lengths: torch.Tensor  # [slots] committed length, long
     # the committed keys kept transposed in blocks for the CPU backend's native attention
     # (docs/cpu-backend.md), and with AMX the committed values as its tiles after them:
@@ -42,6 +49,8 @@ class KVCache:
     # and per layer, slot and KV head how many key blocks are valid [L, slots, KVH]
     key_blocks: torch.Tensor | None = None
     key_blocks_valid: torch.Tensor | None = None
+    # paged: [slots, max_blocks] long, each slot's blocks in position order (null-padded)
+    block_tables: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
@@ -55,6 +64,59 @@ class KVCache:
         v[..., head_dim:] = 1
         return cls(torch.zeros(shape, dtype=dtype, device=device), v,
                    torch.zeros(num_slots, dtype=torch.long, device=device))
+
+    @classmethod
+    def allocate_paged(cls, num_layers: int, num_slots: int, num_blocks: int, block_size: int,
+                       max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       device: torch.device | str, ones_column: bool = False) -> KVCache:
+        """num_blocks blocks of block_size entries (and the null block after them) shared by
+        num_slots sequences of at most max_len entries each; every table entry null."""
+        cache = cls.allocate(num_layers, num_blocks + 1, num_kv_heads, block_size, head_dim,
+                             dtype, device, ones_column)
+        cache.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
+        cache.block_tables = torch.full((num_slots, -(-max_len // block_size)), num_blocks,
+                                        dtype=torch.long, device=device)
+        return cache
+
+    @property
+    def paged(self) -> bool:
+        return self.block_tables is not None
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def null_block(self) -> int:
+        return self.k.shape[1] - 1
+
+    def set_blocks(self, slot: int, blocks: list[int]) -> None:
+        """Slot's block table: blocks in position order, the rest null (paged only)."""
+        row = self.block_tables[slot]
+        assert len(blocks) <= row.shape[0], f"{len(blocks)} blocks > {row.shape[0]} per slot"
+        row.fill_(self.null_block)
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long, device=row.device)
+
+    def entries(self, slots: torch.Tensor, pos: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots [B] and positions [B, N] -> (block [B, N], offset [B, N]) of the paged cache.
+        E.g. block_size 4, table [7, 2]: position 5 -> block 2, offset 1."""
+        size = self.block_size
+        return self.block_tables[slots[:, None], pos // size], pos % size
+
+    def gather(self, layer_idx: int, slots: torch.Tensor, width: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's first `width` entries of each slot's K and V (all columns), read
+        through the block tables into rows of the slotted layout: [B, KVH, width, Dh(+1)]
+        (a copy; what attention kernels without a block table read)."""
+        blocks = self.block_tables[slots, : -(-width // self.block_size)]  # [B, nb]
+
+        def rows(kv: torch.Tensor) -> torch.Tensor:
+            got = kv[layer_idx][blocks]  # [B, nb, KVH, bs, D]
+            num_b, nb, num_kv, size, dim = got.shape
+            return got.transpose(1, 2).reshape(num_b, num_kv, nb * size, dim)[:, :, :width]
+
+        return rows(self.k), rows(self.v)
 
     def layer_key_blocks(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One layer's (key_blocks, key_blocks_valid) for the native attention, or Nones."""
@@ -82,6 +144,9 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
+        """The most entries one slot holds."""
+        if self.block_tables is not None:
+            return self.block_tables.shape[1] * self.block_size
         return self.k.shape[3]
 
     def commit(self, slots: torch.Tensor, node_idx: torch.Tensor, num_kept: torch.Tensor) -> None:
@@ -101,6 +166,13 @@ class KVCache:
         src = base[:, None] + node_idx  # [B, A]
         dst = base[:, None] + torch.arange(node_idx.shape[1], device=node_idx.device)
         assert int(src.max()) < self.max_len, "tree ran past the cache; allocate a longer one"
+        if self.block_tables is not None:
+            (src_block, src_off), (dst_block, dst_off) = (self.entries(slots, src),
+                                                          self.entries(slots, dst))
+            for kv in (self.k, self.v):
+                kv[:, dst_block, :, dst_off] = kv[:, src_block, :, src_off]  # [B, A, L, KVH, D]
+            self.lengths[slots] += num_kept
+            return
         for kv in (self.k, self.v):
             moved = kv[:, slots[:, None], :, src]  # [B, A, L, KVH, Dh] (advanced dims first)
             kv[:, slots[:, None], :, dst] = moved
@@ -108,7 +180,12 @@ class KVCache:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Slot src's committed entries (only those: a whole slot of the embedded model is
-        50 MB, and copying it took 17-30 ms each time a request finished) into slot dst."""
+        50 MB, and copying it took 17-30 ms each time a request finished) into slot dst.
+        Paged: the block table is copied, not the entries."""
+        if self.block_tables is not None:
+            self.block_tables[dst] = self.block_tables[src]
+            self.lengths[dst] = self.lengths[src]
+            return
         n = int(self.lengths[src])
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
@@ -147,6 +224,11 @@ class StepInputs:
     window: AttentionWindow | None = None
     base: torch.Tensor | None = None  # [B] committed lengths (what `tree_mask` is after)
     tree_mask: torch.Tensor | None = None  # [B, N, T] scratch entries each new token sees
+    # paged cache: entries of each slot the layers read through the block tables (gathered
+    # into rows of the slotted layout for SDPA and `window`), and the inputs `window.attend`
+    # gets with those rows (slots 0..B-1, contiguous)
+    gather_len: int = 0
+    gathered: StepInputs | None = None
 
 
 def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
@@ -184,14 +266,30 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
         mask.scatter_(2, scratch[:, None, :].expand(num_b, num_n, num_t), tree_mask)
         mask = mask[:, None]
     cos, sin = rotary(like, positions)
-    contiguous = num_b > 0 and slot_ids == list(range(num_b))
+    paged = cache.block_tables is not None
+    contiguous = not paged and num_b > 0 and slot_ids == list(range(num_b))
     write_start = None
     if contiguous and starts.count(starts[0]) == num_b:
         write_start = starts[0] + num_t - num_n
-    found = (exact_window(base, tree_mask, slots, cache.k.shape[1:])
+    rows, shape = slots, cache.k.shape[1:]
+    gather_len = 0
+    if paged:  # the layers read gathered rows: [B, KVH, gather_len, Dh]
+        gather_len = min(-(-s_used // PAGED_GATHER) * PAGED_GATHER, cache.max_len)
+        rows = torch.arange(num_b, device=slots.device)
+        shape = (num_b, shape[1], gather_len, shape[3])
+    found = (exact_window(base, tree_mask, rows, shape)
              if exact_window is not None and window is None else None)
-    return StepInputs(slots, write_pos, mask, cos, sin, contiguous, write_start, found,
-                      base, tree_mask)
+    inp = StepInputs(slots, write_pos, mask, cos, sin, contiguous, write_start, found,
+                     base, tree_mask, gather_len)
+    if paged:
+        inp.gathered = StepInputs(rows, write_pos, mask, cos, sin, True, None, found, base,
+                                  tree_mask, gather_len)
+    return inp
+
+
+# a paged forward gathers each slot's entries rounded up to this (the CPU's exact attention
+# rounds the keys it scores up to 64, FlexAttention's blocks are 128)
+PAGED_GATHER = 128
 
 
 class RopeTable:
@@ -254,6 +352,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
     """Write the new k, v [B, KVH, N, Dh] into the cache, attend q [B, Hq, N, Dh] over the
     prefix and the tree (inp.mask): -> [B, Hq, N, Dh]."""
     num_b, num_n = q.shape[0], q.shape[2]
+    if cache.block_tables is not None:
+        return _paged_attention(q, k, v, cache, layer_idx, inp)
     cache_v = cache.values[layer_idx]
     if inp.write_start is not None:  # contiguous slots, all at one length: slice copies
         end = inp.write_start + num_n
@@ -276,6 +376,23 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
         q, keys.to(q.dtype), values.to(q.dtype), attn_mask=inp.mask,
         enable_gqa=q.shape[1] != keys.shape[1],
     )
+
+
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                     layer_idx: int, inp: StepInputs) -> torch.Tensor:
+    """`cached_attention` over a paged cache: the new k, v [B, KVH, N, Dh] go to their blocks,
+    then the attention reads each slot's entries gathered through its block table."""
+    block, off = cache.entries(inp.slots, inp.write_pos)  # [B, N]
+    head_dim = k.shape[-1]
+    cache.k[layer_idx][block, :, off] = k.transpose(1, 2).to(cache.k.dtype)  # [B, N, KVH, Dh]
+    cache.v[layer_idx][block, :, off, :head_dim] = v.transpose(1, 2).to(cache.v.dtype)
+    keys, values = cache.gather(layer_idx, inp.slots, inp.gather_len)
+    if inp.window is not None:
+        return inp.window.attend(q, keys, values, inp.gathered)
+    s_used = inp.mask.shape[-1]
+    return F.scaled_dot_product_attention(
+        q, keys[:, :, :s_used].to(q.dtype), values[:, :, :s_used, :head_dim].to(q.dtype),
+        attn_mask=inp.mask, enable_gqa=q.shape[1] != keys.shape[1])
 
 
 def sequence_inputs(cache: KVCache, lengths: torch.Tensor, num_t: int,

@@ -153,11 +153,12 @@ class BlockManager:
             hashes.append(h)
         return found, hashes
 
-    def can_allocate(self, tokens: Sequence[int], num_entries: int) -> bool:
-        """Whether `allocate(_, tokens, num_entries)` would succeed now."""
+    def can_allocate(self, tokens: Sequence[int], num_entries: int, spare: int = 0) -> bool:
+        """Whether `allocate(_, tokens, num_entries)` would succeed now and leave at least
+        `spare` blocks free."""
         found, _ = self._match(tokens)
         from_free = sum(self.pool.ref_counts[i] == 0 for i in found)
-        return self.blocks_for(num_entries) - len(found) <= self.num_free - from_free
+        return self.blocks_for(num_entries) - len(found) + spare <= self.num_free - from_free
 
     def allocate(self, seq_id: str, tokens: Sequence[int], num_entries: int) -> int | None:
         """A table for a new sequence with prompt `tokens`, covering num_entries entries

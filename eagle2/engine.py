@@ -47,6 +47,7 @@ from eagle2.lookup import (
     rank_branches,
 )
 from eagle2.ngram import NgramStore
+from eagle2.paging import Paging
 from eagle2.runner import TargetRunner
 from eagle2.tree import HOST, DraftTree, prune_tree, root_only, to_device, tree_from_rows
 from eagle2.verify import Verified
@@ -121,6 +122,19 @@ class EngineStats:
     # torch thread counts the engine switched to while other processes took or freed cores
     # (`Engine.threads`, `eagle2.threads.LoadFollower`), in order
     thread_switches: list[int] = field(default_factory=list)
+    # paged cache (docs/kv-cache.md "Paged cache"): prompt tokens (a preempted request's
+    # prompt and output) looked up in the prefix cache, and of those the ones found cached;
+    # tokens the prefills computed; requests preempted because blocks ran out
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens whose K/V came from the prefix cache, over those looked up."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens \
+            else 0.0
 
 
 @dataclass
@@ -150,6 +164,10 @@ class _Seq:
     # prompt lookup for steps without a draft call (`Engine._lookup_trees`): the request's
     # tokens so far (prompt and output) and their n-gram index, built on first need
     history: TokenHistory | None = None
+    order: int = 0  # admission order (paged cache: the newest is preempted first)
+
+    def tokens(self) -> list[int]:
+        return list(self.req.prompt_ids) + self.output
 
     @property
     def auto(self) -> bool:
@@ -173,8 +191,15 @@ class Engine:
     def __init__(self, runner: TargetRunner, drafter: DrafterLike | None, max_batch: int = 8,
                  max_context: int = 2048, tree_margin: int | None = None,
                  costs: CostModel | Path | None = None, lookup_alone: bool = True,
-                 lookup_table: LookupTable | None = None, ngram: NgramStore | None = None):
+                 lookup_table: LookupTable | None = None, ngram: NgramStore | None = None,
+                 max_running: int | None = None, prefix_caching: bool = True):
         """runner: a target with max_batch cache slots of max_context + tree_margin entries.
+        max_running: the most requests a step runs (the runner's slots; max_batch is its
+        older name, used where this is None). Where the runner's cache is paged
+        (`LocalRunner.paged`), requests start only when blocks are free for them, the newest is
+        preempted when blocks run out (and recomputed later), and with prefix_caching a
+        request reuses the cached blocks of its prompt's longest cached prefix
+        (docs/kv-cache.md "Paged cache").
         costs: this machine's forward and draft costs (auto budgets): a CostModel, a cache
         file (read, or measured once and written there), or None (measured, kept in memory).
         Measured at the first auto-budget step unless `costs` is touched before.
@@ -184,13 +209,22 @@ class Engine:
         fitted table, else the conservative default).
         ngram: the n-gram store whose chains compete with prompt lookup's on those steps
         (default: the in-process drafter's, where its head ships one; `eagle2.ngram`)."""
+        max_batch = max_running if max_running is not None else max_batch
         if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+            raise ValueError(f"max_running (max_batch) must be >= 1, got {max_batch}")
         self.runner, self.drafter = runner, drafter
         self.max_batch, self.max_context = max_batch, max_context
         self.tree_margin = tree_margin or Engine.tree_margin
         self.seqs: list[_Seq] = []  # index = cache slot
         self.waiting: list[Request] = []
+        # paged cache: block tables, admission and preemption by blocks, prefix caching
+        self.paging = (Paging(runner, max_context + self.tree_margin, prefix_caching)
+                       if getattr(runner, "paged", None) else None)
+        self.preempted: list[_Seq] = []  # to resume (recomputed), oldest admitted first
+        # a prefill batch's padded tokens (requests x the longest) stay within this, so its
+        # [B, W, W] mask stays bounded (one request always goes)
+        self.prefill_budget = 8192
+        self._admitted = 0  # requests admitted so far (`_Seq.order`)
         self.stats = EngineStats()
         self._costs = costs
         self._cost_path = costs if isinstance(costs, Path) else None
@@ -290,13 +324,15 @@ class Engine:
         self.waiting.append(req)
 
     def ids(self) -> set[str]:
-        return {s.req.seq_id for s in self.seqs} | {r.seq_id for r in self.waiting}
+        return ({s.req.seq_id for s in self.seqs + self.preempted}
+                | {r.seq_id for r in self.waiting})
 
     def has_work(self) -> bool:
-        return bool(self.seqs or self.waiting)
+        return bool(self.seqs or self.waiting or self.preempted)
 
     def cancel(self, seq_id: str) -> None:
         self.waiting = [r for r in self.waiting if r.seq_id != seq_id]
+        self.preempted = [s for s in self.preempted if s.req.seq_id != seq_id]
         for i, s in enumerate(self.seqs):
             if s.req.seq_id == seq_id:
                 self._remove(i)
@@ -307,7 +343,8 @@ class Engine:
         """Admit waiting requests (prefill) or run one draft-verify-commit step for all."""
         if self.threads is not None:
             self._follow_load()
-        if self.waiting and len(self.seqs) < self.max_batch:
+        if (self.waiting or self.preempted) and len(self.seqs) < self.max_batch \
+                and self._admissible():
             return self._prefill()
         if not self.seqs:
             return []
@@ -328,6 +365,8 @@ class Engine:
         drafted = any(s.drafted for s in self.seqs if s.auto)
         if auto:
             tree = self._choose_budget(tree, drafted, drafted_s)
+        if self.paging is not None:
+            tree = self._reserve(tree)
         t1 = time.perf_counter()
         context = self._context()
         verified, features = self._verify(tree)
@@ -884,6 +923,11 @@ class Engine:
             s.num_steps += 1
             s.accepted_at_depth[n - 1] += 1
             events.append(self._emit(s, verified.tokens[b]))
+        if self.paging is not None and self.paging.blocks.prefix_caching:
+            # full blocks become shareable (kept after a request ends, e.g. the next turn's)
+            for s, length in zip(self.seqs, self.runner.lengths[: len(self.seqs)].tolist(),
+                                 strict=True):
+                self.paging.commit(s.req.seq_id, length, s.tokens)
         self._drop_finished(events)
         return events
 
@@ -920,36 +964,140 @@ class Engine:
         self.seqs.pop()
         dev = self.runner.device
         self.runner.set_lengths(torch.tensor([last], device=dev), torch.tensor([0], device=dev))
+        if self.paging is not None:
+            self.paging.free(s.req.seq_id, i, last)
         if self.drafter is not None and s.req.tree.mode != "vanilla":
             self.drafter.release(s.req.seq_id)
 
+    # ----- paged cache: admission and preemption by blocks ---------------------------------------
+    def _candidates(self) -> list[_Seq | Request]:
+        """Who starts next, in order: preempted requests (oldest admitted first), then the
+        waiting ones."""
+        return [*self.preempted, *self.waiting]
+
+    @staticmethod
+    def _uses_prefix_cache(r: Request) -> bool:
+        """Whether a request may take cached prefix blocks: greedy or vanilla ones, whose
+        output cannot depend on it. (A seeded sampled request's trees, so its sample, depend
+        on the head's input, which a prefix hit shortens: it always computes its prompt.)"""
+        return r.params.greedy or r.tree.mode == "vanilla"
+
+    def _admissible(self) -> bool:
+        """Whether the first candidate can start now (`_fits`)."""
+        return self.paging is None or self._fits(self._candidates()[0], len(self.seqs))
+
+    def _fits(self, c: _Seq | Request, rows: int) -> bool:
+        """Whether a candidate's blocks are free beside `rows` running requests, keeping one
+        block per running request free for its growth (a request admitted only to be
+        preempted at the next step would be recomputed again and again)."""
+        req = c.req if isinstance(c, _Seq) else c
+        return self.paging.can_admit(self._prefill_tokens(c), self._uses_prefix_cache(req),
+                                     spare=rows)
+
+    @staticmethod
+    def _prefill_tokens(c: _Seq | Request) -> list[int]:
+        """What a candidate's prefill computes: a prompt, or a resumed request's committed
+        entries (all its tokens but the newest)."""
+        return c.tokens()[:-1] if isinstance(c, _Seq) else list(c.prompt_ids)
+
+    def _reserve(self, tree: DraftTree) -> DraftTree:
+        """Blocks for this step's trees (N entries past each committed prefix); where they run
+        out, the newest request is preempted (`_preempt`) until they fit. -> the trees of the
+        requests still running, in their rows' order."""
+        before = list(self.seqs)
+        num_n = tree.tokens.shape[1]
+        lengths = self.runner.lengths[: len(before)].tolist()
+        for s, length in sorted(zip(before, lengths, strict=True), key=lambda p: p[0].order):
+            while self._row(s) is not None and not self.paging.ensure(
+                    s.req.seq_id, self._row(s), length + num_n):
+                self._preempt(max(self.seqs, key=lambda x: x.order))
+        if len(self.seqs) == len(before):
+            return tree
+        rows = [next(i for i, b in enumerate(before) if b is s) for s in self.seqs]
+        return tree.select(torch.tensor(rows, device=HOST))
+
+    def _row(self, s: _Seq) -> int | None:
+        return next((i for i, x in enumerate(self.seqs) if x is s), None)
+
+    def _preempt(self, s: _Seq) -> None:
+        """Free a running request's blocks (and its draft state); it resumes later from its
+        prompt and output, recomputed (`_prefill`), with the output it would have had."""
+        self._remove(self._row(s))
+        s.backlog.clear()
+        self.preempted.append(s)
+        self.preempted.sort(key=lambda x: x.order)
+        self.stats.preemptions += 1
+
+    def _admit(self) -> list[tuple[Request, _Seq | None, list[int], int]]:
+        """The candidates that start now (rows free, and blocks where paged), taken off their
+        queues: (request, the preempted _Seq or None, tokens to prefill, how many of them
+        are cached)."""
+        out, widest = [], 0
+        for c in self._candidates():
+            rows = len(self.seqs) + len(out)
+            tokens = self._prefill_tokens(c)
+            widest = max(widest, len(tokens))
+            if rows >= self.max_batch or (out and widest * (len(out) + 1) > self.prefill_budget):
+                break
+            resumed = c if isinstance(c, _Seq) else None
+            req = c.req if resumed else c
+            cached = 0
+            if self.paging is not None:
+                if not self._fits(c, rows):
+                    break
+                cached = self.paging.admit(req.seq_id, rows, tokens, self._uses_prefix_cache(req))
+                self.stats.prefix_query_tokens += len(tokens)
+                self.stats.prefix_hit_tokens += cached
+            out.append((req, resumed, tokens, cached))
+        taken = {r.seq_id for r, _, _, _ in out}
+        self.preempted = [s for s in self.preempted if s.req.seq_id not in taken]
+        self.waiting = [r for r in self.waiting if r.seq_id not in taken]
+        return out
+
     # ----- prefill ----------------------------------------------------------------------------
     def _prefill(self) -> list[Event]:
+        """Admitted requests' tokens past their cached prefixes, right-padded into one
+        causal batch; new requests get their first token, resumed ones continue."""
         t0 = time.perf_counter()
         idle = not self.seqs
-        room = self.max_batch - len(self.seqs)
-        batch, self.waiting = self.waiting[:room], self.waiting[room:]
+        batch = self._admit()
         dev = self.runner.device
-        lengths = torch.tensor([len(r.prompt_ids) for r in batch], device=dev)
+        cached = torch.tensor([c for _, _, _, c in batch], device=dev)
+        lengths = torch.tensor([len(t) - c for _, _, t, c in batch], device=dev)  # computed
         width = int(lengths.max())
         tokens = torch.zeros(len(batch), width, dtype=torch.long, device=dev)
-        for b, r in enumerate(batch):
-            tokens[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=dev)
+        for b, (_, _, toks, c) in enumerate(batch):
+            tokens[b, : len(toks) - c] = torch.tensor(toks[c:], device=dev)
         first = len(self.seqs)
         slots = torch.arange(first, first + len(batch), device=dev)
-        self.runner.set_lengths(slots, torch.zeros_like(slots))
-        positions = torch.arange(width, device=dev).expand(len(batch), width)
-        gens = [_generator(r.params) for r in batch]
+        self.runner.set_lengths(slots, cached)
+        positions = cached[:, None] + torch.arange(width, device=dev)
+        # a resumed request's next token is known: greedy params take no sample from its
+        # generator (its output continues as it would have)
+        params = [SamplingParams() if s is not None else r.params for r, s, _, _ in batch]
+        gens = [None if s is not None else _generator(r.params) for r, s, _, _ in batch]
         features, first = self.runner.prefill_step(
-            tokens, positions, causal_mask(lengths, width), slots, lengths - 1,
-            [r.params for r in batch], gens)  # features [B, S, H]
+            tokens, positions, causal_mask(lengths, width), slots, lengths - 1, params,
+            gens)  # features [B, S, H]
         features = to_device(features, dev)
-        self.runner.set_lengths(slots, lengths)
+        self.runner.set_lengths(slots, cached + lengths)
+        self.stats.prefill_tokens += int(lengths.sum())
         events = []
-        for b, (r, gen, tok) in enumerate(zip(batch, gens, first, strict=True)):
-            n = len(r.prompt_ids)
-            s = _Seq(r, gen, features[b, :n],
-                     torch.tensor(list(r.prompt_ids[1:]) + [tok], device=dev))
+        for b, ((r, resumed, toks, c), tok) in enumerate(zip(batch, first, strict=True)):
+            n = len(toks) - c
+            # pairs (feature of position t, token t + 1) over the computed positions; the
+            # last one's token is the next root: the first new token, or a resumed request's
+            # newest token
+            root = resumed.output[-1] if resumed is not None else tok
+            feats = features[b, :n]
+            following = torch.tensor(toks[c + 1:] + [root], device=dev)
+            self._admitted += 1
+            if resumed is not None:
+                resumed.pending_feats, resumed.pending_tokens = feats, following
+                resumed.probe = True
+                self.seqs.append(resumed)
+                continue
+            s = _Seq(r, gens[b], feats, following, order=self._admitted)
             self.seqs.append(s)
             events.append(self._emit(s, [tok]))
         self._drop_finished(events)
@@ -960,7 +1108,7 @@ class Engine:
         # does not pay at a batch size would otherwise probe every new batch of requests
         # (at batch 2 on an AVX2 CPU ~1-2% of their decoding)
         self._rate, self._depths_used, self._sizes_used = 0.0, [], []
-        if idle and not all(r.params.greedy for r in batch):
+        if idle and not all(r.params.greedy for r, _, _, _ in batch):
             self.gates.clear()
             self._last_gate = None
         self.stats.prefill_s += time.perf_counter() - t0

@@ -19,6 +19,8 @@ from eagle2.target import TargetModel
 from eagle2.tree import DraftTree, to_device
 from eagle2.verify import Verified, first_tokens, verify_batch, verify_greedy_lazily
 
+BLOCK_SIZE = 32  # entries per block of a paged cache: the CPU exact attention's key chunk
+
 
 class TargetRunner(Protocol):
     vocab_size: int
@@ -60,25 +62,40 @@ class LocalRunner:
     """The whole target (or one tensor-parallel rank's shard of it) and its KV cache in this
     process."""
 
-    def __init__(self, target: TargetModel, num_slots: int, max_len: int):
+    def __init__(self, target: TargetModel, num_slots: int, max_len: int,
+                 num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
+                 kv_cache_memory: int | None = None):
+        """num_slots sequences (cache slots) of at most max_len entries each. Paged
+        (docs/kv-cache.md "Paged cache") where the target's attention reads blocks
+        (`TargetModel.pages`) and num_blocks or kv_cache_memory (bytes, which
+        `num_blocks_for` turns into blocks) is given: the slots share num_blocks blocks of
+        block_size entries, which the engine hands out (`Engine`, `eagle2.blocks`); else each
+        slot holds max_len entries of its own."""
         self.target = target.fuse()  # the backend's layers (`Backend.prepare`)
         self.vocab_size = target.vocab_size
         self.device = target.device
-        self.cache = target.allocate_cache(num_slots, max_len)
+        if num_blocks is None and kv_cache_memory is not None:
+            num_blocks = num_blocks_for(target, kv_cache_memory, block_size)
+        if num_blocks is not None and target.pages:
+            self.cache = target.allocate_paged_cache(num_slots, num_blocks, block_size, max_len)
+        else:
+            self.cache = target.allocate_cache(num_slots, max_len)
 
     @classmethod
     def load(cls, spec: str | None, dtype: torch.dtype, device: torch.device, num_slots: int,
              max_len: int, feature_layers: tuple[int, ...] | None = None, tp_size: int = 1,
-             rank: int = 0) -> LocalRunner:
+             rank: int = 0, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
+             kv_cache_memory: int | float | None = None) -> LocalRunner:
         """Rank `rank` of `tp_size` of the target given as for `TargetModel.load`, read
         straight to `device` (`eagle2.tp.load_rank`; tp_size 1: the whole model), with a cache
-        of num_slots x max_len. tp_size > 1 needs `eagle2.tp.init_tp` first.
+        of num_slots x max_len (paged: num_blocks or kv_cache_memory, as `__init__`).
+        tp_size > 1 needs `eagle2.tp.init_tp` first.
         feature_layers: the layer inputs an EAGLE-3 head reads (None: the final hidden state)."""
         from eagle2.tp import load_rank
 
         target = load_rank(spec, tp_size, rank, dtype, str(device))
         target.set_feature_layers(feature_layers)
-        return cls(target, num_slots, max_len)
+        return cls(target, num_slots, max_len, num_blocks, block_size, kv_cache_memory)
 
     @property
     def info(self) -> dict:
@@ -92,6 +109,16 @@ class LocalRunner:
     @property
     def lengths(self) -> torch.Tensor:
         return self.cache.lengths
+
+    @property
+    def paged(self) -> tuple[int, int] | None:
+        """(num_blocks, block_size) of a paged cache (the null block left out), else None."""
+        c = self.cache
+        return (c.null_block, c.block_size) if c.paged else None
+
+    def set_blocks(self, slot: int, blocks: list[int]) -> None:
+        """A paged cache's slot reads and writes these blocks (position order)."""
+        self.cache.set_blocks(slot, blocks)
 
     def target_forward(self, tokens, positions, tree_mask, slots) -> TargetOutput:
         """The target's forward over this runner's cache (what every step here calls;
@@ -194,6 +221,23 @@ class LocalRunner:
     def set_lengths(self, slots, values) -> None:
         dev = self.cache.lengths.device
         self.cache.lengths[slots.to(dev)] = values.to(dev)
+
+
+def num_blocks_for(target: TargetModel, kv_cache_memory: int | float, block_size: int) -> int:
+    """Blocks of block_size entries that fit a K/V budget: kv_cache_memory bytes, or, given
+    as a fraction in (0, 1] on a CUDA target, that fraction of the device's free memory."""
+    budget = float(kv_cache_memory)
+    if 0 < budget <= 1:
+        if target.device.type != "cuda":
+            raise ValueError("kv_cache_memory as a fraction of free memory needs a CUDA "
+                             "target; give bytes")
+        budget *= torch.cuda.mem_get_info(target.device)[0]
+    per_block = target.kv_bytes_per_token() * block_size
+    blocks = int(budget // per_block) - 1  # the null block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory {kv_cache_memory} holds no block of {per_block} "
+                         "bytes; give more")
+    return blocks
 
 
 def accepted_features(features: torch.Tensor, nodes: list[list[int]]) -> torch.Tensor:

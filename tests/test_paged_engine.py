@@ -1,0 +1,114 @@
+"""The engine over a paged cache (docs/kv-cache.md "Paged cache"): the same tokens as over
+slotted caches, with prefix caching on or off, and with a block pool too small for all
+requests (preemption); a prompt sharing a cached prefix prefills fewer tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts, run, tiny_target
+
+from eagle2.config import SamplingParams, TreeConfig
+from eagle2.drafter import Drafter
+from eagle2.engine import Engine, Request
+from eagle2.head import new_head
+from eagle2.runner import LocalRunner
+
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+TREES = {
+    "vanilla": TreeConfig("vanilla"),
+    "eagle2": TreeConfig("eagle2", total_tokens=16, depth=4, top_k=4, budget="fixed"),
+    "chain": TreeConfig("chain", depth=5, budget="fixed"),
+}
+
+
+def paged_engine(target, num_blocks: int | None, max_running: int = 8, max_context: int = 256,
+                 prefix_caching: bool = True, block_size: int = 16) -> Engine:
+    """num_blocks None: the slotted cache."""
+    target.set_feature_layers(None)
+    head = new_head(target.config, seed=0)
+    drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_running,
+                      max_len=max_context)
+    runner = LocalRunner(target, max_running, max_context + Engine.tree_margin, num_blocks,
+                         block_size)
+    assert (runner.paged is not None) == (num_blocks is not None)
+    return Engine(runner, drafter, max_running=max_running, max_context=max_context,
+                  prefix_caching=prefix_caching)
+
+
+def shared_prefix_prompts(num: int, vocab: int, prefix_len: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
+    return [prefix + p for p in random_prompts(num, vocab, seed=seed + 1)]
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
+def test_paged_greedy_equals_slotted_in_every_mode(caching):
+    target = tiny_target(vocab=48, seed=31)
+    prompts = shared_prefix_prompts(6, 48, 40, seed=3) + random_prompts(2, 48, seed=4)
+    for name, tree in TREES.items():
+        slotted = run(paged_engine(target, None), prompts, GREEDY, tree)
+        engine = paged_engine(target, 200, prefix_caching=caching)
+        assert run(engine, prompts, GREEDY, tree) == slotted, name
+        assert engine.stats.preemptions == 0
+        assert engine.paging.blocks.num_free == 200  # every block back in the pool
+
+
+def test_small_block_pool_preempts_and_keeps_every_output():
+    """A pool that holds one request of the whole context (and little more): requests wait
+    for blocks and the newest is preempted mid-decoding; every output equals the one with
+    enough blocks."""
+    target = tiny_target(vocab=48, seed=32)
+    prompts = random_prompts(8, 48, seed=5)
+    tree = TREES["eagle2"]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    roomy = run(paged_engine(target, 400, max_context=128), prompts, params, tree)
+    small = paged_engine(target, 18, max_context=128)  # 258 entries: 17 blocks of 16
+    assert run(small, prompts, params, tree) == roomy
+    assert small.stats.preemptions > 0
+    assert small.paging.blocks.num_free == 18
+
+
+def test_preempted_sampled_vanilla_requests_keep_their_samples():
+    """A resumed request takes no sample in its recomputation: seeded vanilla samples equal
+    the unpreempted run's."""
+    target = tiny_target(vocab=48, seed=33)
+    prompts = random_prompts(6, 48, seed=6)
+    params = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True)
+    seeds = list(range(100, 106))
+    roomy = run(paged_engine(target, 400, max_context=128), prompts, params, TREES["vanilla"],
+                seeds)
+    small = paged_engine(target, 18, max_context=128)
+    assert run(small, prompts, params, TREES["vanilla"], seeds) == roomy
+    assert small.stats.preemptions > 0
+
+
+def test_shared_prefix_is_prefilled_once():
+    target = tiny_target(vocab=48, seed=34)
+    engine = paged_engine(target, 200)
+    prompts = shared_prefix_prompts(2, 48, 100, seed=7)
+    tree = TREES["eagle2"]
+    first = run(engine, prompts[:1], GREEDY, tree)
+    computed = engine.stats.prefill_tokens
+    assert computed == len(prompts[0])
+    second = run(engine, prompts[1:], GREEDY, tree)
+    # the 100-token prefix is 6 full blocks of 16 (96 tokens) found cached
+    assert engine.stats.prefill_tokens - computed == len(prompts[1]) - 96
+    assert engine.stats.prefix_hit_tokens == 96
+    assert engine.stats.prefix_hit_rate == pytest.approx(96 / (len(prompts[0]) + len(prompts[1])))
+    off = paged_engine(target, 200, prefix_caching=False)
+    assert run(off, prompts[:1], GREEDY, tree) == first
+    assert run(off, prompts[1:], GREEDY, tree) == second
+    assert off.stats.prefill_tokens == len(prompts[0]) + len(prompts[1])
+
+
+def test_pool_must_hold_one_whole_request_and_cancel_frees_blocks():
+    target = tiny_target(vocab=48, seed=35)
+    with pytest.raises(ValueError, match="less than one request"):
+        paged_engine(target, 10, max_context=256)  # 386 entries need 25 blocks
+    engine = paged_engine(target, 40)
+    engine.add(Request("a", tuple(range(1, 40)), GREEDY, TREES["eagle2"]))
+    engine.step()
+    assert engine.paging.blocks.num_free < 40
+    engine.cancel("a")
+    assert engine.paging.blocks.num_free == 40 and not engine.has_work()
