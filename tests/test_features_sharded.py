@@ -1,20 +1,24 @@
 """The data and features stages for a target larger than one device
 (`eagle2.train.multi_device`): the target spread by accelerate's device_map, chunks split over
-processes, EAGLE-3 layers. Two processes writing the features of one whole-target process:
-tests/test_recipe_70b.py (torchrun, the target split over memory and disk).
+processes, EAGLE-3 layers.
 
-See docs/training.md "A head for a target larger than one GPU". References: the engine's
-greedy answers, HF's own hidden states, the shards read without mapping.
+See docs/training.md "A head for a target larger than one GPU". References: one process with
+the whole target, the engine's greedy answers, HF's own hidden states, the shards read
+without mapping.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import random_prompts, save_tiny_target, tiny_target
+from safetensors.torch import load_file
 
 from eagle2.train import data
 from eagle2.train.multi_device import device_share, worker_of
@@ -62,6 +66,41 @@ def features_stage(root: Path, out: Path) -> None:
     import shutil
 
     shutil.copytree(root / "convs", out)
+
+
+def test_two_processes_on_a_split_target_write_the_shards_of_one(conversations, tmp_path):
+    """torchrun, 2 processes (`--worker auto`), each with the target split over memory and
+    disk by accelerate (`--device-map`), write the same shards (ids, masks, final features,
+    EAGLE-3 layers) as one process with the whole target; each process offloads its own."""
+    from eagle2.cli import main
+
+    stage = ["train-head", "--stages", "features", "--target", str(conversations / "target"),
+             "--device", "cpu", "--arch", "eagle3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    features_stage(conversations, one)
+    features_stage(conversations, two)
+    assert main([*stage, "--out", str(one)]) == 0
+    (tmp_path / "split.json").write_text(json.dumps(SPLIT))
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+           "--nproc-per-node", "2", "-m", "eagle2.cli", *stage, "--out", str(two),
+           "--worker", "auto", "--device-map", str(tmp_path / "split.json"),
+           "--offload-folder", str(tmp_path / "offload")]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                          capture_output=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.count("target spread over ['cpu', 'disk']") == 2
+    assert sorted(p.name for p in (tmp_path / "offload").iterdir()) == ["rank0", "rank1"]
+    names = sorted(p.name for p in (one / "features").glob("shard_*.safetensors"))
+    assert len(names) == 5
+    assert names == sorted(p.name for p in (two / "features").glob("shard_*.safetensors"))
+    for name in names:
+        a, b = load_file(str(one / "features" / name)), load_file(str(two / "features" / name))
+        assert sorted(a) == sorted(b) == ["aux", "features", "input_ids", "lengths",
+                                          "loss_mask"]
+        for key in ("input_ids", "lengths", "loss_mask"):
+            assert torch.equal(a[key], b[key]), (name, key)
+        for key in ("features", "aux"):  # fp16; one thread against two
+            torch.testing.assert_close(b[key], a[key], atol=2e-3, rtol=1e-3, msg=name)
 
 
 def test_stored_eagle3_layers_are_the_inputs_of_layers_2_l2_and_l3(conversations, tmp_path):

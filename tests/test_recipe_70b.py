@@ -41,6 +41,7 @@ def recipe() -> tuple[list[str], list[str]]:
     return names, commands
 
 
+@pytest.mark.slow  # three torchruns of three processes each: ~45 s of CPU
 def test_the_recipe_runs_end_to_end_at_tiny_scale(tmp_path):
     names, commands = recipe()
     assert [c.split()[8] for c in commands] == ["data", "features", "train"]
