@@ -29,7 +29,6 @@ from eagle2.train.ttt import (
     TTTConfig,
     TTTTrainer,
     step_mask,
-    target_pass,
     unrolled_loss,
 )
 
@@ -53,11 +52,10 @@ class DeepSpeedTTTTrainer(DeepSpeedMixin, TTTTrainer):
         self._set_lr()
         full = self.batch_at(self.step)
         rows = rank_rows(full.input_ids.shape[0], self.env).to(self.device)
-        part = Batch(full.input_ids[rows], full.loss_mask[rows], full.lengths[rows])
+        part = self.rows(full, rows)
         world, steps = self.env.world, self.cfg.steps
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            feats, logits = (target_pass(self.target.hf, part, self.layers) if len(rows)
-                             else (None, None))
+            feats, logits = self.target_outputs(part) if len(rows) else (None, None)
             uniform = None
             if self.cfg.noise > 0:  # the whole batch's draws, as one process draws them
                 width = len(self.layers or (0,)) * self.target.config.hidden_size
@@ -169,7 +167,10 @@ def train_ttt_deepspeed_from_args(args, root: Path, load_target) -> dict:
     def make_trainer(head, target, train, val, cfg, out) -> DeepSpeedTTTTrainer:
         ds_config = resolve_config(read_config(args.deepspeed), cfg, env.world,
                                    device.type == "cuda")
-        return DeepSpeedTTTTrainer(head, target, train, val, cfg, out, ds_config, env)
+        cls = DeepSpeedTTTTrainer
+        if args.stored_features:
+            from eagle2.train.ttt_stored import DeepSpeedStoredTTTTrainer as cls
+        return cls(head, target, train, val, cfg, out, ds_config, env)
 
     summary = train_ttt_from_args(args, target, root, make_trainer)
     dist.barrier()

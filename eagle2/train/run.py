@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--init-head", default=None, metavar="DIR",
                    help="with the training-time test: start from this head (its kind and draft "
                         "vocabulary), e.g. to fine-tune a head for depth")
+    t.add_argument("--stored-features", action="store_true",
+                   help="training-time test: read the features stage's shards (an EAGLE-3 "
+                        "head: written with --arch eagle3) instead of running the target, "
+                        "which is then never loaded whole (a 70B target)")
     t.add_argument("--ttt-steps", type=int, default=4,
                    help="unrolled draft steps of the training-time test")
     t.add_argument("--val-sequences", type=int, default=256,
@@ -161,19 +165,21 @@ def run(args) -> int:
     if "train" in stages and args.deepspeed and _trains_ttt(args):
         from eagle2.train.deepspeed_ttt import train_ttt_deepspeed_from_args
 
-        train_ttt_deepspeed_from_args(args, root, lambda a: _load_target(a, train=True))
+        train_ttt_deepspeed_from_args(args, root, _ttt_target)
     elif "train" in stages and args.deepspeed:
         from eagle2.train.deepspeed_train import train_deepspeed_from_args
 
         train_deepspeed_from_args(args, root)
-    elif "train" in stages:
-        target = target or _load_target(args, train=True)
-        if _trains_ttt(args):
-            from eagle2.train.ttt import train_ttt_from_args as train_from_args
-        else:
-            from eagle2.train.trainer import train_from_args
+    elif "train" in stages and _trains_ttt(args):
+        from eagle2.train.ttt import TTTTrainer, train_ttt_from_args
+        from eagle2.train.ttt_stored import StoredTTTTrainer
 
-        train_from_args(args, target, root)
+        trainer_cls = StoredTTTTrainer if args.stored_features else TTTTrainer
+        train_ttt_from_args(args, target or _ttt_target(args), root, trainer_cls)
+    elif "train" in stages:
+        from eagle2.train.trainer import train_from_args
+
+        train_from_args(args, target or _load_target(args, train=True), root)
     if args.export_data:
         n = data.pack_archive(root, Path(args.export_data))
         print(f"{args.export_data}: {n} chunk files", flush=True)
@@ -183,6 +189,17 @@ def run(args) -> int:
 def _trains_ttt(args) -> bool:
     """The train stage uses the training-time test (eagle2.train.ttt), not stored features."""
     return bool(args.arch == "eagle3" or args.ttt or args.init_head)
+
+
+def _ttt_target(args):
+    """The training-time test's target: whole, or (`--stored-features`) its embedding,
+    lm_head and norm only."""
+    if args.stored_features:
+        from eagle2.devices import pick_device
+        from eagle2.train.ttt_stored import VocabTarget
+
+        return VocabTarget(args.target, pick_device(args.device))
+    return _load_target(args, train=True)
 
 
 def _load_target(args, train: bool = False):

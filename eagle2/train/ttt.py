@@ -309,8 +309,8 @@ class TTTTrainer(Resumable):
         self.log_path = self.out / "train_log.jsonl"
 
     def _feature_rms(self) -> float:
-        batch = collate(self.train_seqs[:8]).to(self.device)
-        feats, _ = target_pass(self.target.hf, batch, self.layers)
+        batch = self.collate(self.train_seqs[:8]).to(self.device)
+        feats, _ = self.target_outputs(batch)
         valid = torch.arange(feats.shape[1], device=self.device)[None] < batch.lengths[:, None]
         return float(feats[valid].pow(2).mean().sqrt())
 
@@ -326,11 +326,23 @@ class TTTTrainer(Resumable):
     def batch_at(self, step: int) -> Batch:
         epoch, i = divmod(step, self.steps_per_epoch)
         idx = epoch_batches(self.lengths, self.cfg.batch_tokens, self.cfg.seed, epoch)[i]
-        return collate([self.train_seqs[j] for j in idx]).to(self.device)
+        return self.collate([self.train_seqs[j] for j in idx]).to(self.device)
+
+    # -- where the target's features and logits come from (`ttt_stored`: the shards) --
+    def collate(self, seqs: list[Sequence]) -> Batch:
+        return collate(seqs)
+
+    def rows(self, batch: Batch, rows: torch.Tensor) -> Batch:
+        """The batch's rows `rows` (a data-parallel rank's share), padded as before."""
+        return Batch(batch.input_ids[rows], batch.loss_mask[rows], batch.lengths[rows])
+
+    def target_outputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, logits) of `target_pass`: the target run on the batch."""
+        return target_pass(self.target.hf, batch, self.layers)
 
     def loss(self, batch: Batch, gen: torch.Generator | None = None) -> StepStats:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            feats, logits = target_pass(self.target.hf, batch, self.layers)
+            feats, logits = self.target_outputs(batch)
             weight = self.head.lm_head.weight if self.frozen_weight is None else \
                 self.frozen_weight
             return unrolled_loss(self.head, self.target.embed, batch, feats, logits, self.cfg,
@@ -348,7 +360,7 @@ class TTTTrainer(Resumable):
         ce, acc, count, loss = [0.0] * steps, [0.0] * steps, [0] * steps, 0.0
         lengths = [len(s.input_ids) for s in seqs]
         for idx in epoch_batches(lengths, self.cfg.batch_tokens, 0, 0):
-            st = self.loss(collate([seqs[j] for j in idx]).to(self.device))
+            st = self.loss(self.collate([seqs[j] for j in idx]).to(self.device))
             for k in range(steps):
                 ce[k] += st.ce[k] * st.count[k]
                 acc[k] += st.acc[k] * st.count[k]
@@ -441,10 +453,16 @@ def train_ttt_from_args(args, target, root: Path, make_trainer=TTTTrainer) -> di
     from eagle2.head import save_head
     from eagle2.train.plot import plot_ttt_log
 
-    sources = [conversation_sequences(path, args.max_len)
-               for path in [root, *map(Path, args.extra_data)]]
+    if getattr(args, "stored_features", False):  # the features stage's shards, mapped
+        from eagle2.train.data import load_shards
+
+        sources = [load_shards(path, mmap=True) for path in [root, *map(Path, args.extra_data)]]
+    else:
+        sources = [conversation_sequences(path, args.max_len)
+                   for path in [root, *map(Path, args.extra_data)]]
     if not any(sources):
-        raise ValueError(f"no conversations under {root}; run the 'data' stage first")
+        raise ValueError(f"no conversations (or shards) under {root}; run the 'data' "
+                         "(and 'features') stage first")
     train, val = split_sources(sources)
     val = evenly_spaced(val, args.val_sequences)
     cfg = TTTConfig(steps=args.ttt_steps, lr=args.lr, warmup=args.warmup, epochs=args.epochs,
