@@ -82,3 +82,35 @@ def test_the_recipe_runs_end_to_end_at_tiny_scale(tmp_path):
     assert summary["world_size"] == 2 and summary["num_val_sequences"] == 3
     head = load_head(out / "head")
     assert head.kind == "eagle2" and head.d2t.numel() == 32
+
+
+def test_the_planner_counts_the_heads_parameters_and_the_shards_bytes(tmp_path):
+    """The estimate's head sizes are the parameters of the heads train-head builds, and its
+    shard bytes a token those of the shards the features stage writes."""
+    from transformers import AutoConfig
+
+    from eagle2.eagle3 import new_eagle3_head
+    from eagle2.head import new_head
+    from eagle2.plan.specs import spec_from_config
+    from eagle2.train.estimate import train_head_params
+
+    target = tiny_target(vocab=VOCAB, layers=LAYERS, seed=5)
+    save_tiny_target(target, tmp_path / "target")
+    config = AutoConfig.from_pretrained(tmp_path / "target")
+    spec = spec_from_config(config.to_dict(), "tiny")
+    eagle2_head = new_head(config, seed=0)
+    assert train_head_params(spec) == sum(p.numel() for p in eagle2_head.parameters())
+    eagle3_head = new_eagle3_head(config, torch.arange(VOCAB), seed=0)
+    assert train_head_params(spec, eagle3=True) == \
+        sum(p.numel() for p in eagle3_head.parameters())
+    recs = [{"prompt": "", "prompt_ids": [1, 2, 3], "answer_ids": list(range(4, 4 + n))}
+            for n in range(5, 25)]
+    data.chunk_path(tmp_path / "d", 0).parent.mkdir(parents=True)
+    data.chunk_path(tmp_path / "d", 0).write_text(json.dumps(recs))
+    for eagle3 in (False, True):
+        shard = data.shard_path(tmp_path / "d", 0)
+        shard.unlink(missing_ok=True)
+        data.extract_features(target.hf, tmp_path / "d", layers=(2, 3, 3) if eagle3 else None)
+        tokens = sum(3 + len(r["answer_ids"]) for r in recs)
+        ratio = shard.stat().st_size / (tokens * shard_bytes_per_token(64, eagle3))
+        assert 1.0 <= ratio < 1.05, (eagle3, ratio)

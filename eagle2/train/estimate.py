@@ -16,7 +16,9 @@ Stages (`eagle2 train-head`):
 3. train: DeepSpeed ZeRO-2 data parallel over all GPUs: bf16 head weights on every GPU, its
    gradients, fp32 master weights and AdamW moments partitioned; the target's embedding and
    lm_head (frozen, fp32 as loaded) on every GPU; 6 FLOPs a head parameter a token plus the
-   draft logits' matmuls, plus reading the mapped shards once an epoch (not overlapped).
+   draft logits' matmuls, plus reading the mapped shards once an epoch (not overlapped). An
+   EAGLE-3 head (the training-time test on stored features): 4 unrolled steps, and the
+   target's logits recomputed from the final features ([tokens, V] fp32 and their softmax).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from eagle2.plan.memory import draft_params, kv_bytes_per_token, num_params
-from eagle2.plan.specs import GIB, ModelSpec, eagle_head_for, load_model_spec
+from eagle2.plan.specs import GIB, ModelSpec, eagle3_head_for, eagle_head_for, load_model_spec
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,12 @@ def shard_bytes_per_token(hidden: int, eagle3_features: bool = False) -> int:
     return 2 * hidden * (4 if eagle3_features else 1) + 4 + 1
 
 
+def train_head_params(model: ModelSpec, eagle3: bool = False) -> int:
+    """The trained head's parameters: EAGLE-1/2 (fc 2H -> H, one layer) or EAGLE-3 (fc 3H -> H,
+    one 2H-input layer, norms, a 32000-token lm_head)."""
+    return draft_params(eagle3_head_for(model) if eagle3 else eagle_head_for(model))
+
+
 def head_memory_bytes(head_params: int, world: int) -> int:
     """ZeRO-2 with bf16: weights (2 B) whole on every GPU; gradients (2 B), fp32 master
     weights (4 B) and AdamW's two moments (8 B) partitioned over the world."""
@@ -119,10 +127,12 @@ def estimate(model: ModelSpec, node: Node = Node(), data: Data = Data(),
     act = batch_tokens * hidden * 2 * 8  # residual stream and its transients, bf16
     feat_gib = (weights + act) / per_copy / GIB
     # train: ZeRO-2 over all GPUs
-    head = eagle_head_for(model)
-    head_params = draft_params(head)
+    head_params = train_head_params(model, eagle3_features)
     vocab = 2 * model.vocab_size * hidden * 4  # embedding + lm_head, fp32
     step_flops = 6 * head_params + 3 * 2 * hidden * model.vocab_size  # + draft logits
+    if eagle3_features:  # the training-time test: 4 unrolled steps; target logits [T, V] fp32
+        step_flops = 4 * 6 * head_params + 2 * hidden * model.vocab_size
+        vocab += 2 * batch_tokens * model.vocab_size * 4  # logits and their softmax
     compute_s = data.epochs * data.tokens * step_flops / (node.num_gpus * flops)
     read_s = data.epochs * shard_gib * GIB / (node.disk_read_gbs * 1e9)  # not overlapped
     train_h = (compute_s + read_s) / 3600
@@ -156,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--eagle3-features", action="store_true",
-                   help="features stage stores the three layers' inputs too (--arch eagle3)")
+                   help="an EAGLE-3 head: the features stage stores the three layers' inputs "
+                        "too (--arch eagle3), training runs the training-time test on them "
+                        "(--stored-features)")
     args = p.parse_args(argv)
     model = load_model_spec(args.model)
     data = Data(args.conversations, args.prompt_tokens, args.answer_tokens,
