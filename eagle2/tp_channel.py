@@ -10,9 +10,9 @@ SGLang's `broadcast_pyobj` over a gloo CPU group, vLLM's shared-memory `MessageQ
 readers on other nodes read through a ZMQ socket): a gloo op hands its work to the process
 group's worker thread and the transport's I/O thread on each side, and a shared-memory reader
 polls; with the ranks and the driver sharing a few cores (the CPU deployment), each handoff
-and each poller waits for a core. Measured on 2 cores at load ~12: a 4 KiB gloo broadcast to
-two ranks plus a 64 B reply took 2.3-2.9 ms, the same over sockets 31 us
-(`benchmarks/tp_step_channel.py` repeats the comparison). A socket read wakes the one thread
+and each poller waits for a core. Measured on 2 cores at load 8-14: a 4 KiB gloo broadcast
+to two ranks plus a 64 B reply took 1.9-3.9 ms, the same over sockets 22-58 us
+(`benchmarks/tp_step_channel.py --probe`). A socket read wakes the one thread
 that blocks in it, and a rank that dies closes its socket at once, so the driver's `select`
 sees the death (end of file) without a timeout; a rank that raises sends its error instead of
 a result.

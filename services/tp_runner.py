@@ -28,7 +28,6 @@ Committed lengths are mirrored on the driver so that the engine reads them witho
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import socket
 import threading
@@ -451,24 +450,6 @@ def tensor_from_wire(wire: tuple) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     # a copy: the array may be a read-only view of Ray's buffer, and the rank writes in place
     return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
-
-
-def payload_bytes(obj) -> int:
-    """Bytes of the tensors (and ints, 8 each) in a call's arguments or results: what crosses
-    the process boundary, give or take pickling headers."""
-    if isinstance(obj, torch.Tensor):
-        return obj.nbytes
-    if isinstance(obj, (list, tuple)):
-        return sum(payload_bytes(x) for x in obj)
-    if isinstance(obj, dict):
-        return sum(payload_bytes(x) for x in obj.values())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return sum(payload_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    if isinstance(obj, (int, float)):
-        return 8
-    if isinstance(obj, str):
-        return len(obj)
-    return 0
 
 
 def _states(generators: list) -> list:

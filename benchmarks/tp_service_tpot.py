@@ -1,0 +1,115 @@
+"""The service's time per output token at tp 2 against the same target in this process.
+
+A tiny random Llama (2 layers, hidden 64, vocabulary 256) is saved to a temporary directory
+and served (`services.cli_serve.start`, a fresh local Ray) with `tp_size` 2 and plain decoding
+(the vanilla tree): the engine replica drives two rank actors. At each concurrency C, C
+clients stream `GenerateStream` over gRPC (token-id prompts, `max_tokens` new tokens each),
+several rounds; per request TPOT = (latency - time to first token) / (tokens - 1). In this
+process the same prompts are decoded together at batch C on `LocalRunner` through the engine
+(time per decode step = the in-process time per token), in turns with the service's rounds.
+Prints the medians and their difference (the issue's bound: <= 3 ms at C = 1, <= 8 ms at 8)
+and checks that the service's tokens equal the in-process ones (exit 1 otherwise).
+
+    .venv/bin/python benchmarks/tp_service_tpot.py --max-tokens 48 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+PORT, HTTP_PORT = 19210, 18210
+
+
+def stream(client, prompt: list[int], max_tokens: int, out: dict) -> None:
+    first, ids = None, []
+    for msg in client.stream(prompt, max_tokens=max_tokens, mode="vanilla"):
+        if msg.token_ids and first is None:
+            first = time.perf_counter()
+        ids += list(msg.token_ids)
+    end = time.perf_counter()
+    out["ids"], out["tpot"] = ids, (end - first) / max(len(ids) - 1, 1)
+
+
+def service_round(client, prompts, max_tokens: int) -> list[dict]:
+    outs = [{} for _ in prompts]
+    threads = [threading.Thread(target=stream, args=(client, p, max_tokens, o))
+               for p, o in zip(prompts, outs, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    args = ap.parse_args()
+    from conftest import random_prompts, save_tiny_target, tiny_target
+    from tp_step_channel import decode
+
+    from eagle2.engine import Engine
+    from eagle2.runner import LocalRunner
+    from services.cli_serve import shutdown, start
+    from services.client import Eagle2Client
+
+    torch.set_num_threads(1)
+    print(f"load: {os.getloadavg()}, cores: {os.cpu_count()}")
+    target = tiny_target(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, seed=1)
+    path = save_tiny_target(target, tempfile.mkdtemp())
+    conf = {"target": path, "tp_size": 2, "cpus_per_rank": 1, "dtype": "float32",
+            "max_batch_size": max(args.concurrency), "max_context": 256,
+            "max_tokens_limit": 200, "default_max_tokens": 64, "grpc_port": PORT,
+            "tree": {"mode": "vanilla"}}
+    handle = start(conf, http_port=HTTP_PORT, address="local")
+    ok = True
+    try:
+        local = LocalRunner(target, max(args.concurrency), 256 + Engine.tree_margin)
+        with Eagle2Client(f"localhost:{PORT}", timeout_s=300) as client:
+            service_round(client, random_prompts(1, 256, seed=99), 8)  # warm-up
+            for c in args.concurrency:
+                prompts = random_prompts(c, 256, seed=c)
+                svc, ip = [], []
+                before = handle.engine_stats.remote().result()
+                for _ in range(args.rounds):
+                    outs = service_round(client, prompts, args.max_tokens)
+                    svc += [o["tpot"] for o in outs]
+                    tokens, times, _ = decode(local, prompts, args.max_tokens)
+                    ip += times
+                    if [o["ids"] for o in outs] != tokens:
+                        ok = False
+                        print(f"MISMATCH at concurrency {c}")
+                s, i = statistics.median(svc), statistics.median(ip)
+                after = handle.engine_stats.remote().result()
+                steps = after["steps"] - before["steps"]
+                per = {k: (after[k] - before[k]) / steps * 1e3
+                       for k in ("verify_s", "prefill_s", "other_s", "rank_wait_s",
+                                 "rank_busy_s")}
+                print(f"concurrency {c}: service TPOT median {s * 1e3:.2f} ms (mean "
+                      f"{statistics.mean(svc) * 1e3:.2f}, {len(svc)} requests), in-process "
+                      f"{i * 1e3:.2f} ms per token ({len(ip)} steps): overhead "
+                      f"{(s - i) * 1e3:.2f} ms")
+                print(f"  engine, ms per step over {steps} steps: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in per.items()))
+        print("service tokens equal in-process plain decoding" if ok else "TOKENS DIFFER")
+        print(f"load after: {os.getloadavg()}")
+    finally:
+        shutdown(handle, drain_s=2.0, serve_timeout_s=60.0)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
