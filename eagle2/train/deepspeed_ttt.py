@@ -31,6 +31,7 @@ from eagle2.train.ttt import (
     step_mask,
     unrolled_loss,
 )
+from eagle2.train.ttt_stored import StoredTTTMixin
 
 
 class DeepSpeedTTTTrainer(DeepSpeedMixin, TTTTrainer):
@@ -147,6 +148,10 @@ class DeepSpeedTTTTrainer(DeepSpeedMixin, TTTTrainer):
                 "val": val, "best_val_loss": self.best, "world_size": self.env.world}
 
 
+class DeepSpeedStoredTTTTrainer(StoredTTTMixin, DeepSpeedTTTTrainer):
+    """The training-time test on the shards (`eagle2.train.ttt_stored`), data-parallel."""
+
+
 def train_ttt_deepspeed_from_args(args, root: Path, load_target) -> dict:
     """The train stage under `--deepspeed` with the training-time test: every rank loads the
     target (`load_target(args)`) on its device and trains its share of each batch."""
@@ -167,9 +172,7 @@ def train_ttt_deepspeed_from_args(args, root: Path, load_target) -> dict:
     def make_trainer(head, target, train, val, cfg, out) -> DeepSpeedTTTTrainer:
         ds_config = resolve_config(read_config(args.deepspeed), cfg, env.world,
                                    device.type == "cuda")
-        cls = DeepSpeedTTTTrainer
-        if args.stored_features:
-            from eagle2.train.ttt_stored import DeepSpeedStoredTTTTrainer as cls
+        cls = DeepSpeedStoredTTTTrainer if args.stored_features else DeepSpeedTTTTrainer
         return cls(head, target, train, val, cfg, out, ds_config, env)
 
     summary = train_ttt_from_args(args, target, root, make_trainer)

@@ -10,6 +10,7 @@ eagle3`; an EAGLE-1/2 head reads the stored final features), and the soft target
 target's logits recomputed from the stored final features through its lm_head (one matmul,
 [B, T, H] x [H, V]). Only the target's embedding, lm_head and final norm are loaded. The
 features are fp16 in the shards, so the losses match the online run's to fp16 rounding.
+Under DeepSpeed: `eagle2.train.deepspeed_ttt.DeepSpeedStoredTTTTrainer`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from eagle2.train.data import Sequence
-from eagle2.train.deepspeed_ttt import DeepSpeedTTTTrainer
 from eagle2.train.ttt import Batch, TTTTrainer
 
 
@@ -103,8 +103,4 @@ class StoredTTTMixin:
 
 
 class StoredTTTTrainer(StoredTTTMixin, TTTTrainer):
-    pass
-
-
-class DeepSpeedStoredTTTTrainer(StoredTTTMixin, DeepSpeedTTTTrainer):
     pass
