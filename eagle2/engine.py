@@ -183,6 +183,21 @@ class _Seq:
         return self
 
 
+@dataclass
+class _Chunked:
+    """A long prompt (or a preempted request's tokens) prefilled one chunk per step while the
+    running requests keep decoding (`Engine._prefill_chunk`), in the cache's top row."""
+
+    req: Request
+    resumed: _Seq | None
+    tokens: list[int]
+    start: int  # its cached prefix (prefix caching): entries [0, start) were there
+    done: int  # entries written so far
+    row: int
+    generator: torch.Generator | None
+    feats: list[torch.Tensor] = field(default_factory=list)  # [chunk, H] each
+
+
 class Engine:
     """Runs many requests through one target (and one drafter) in lockstep batches."""
 
@@ -224,6 +239,10 @@ class Engine:
         # a prefill batch's padded tokens (requests x the longest) stay within this, so its
         # [B, W, W] mask stays bounded (one request always goes)
         self.prefill_budget = 8192
+        # while requests run, a prompt longer than this is prefilled this many tokens a step,
+        # each step's chunk beside the running requests' step (`_prefill_chunk`)
+        self.prefill_chunk = 256
+        self.chunking: _Chunked | None = None
         self._admitted = 0  # requests admitted so far (`_Seq.order`)
         self.stats = EngineStats()
         self._costs = costs
@@ -324,15 +343,23 @@ class Engine:
         self.waiting.append(req)
 
     def ids(self) -> set[str]:
+        chunking = {self.chunking.req.seq_id} if self.chunking is not None else set()
         return ({s.req.seq_id for s in self.seqs + self.preempted}
-                | {r.seq_id for r in self.waiting})
+                | {r.seq_id for r in self.waiting} | chunking)
 
     def has_work(self) -> bool:
-        return bool(self.seqs or self.waiting or self.preempted)
+        return bool(self.seqs or self.waiting or self.preempted or self.chunking)
 
     def cancel(self, seq_id: str) -> None:
         self.waiting = [r for r in self.waiting if r.seq_id != seq_id]
         self.preempted = [s for s in self.preempted if s.req.seq_id != seq_id]
+        ch = self.chunking
+        if ch is not None and ch.req.seq_id == seq_id:
+            self.chunking = None
+            self._clear_row(ch.row)
+            if self.paging is not None:
+                self.paging.free(seq_id, ch.row, ch.row)
+            return
         for i, s in enumerate(self.seqs):
             if s.req.seq_id == seq_id:
                 self._remove(i)
@@ -343,11 +370,16 @@ class Engine:
         """Admit waiting requests (prefill) or run one draft-verify-commit step for all."""
         if self.threads is not None:
             self._follow_load()
-        if (self.waiting or self.preempted) and len(self.seqs) < self.max_batch \
+        if (self.waiting or self.preempted) and len(self.seqs) < self._rows() \
                 and self._admissible():
-            return self._prefill()
+            how = self._admission()
+            if how == "prefill":
+                return self._prefill()
+            if how == "chunk":
+                self._start_chunking()
+        chunked = self._prefill_chunk() if self.chunking is not None else []
         if not self.seqs:
-            return []
+            return chunked
         t0 = time.perf_counter()
         num_b, auto, greedy = len(self.seqs), any(s.auto for s in self.seqs), self._greedy_timed()
         draft_auto = self.gate.should_draft() if auto else True
@@ -367,6 +399,8 @@ class Engine:
             tree = self._choose_budget(tree, drafted, drafted_s)
         if self.paging is not None:
             tree = self._reserve(tree)
+            if not self.seqs:  # all preempted beside a chunked prefill's blocks
+                return chunked
         t1 = time.perf_counter()
         context = self._context()
         verified, features = self._verify(tree)
@@ -385,7 +419,7 @@ class Engine:
         self.stats.verify_s += t2 - t1
         self.stats.other_s += t3 - t2
         self.stats.steps += 1
-        return events
+        return chunked + events
 
     @property
     def gate(self) -> SpeculationGate:
@@ -1014,6 +1048,7 @@ class Engine:
         if len(self.seqs) == len(before):
             return tree
         rows = [next(i for i, b in enumerate(before) if b is s) for s in self.seqs]
+        self._ngram_rows = [rows.index(b) for b in self._ngram_rows if b in rows]
         return tree.select(torch.tensor(rows, device=HOST))
 
     def _row(self, s: _Seq) -> int | None:
@@ -1037,7 +1072,8 @@ class Engine:
             rows = len(self.seqs) + len(out)
             tokens = self._prefill_tokens(c)
             widest = max(widest, len(tokens))
-            if rows >= self.max_batch or (out and widest * (len(out) + 1) > self.prefill_budget):
+            if rows >= self._rows() or (out and widest * (len(out) + 1) > self.prefill_budget) \
+                    or (out and self._long(c)):  # a long one is chunked on its own
                 break
             resumed = c if isinstance(c, _Seq) else None
             req = c.req if resumed else c
@@ -1053,6 +1089,106 @@ class Engine:
         self.preempted = [s for s in self.preempted if s.req.seq_id not in taken]
         self.waiting = [r for r in self.waiting if r.seq_id not in taken]
         return out
+
+    # ----- chunked prefill beside decoding ---------------------------------------------------
+    def _rows(self) -> int:
+        """Rows running requests may take (the top one is a chunked prefill's)."""
+        return self.max_batch - (self.chunking is not None)
+
+    def _long(self, c: _Seq | Request) -> bool:
+        """Whether a candidate's prefill is chunked: requests are running and its tokens are
+        more than a chunk."""
+        return (bool(self.seqs) and self.max_batch > 1
+                and len(self._prefill_tokens(c)) > self.prefill_chunk)
+
+    def _admission(self) -> str:
+        """How the first candidate starts: "prefill" (with the others that fit, this step),
+        "chunk" (a chunk per step from now on) or "wait" (it is long and another prompt is
+        being chunked: one at a time)."""
+        if not self._long(self._candidates()[0]):
+            return "prefill"
+        return "chunk" if self.chunking is None else "wait"
+
+    def _start_chunking(self) -> None:
+        """Take the first candidate off its queue into the top row (blocks for all its
+        tokens where paged); its chunks run from the next call of `_prefill_chunk` on."""
+        c = self._candidates()[0]
+        resumed = c if isinstance(c, _Seq) else None
+        req = c.req if resumed is not None else c
+        tokens, row, cached = self._prefill_tokens(c), self.max_batch - 1, 0
+        if self.paging is not None:
+            cached = self.paging.admit(req.seq_id, row, tokens, self._uses_prefix_cache(req))
+            self.stats.prefix_query_tokens += len(tokens)
+            self.stats.prefix_hit_tokens += cached
+        if resumed is not None:
+            self.preempted.remove(resumed)
+        else:
+            self.waiting.remove(req)
+        dev = self.runner.device
+        self.runner.set_lengths(torch.tensor([row], device=dev),
+                                torch.tensor([cached], device=dev))
+        gen = _generator(req.params) if resumed is None else None
+        self.chunking = _Chunked(req, resumed, tokens, cached, cached, row, gen)
+
+    def _prefill_chunk(self) -> list[Event]:
+        """The next chunk (at most `prefill_chunk` tokens) of the chunked prefill: a causal
+        [1, C, C] mask after the entries written so far. The last chunk's request joins the
+        running ones (the row after theirs) and gets its first token."""
+        t0 = time.perf_counter()
+        ch, dev = self.chunking, self.runner.device
+        num = min(self.prefill_chunk, len(ch.tokens) - ch.done)
+        last = ch.done + num == len(ch.tokens)
+        final = last and ch.resumed is None  # only a new request's last chunk samples
+        slots = torch.tensor([ch.row], device=dev)
+        features, first = self.runner.prefill_step(
+            torch.tensor([ch.tokens[ch.done:ch.done + num]], device=dev),
+            ch.done + torch.arange(num, device=dev)[None],
+            causal_mask(torch.tensor([num], device=dev), num), slots,
+            torch.tensor([num - 1], device=dev), [ch.req.params if final else SamplingParams()],
+            [ch.generator if final else None])
+        ch.feats.append(to_device(features, dev)[0, :num])
+        ch.done += num
+        self.runner.set_lengths(slots, torch.tensor([ch.done], device=dev))
+        self.stats.prefill_tokens += num
+        events = []
+        if last:
+            self.chunking = None
+            row = len(self.seqs)
+            if ch.row != row:  # paged: the block table moves; slotted: the entries
+                self.runner.copy_slot(ch.row, row)
+                self._clear_row(ch.row)
+            event = self._start(ch.req, ch.resumed, ch.tokens, ch.start, torch.cat(ch.feats),
+                                first[0], ch.generator)
+            events = [event] if event is not None else []
+            self._drop_finished(events)
+            self._rate, self._depths_used, self._sizes_used = 0.0, [], []
+        self.stats.prefill_s += time.perf_counter() - t0
+        return events
+
+    def _clear_row(self, row: int) -> None:
+        """A row no request holds: length 0, and no blocks where paged."""
+        dev = self.runner.device
+        self.runner.set_lengths(torch.tensor([row], device=dev), torch.tensor([0], device=dev))
+        if self.paging is not None:
+            self.runner.set_blocks(row, [])
+
+    def _start(self, r: Request, resumed: _Seq | None, toks: list[int], cached: int,
+               feats: torch.Tensor, tok: int, gen: torch.Generator | None) -> Event | None:
+        """A prefilled request joins the running ones (the next row): its pending pairs are
+        (feature of position t, token t + 1) over the computed positions feats [n, H], the
+        last one's token the next root (the first new token, or a resumed request's newest
+        token). -> a new request's first-token event; None for a resumed one."""
+        root = resumed.output[-1] if resumed is not None else tok
+        following = torch.tensor(toks[cached + 1:] + [root], device=self.runner.device)
+        self._admitted += 1
+        if resumed is not None:
+            resumed.pending_feats, resumed.pending_tokens = feats, following
+            resumed.probe = True
+            self.seqs.append(resumed)
+            return None
+        s = _Seq(r, gen, feats, following, order=self._admitted)
+        self.seqs.append(s)
+        return self._emit(s, [tok])
 
     # ----- prefill ----------------------------------------------------------------------------
     def _prefill(self) -> list[Event]:
@@ -1084,22 +1220,9 @@ class Engine:
         self.stats.prefill_tokens += int(lengths.sum())
         events = []
         for b, ((r, resumed, toks, c), tok) in enumerate(zip(batch, first, strict=True)):
-            n = len(toks) - c
-            # pairs (feature of position t, token t + 1) over the computed positions; the
-            # last one's token is the next root: the first new token, or a resumed request's
-            # newest token
-            root = resumed.output[-1] if resumed is not None else tok
-            feats = features[b, :n]
-            following = torch.tensor(toks[c + 1:] + [root], device=dev)
-            self._admitted += 1
-            if resumed is not None:
-                resumed.pending_feats, resumed.pending_tokens = feats, following
-                resumed.probe = True
-                self.seqs.append(resumed)
-                continue
-            s = _Seq(r, gens[b], feats, following, order=self._admitted)
-            self.seqs.append(s)
-            events.append(self._emit(s, [tok]))
+            event = self._start(r, resumed, toks, c, features[b, :len(toks) - c], tok, gens[b])
+            if event is not None:
+                events.append(event)
         self._drop_finished(events)
         # what earlier steps learnt goes with the batch they ran: the rate, depths and sizes
         # always; the gates too when the engine was idle and a newcomer samples, so a seeded

@@ -97,3 +97,18 @@ def test_copied_slot_shares_blocks_and_null_block_takes_stray_writes():
     target.forward(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]),
                    causal_mask(torch.tensor([2]), 2), cache, torch.tensor([1]))
     assert torch.equal(cache.k[:, :20], before)
+
+
+def test_blocks_from_a_memory_budget():
+    from eagle2.runner import LocalRunner, num_blocks_for
+
+    target = tiny_target(seed=24)  # fp32, 2 layers, 2 KV heads of 16 dimensions
+    per_token = target.kv_bytes_per_token()
+    assert per_token == 2 * 2 * (16 + 16) * 4
+    runner = LocalRunner(target, 4, 64, kv_cache_memory=per_token * 32 * 11, block_size=32)
+    assert runner.paged == (10, 32)  # 11 blocks' bytes: 10 blocks and the null block
+    assert runner.cache.k.shape == (2, 11, 2, 32, 16)
+    with pytest.raises(ValueError, match="holds no block"):
+        num_blocks_for(target, per_token * 32, 32)
+    with pytest.raises(ValueError, match="CUDA"):
+        num_blocks_for(target, 0.5, 32)  # a fraction of free memory: GPUs only

@@ -112,3 +112,46 @@ def test_pool_must_hold_one_whole_request_and_cancel_frees_blocks():
     assert engine.paging.blocks.num_free < 40
     engine.cancel("a")
     assert engine.paging.blocks.num_free == 40 and not engine.has_work()
+
+
+def _late_long_prompt(engine: Engine) -> tuple[dict[str, list[int]], list[set[str]], int]:
+    """Three short requests decode, then a 200-token prompt arrives. -> (outputs, the ids
+    with tokens in each step after it arrived, until its first token; that step count)."""
+    tree, params = TREES["eagle2"], SamplingParams(max_tokens=30, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(random_prompts(3, 48, seed=8)):  # still decoding after the prefill
+        engine.add(Request(f"s{i}", tuple(p), SamplingParams(max_tokens=100, ignore_eos=True),
+                           tree))
+        out[f"s{i}"] = []
+    log: list[set[str]] = []
+    gen = torch.Generator().manual_seed(9)
+    long_prompt = tuple(torch.randint(0, 48, (200,), generator=gen).tolist())
+    for step in range(200):
+        if step == 2:
+            engine.add(Request("long", long_prompt, params, tree))
+            out["long"] = []
+        events = engine.step()
+        if step >= 2 and not out["long"]:
+            log.append({e.seq_id for e in events if e.token_ids})
+        for e in events:
+            out[e.seq_id].extend(e.token_ids)
+        if not engine.has_work():
+            break
+    return out, log, len(log)
+
+
+@pytest.mark.parametrize("num_blocks", [None, 200], ids=["slotted", "paged"])
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode(num_blocks):
+    target = tiny_target(vocab=48, seed=36)
+    whole = paged_engine(target, num_blocks, max_context=384)
+    whole.prefill_chunk = 10**6  # the prompt in one prefill step
+    expected, _, steps = _late_long_prompt(whole)
+    assert steps == 1
+    chunked = paged_engine(target, num_blocks, max_context=384)
+    chunked.prefill_chunk = 48
+    got, log, steps = _late_long_prompt(chunked)
+    assert got == expected
+    assert steps == 5  # 200 tokens in chunks of 48
+    # every step of its prefill, each running stream got tokens
+    assert all({"s0", "s1", "s2"} <= ids for ids in log)
+    assert chunked.stats.prefill_tokens == whole.stats.prefill_tokens
