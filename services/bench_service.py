@@ -415,16 +415,22 @@ def _level(args, handle, llm, base_url: str, prompts: list[str], prompt_ids, con
     svc, ip, walls = [], [], {"service": 0.0, "inprocess": 0.0}
     before = _stats(handle)
     s0 = asdict(llm.engine.stats) if llm is not None else None
+    procs = service_processes() if handle is not None else {}
+    cpu = {"service": {}, "inprocess": {}}
 
     def service(idx):
+        c0 = cpu_seconds(procs)
         recs, wall = asyncio.run(_service_level(base_url, [prompts[i] for i in idx], conc,
                                                 args.max_tokens, args.mode))
+        add_cpu(cpu["service"], c0, cpu_seconds(procs))
         svc.extend({**r, "prompt": idx[r["prompt"]]} for r in recs)
         walls["service"] += wall
 
     def inprocess(idx):
+        c0 = cpu_seconds({"inprocess": [os.getpid()]})
         recs, wall = inprocess_level(llm, [prompt_ids[i] for i in idx], conc, args.max_tokens,
                                      args.mode)
+        add_cpu(cpu["inprocess"], c0, cpu_seconds({"inprocess": [os.getpid()]}))
         ip.extend({**r, "prompt": idx[r["prompt"]]} for r in recs)
         walls["inprocess"] += wall
 
@@ -439,10 +445,12 @@ def _level(args, handle, llm, base_url: str, prompts: list[str], prompt_ids, con
                                        for r in svc if not r.get("error"))
     if handle is not None:
         sv["engine"] = engine_summary(stats_delta(before, after), sv["output_tokens"])
+        sv["cpu_ms_per_token"] = per_token(cpu["service"], sv["output_tokens"])
     if llm is not None:
         row["inprocess"] = ip_ = serving_metrics(ip, walls["inprocess"])
         ip_["engine"] = engine_summary(stats_delta(s0, asdict(llm.engine.stats)),
                                        ip_["output_tokens"])
+        ip_["cpu_ms_per_token"] = per_token(cpu["inprocess"], ip_["output_tokens"])
         row["service_over_inprocess"] = {
             "output_tokens_per_s": ratio(sv["output_tokens_per_s"], ip_["output_tokens_per_s"]),
             "tpot_mean": ratio(sv["tpot_ms"]["mean"], ip_["tpot_ms"]["mean"]),
@@ -450,6 +458,59 @@ def _level(args, handle, llm, base_url: str, prompts: list[str], prompt_ids, con
     _log(f"c={conc}: service {sv['output_tokens_per_s']} tok/s, in-process "
          f"{row.get('inprocess', {}).get('output_tokens_per_s')} tok/s")
     return row, sorted(svc, key=lambda r: r["prompt"]), sorted(ip, key=lambda r: r["prompt"])
+
+
+# ----- CPU time per process (what the service's processes cost besides the step) ----------------
+ROLES = (("TargetEngine", "engine"), ("Router", "router"), ("ProxyActor", "proxy"),
+         ("DraftWorker", "draft_worker"), ("ServeController", "controller"))
+
+
+def service_processes() -> dict[str, list[int]]:
+    """The processes of the service this bench started (its descendants) by role: the Serve
+    replicas, proxy and controller by their Ray names, "client" (this process: the HTTP
+    clients) and "ray_other" (GCS, raylet, agents, idle workers)."""
+    import psutil
+
+    out: dict[str, list[int]] = {"client": [os.getpid()]}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        role = next((r for key, r in ROLES if key in cmd), "ray_other")
+        out.setdefault(role, []).append(proc.pid)
+    return out
+
+
+def cpu_seconds(procs: dict[str, list[int]]) -> dict[str, float]:
+    """User + system CPU seconds so far of each role's processes (all their threads)."""
+    import psutil
+
+    out = {}
+    for role, pids in procs.items():
+        total = 0.0
+        for pid in pids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        out[role] = total
+    return out
+
+
+def add_cpu(acc: dict, before: dict, after: dict) -> None:
+    for role, value in after.items():
+        acc[role] = acc.get(role, 0.0) + value - before.get(role, 0.0)
+
+
+def per_token(cpu: dict, tokens: int) -> dict | None:
+    """CPU ms per generated token by role, and their total."""
+    if not cpu or not tokens:
+        return None
+    out = {role: round(1000.0 * s / tokens, 3) for role, s in sorted(cpu.items())}
+    out["total"] = round(1000.0 * sum(cpu.values()) / tokens, 3)
+    return out
 
 
 def plot(report: dict, path: Path) -> None:
@@ -505,6 +566,10 @@ def format_summary(report: dict) -> str:
                      f"{r['service_ids_equal_inprocess_batch1']['equal']}/"
                      f"{r['service_ids_equal_inprocess_batch1']['compared']}")
         lines.append(line)
+        if s.get("cpu_ms_per_token"):
+            ip_cpu = (r.get("inprocess") or {}).get("cpu_ms_per_token") or {}
+            lines.append(f"    CPU ms per token: service {s['cpu_ms_per_token']}; in-process "
+                         f"{ip_cpu.get('total')}")
     plain = report.get("service_ids_equal_plain_decoding")
     if plain:
         lines.append(f"service outputs equal to plain decoding: {plain['equal']}/"

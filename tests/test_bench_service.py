@@ -10,9 +10,11 @@ import json
 import pytest
 
 from services.bench_service import (
+    add_cpu,
     compare_ids,
     dist_ms,
     engine_summary,
+    per_token,
     serving_metrics,
     stats_delta,
 )
@@ -71,6 +73,14 @@ def test_compare_ids_counts_and_names_differences():
     assert compare_ids(recs, {0: [1, 2], 1: [4]}) == {"compared": 2, "equal": 1, "differ": [1]}
 
 
+def test_cpu_per_token_sums_deltas_by_role():
+    acc: dict = {}
+    add_cpu(acc, {"engine": 10.0, "router": 1.0}, {"engine": 10.5, "router": 1.1})
+    add_cpu(acc, {"engine": 20.0, "router": 2.0}, {"engine": 20.5, "router": 2.1})
+    assert per_token(acc, 500) == {"engine": 2.0, "router": 0.4, "total": 2.4}
+    assert per_token({}, 10) is None and per_token(acc, 0) is None
+
+
 def test_tiny_run_against_a_real_service(tmp_path):
     """Starts the service (the embedded model; a fresh local Ray), runs 2 prompts x 6 tokens at
     concurrency 1 and 2 over /v1/chat/completions and in process, and stops it (~60 s on 2
@@ -102,6 +112,9 @@ def test_tiny_run_against_a_real_service(tmp_path):
             assert set(s[key]) == {"mean", "median", "p99"} and s[key]["mean"] is not None
         assert s["engine"]["steps"] >= 1 and s["engine"]["loop_step_ms_per_step"] > 0
         assert s["engine"]["router_delivery_ms_per_message"] is not None
+        cpu = s["cpu_ms_per_token"]  # the service's own processes, found and measured
+        assert cpu["engine"] > 0 and cpu["router"] > 0 and cpu["proxy"] > 0
+        assert row["inprocess"]["cpu_ms_per_token"]["inprocess"] > 0
         assert row["inprocess"]["output_tokens"] == 12
         assert row["service_over_inprocess"]["output_tokens_per_s"] > 0
         assert row["service_ids_equal_inprocess_batch1"] == {"compared": 2, "equal": 2,
