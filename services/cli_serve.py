@@ -55,15 +55,16 @@ def config_from_args(args) -> dict:
 
 # Ray Serve's shorter per-message path (its RAY_SERVE_THROUGHPUT_OPTIMIZED settings, without
 # direct ingress, which would move the public ports): calls between the proxies, the router and
-# the engine over gRPC instead of Ray actor tasks, and the replicas' user code and handle routing
-# on their main event loop instead of a thread and a loop of their own (no cross-thread hop per
-# streamed message). The replicas' gRPC accepts what the public proxy does (2 GiB, not gRPC's
+# the engine over gRPC instead of Ray actor tasks, and the replicas' user code on their main event
+# loop instead of a thread of its own (no cross-thread hop per streamed message). Handle routing
+# keeps its own loop: on the main loop, the engine's draft-worker lookup (a handle call from the
+# reconnect thread) never got an answer after the worker was killed, so speculation never came
+# back (tests/test_service_faults.py). The replicas' gRPC accepts what the public proxy does (2 GiB, not gRPC's
 # 4 MiB), so that an oversized request still reaches the router's size checks (INVALID_ARGUMENT,
 # not INTERNAL). The same variables in the environment override these (e.g. "0" to compare).
 SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
              "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str((2 << 30) - 1),
-             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def start(conf: dict, blocking: bool = False, http_port: int = 8000,
