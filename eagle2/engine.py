@@ -1150,6 +1150,8 @@ class Engine:
         ch.done += num
         self.runner.set_lengths(slots, torch.tensor([ch.done], device=dev))
         self.stats.prefill_tokens += num
+        if self.paging is not None:
+            self.paging.commit(ch.req.seq_id, ch.done, lambda: ch.tokens)
         events = []
         if last:
             self.chunking = None
@@ -1218,6 +1220,9 @@ class Engine:
         features = to_device(features, dev)
         self.runner.set_lengths(slots, cached + lengths)
         self.stats.prefill_tokens += int(lengths.sum())
+        if self.paging is not None:  # the prompts' full blocks are shareable from now on
+            for r, _, toks, _ in batch:
+                self.paging.commit(r.seq_id, len(toks), lambda toks=toks: toks)
         events = []
         for b, ((r, resumed, toks, c), tok) in enumerate(zip(batch, first, strict=True)):
             event = self._start(r, resumed, toks, c, features[b, :len(toks) - c], tok, gens[b])

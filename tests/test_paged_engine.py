@@ -88,7 +88,8 @@ def test_shared_prefix_is_prefilled_once():
     engine = paged_engine(target, 200)
     prompts = shared_prefix_prompts(2, 48, 100, seed=7)
     tree = TREES["eagle2"]
-    first = run(engine, prompts[:1], GREEDY, tree)
+    one = SamplingParams(max_tokens=1)  # ends at its prefill: the prompt's blocks are cached
+    first = run(engine, prompts[:1], one, tree)
     computed = engine.stats.prefill_tokens
     assert computed == len(prompts[0])
     second = run(engine, prompts[1:], GREEDY, tree)
@@ -97,7 +98,7 @@ def test_shared_prefix_is_prefilled_once():
     assert engine.stats.prefix_hit_tokens == 96
     assert engine.stats.prefix_hit_rate == pytest.approx(96 / (len(prompts[0]) + len(prompts[1])))
     off = paged_engine(target, 200, prefix_caching=False)
-    assert run(off, prompts[:1], GREEDY, tree) == first
+    assert run(off, prompts[:1], one, tree) == first
     assert run(off, prompts[1:], GREEDY, tree) == second
     assert off.stats.prefill_tokens == len(prompts[0]) + len(prompts[1])
 
