@@ -91,7 +91,8 @@ def _send_frame(sock: socket.socket, payload: bytes) -> int:
     return HEADER.size + len(payload)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+def recv_exact(sock: socket.socket, size: int) -> bytearray:
+    """`size` bytes from `sock`; ConnectionError when the peer closes first."""
     out = bytearray(size)
     view, got = memoryview(out), 0
     while got < size:
@@ -103,8 +104,8 @@ def _recv_exact(sock: socket.socket, size: int) -> bytearray:
 
 
 def _recv_frame(sock: socket.socket) -> bytearray:
-    (size,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
-    return _recv_exact(sock, size)
+    (size,) = HEADER.unpack(recv_exact(sock, HEADER.size))
+    return recv_exact(sock, size)
 
 
 class DriverChannel:
@@ -136,7 +137,7 @@ class DriverChannel:
                 continue
             sock.settimeout(timeout_s)  # a frame that starts must end within the timeout
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            (rank,) = HEADER.unpack(_recv_exact(sock, HEADER.size))
+            (rank,) = HEADER.unpack(recv_exact(sock, HEADER.size))
             socks[rank] = sock
         self._listener.close()
         self._socks = [socks[r] for r in range(self.tp_size)]

@@ -23,6 +23,8 @@ import struct
 import torch
 import torch.distributed as dist
 
+from eagle2.tp_channel import recv_exact
+
 _RANK = struct.Struct("<Q")
 
 
@@ -43,7 +45,7 @@ class SocketGroup:
         listener.settimeout(timeout_s)
         for _ in range(self.rank + 1, self.world_size):
             sock, _ = listener.accept()
-            (peer,) = _RANK.unpack(_recv(sock, _RANK.size))
+            (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size))
             self.peers[peer] = sock
         listener.close()
         for sock in self.peers.values():
@@ -62,9 +64,9 @@ class SocketGroup:
             sock = self.peers[peer]
             if self.rank < peer:
                 sock.sendall(raw)
-                data = _recv(sock, len(raw))
+                data = recv_exact(sock, len(raw))
             else:
-                data = _recv(sock, len(raw))
+                data = recv_exact(sock, len(raw))
                 sock.sendall(raw)
             parts[peer] = torch.frombuffer(data, dtype=torch.uint8).view(t.dtype).view(t.shape)
         return parts
@@ -90,14 +92,3 @@ class SocketGroup:
         for sock in self.peers.values():
             sock.close()
         self.peers = {}
-
-
-def _recv(sock: socket.socket, size: int) -> bytearray:
-    out = bytearray(size)
-    view, got = memoryview(out), 0
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise ConnectionError("a tensor-parallel peer closed its connection")
-        got += n
-    return out
