@@ -44,18 +44,17 @@ ROWS: list[tuple[str, str, str]] = [
     ("ab-epyc-s38-a04a4cd.json", "speedup",
      "AMD EPYC with AVX512-BF16, head v8, the release before (a04a4cd), one core; the same "
      "160 outputs token for token as the row above"),
-    ("service-xeon-avx512-s28-auto.json", "service",
-     "Intel Xeon with AVX512-BF16, no AMX; release da916f6, head v5"),
+    ("service-epyc-s39.json", "service",
+     "AMD EPYC with AVX512-BF16, head v8, the machine otherwise idle"),
 ]
 SUITES = {"mt_bench": "MT-bench", "humaneval": "HumanEval"}
 DEFAULT_HEAD = "eagle2/heads/smollm2-135m-instruct"
 DEFAULT_LOOKUP = 16  # TreeConfig.lookup
 # `eagle2 bench-service`'s defaults (services/bench_service.py): only other values are shown
-SERVICE_DEFAULTS = {"max_tokens": 32, "num_prompts": 4, "concurrency": "1,4,8", "repeats": 1,
-                    "mode": "eagle2", "tree_tokens": None, "max_context": 512,
-                    "max_batch_size": 8, "engine_threads": None, "inprocess_threads": None,
-                    "target_placement": "auto", "sweep_apps": "worker", "target": None,
-                    "draft": None}
+SERVICE_DEFAULTS = {"suite": "mt_bench", "num_prompts": 16, "max_tokens": 128,
+                    "concurrency": "1,8", "mode": "eagle2", "draft_placement": "worker",
+                    "engine_threads": None, "inprocess_threads": None, "max_context": 1024,
+                    "max_batch_size": 8, "target": None, "draft": None}
 
 
 # ----- commands, from what each run recorded ------------------------------------------------
@@ -104,7 +103,7 @@ def service_command(res: dict) -> str:
         value = res["args"].get(key, default)
         if value != default:
             args += ["--" + key.replace("_", "-"), _fmt(value)]
-    return "eagle2 bench-service " + " ".join(args)
+    return " ".join(["eagle2 bench-service", *args])
 
 
 def _tree(c: dict) -> dict | None:
@@ -169,28 +168,39 @@ def bench_figure(res: dict, kind: str) -> str:
 
 def service_setting(res: dict) -> str:
     a = res["args"]
-    return (f"the service over gRPC (draft worker), {a['num_prompts']} short prompts x "
-            f"{a['max_tokens']}, mode {a['mode']}")
+    return (f"the service through its OpenAI endpoint (streaming chat completions, draft "
+            f"{a['draft_placement']}), {a['num_prompts']} MT-bench prompts x {a['max_tokens']}, "
+            f"mode {a['mode']}, against the in-process engine at the same batch, interleaved")
 
 
 def service_figure(res: dict) -> str:
-    c1 = res["concurrency1"]
-    grpc, inproc = c1["service_worker"]["tokens_per_s"], c1["inproc"]["tokens_per_s"]
-    same = "same token ids" if c1["token_ids_match_inproc"]["worker"] else "OTHER token ids"
-    text = (f"concurrency 1: {grpc:.1f} tokens/s, **{grpc / inproc:.2f}x** the in-process "
-            f"API's {inproc:.1f} ({same})")
-    for level in res.get("concurrency_sweep", []):
-        if level["placement"] == "worker" and level["concurrency"] > 1:
-            text += (f"; concurrency {level['concurrency']}: {level['tokens_per_s']:.1f} tokens/s"
-                     f" (mean batch {level['engine']['batch_size_mean']:.1f})")
-    return text
+    parts = []
+    for level in res["levels"]:
+        svc, inproc = level["service"], level["inprocess"]
+        if svc["errors"]:
+            raise ValueError("a service run with errors is no figure")
+        same = level["service_ids_equal_inprocess_batch1"]
+        parts.append(
+            f"concurrency {level['concurrency']}: {svc['output_tokens_per_s']:.1f} tokens/s, "
+            f"**{level['service_over_inprocess']['output_tokens_per_s']:.2f}x** in-process "
+            f"({inproc['output_tokens_per_s']:.1f}); TTFT median {svc['ttft_ms']['median']:.0f} "
+            f"ms, TPOT median {svc['tpot_ms']['median']:.1f} ms (in-process "
+            f"{inproc['tpot_ms']['median']:.1f}), ITL p99 {svc['itl_ms']['p99']:.0f} ms; "
+            f"{same['equal']} of {same['compared']} outputs equal in-process batch 1's")
+    plain = res.get("service_ids_equal_plain_decoding")
+    if plain:
+        if plain["equal"] != plain["compared"]:
+            raise ValueError("a run whose outputs differ from plain decoding's is no figure")
+        parts.append(f"all {plain['compared']} service outputs equal plain decoding's")
+    return "; ".join(parts)
 
 
 def machine(res: dict) -> str:
     """What the run recorded of its machine: CPUs (threads), the target's dtype."""
     m = res["machine"]
     if "cpus" in m:  # bench-service
-        return f"{m['cpus']} CPUs, {res['target_dtype']['worker'].removeprefix('torch.')}"
+        load = m["loadavg_start"][0]
+        return f"{m['cpus']} CPUs, load average {load:.1f} at the start"
     return f"{m['cpu_count']} CPUs ({m['torch_threads']} threads), {m['dtype']}"
 
 

@@ -81,17 +81,20 @@ def test_rows_from_synthetic_results(table, tmp_path):
     _bench(tmp_path, "hf.json", modes=["vanilla", "eagle2", "hf"], batch=1)
     _bench(tmp_path, "t1.json", modes=["eagle2", "static"], temperature=1.0, tree="fixed",
            lookup=0, follow=False, lossless=None)
-    (tmp_path / "svc.json").write_text(json.dumps({
-        "args": {"max_tokens": 128, "num_prompts": 6, "concurrency": "1,4", "repeats": 1,
-                 "mode": "eagle2", "engine_threads": "auto", "port": 19100, "out": "x.json"},
-        "machine": {"cpus": 2}, "target_dtype": {"worker": "torch.bfloat16"},
-        "concurrency1": {"inproc": {"tokens_per_s": 100.0},
-                         "service_worker": {"tokens_per_s": 70.0},
-                         "token_ids_match_inproc": {"worker": True}},
-        "concurrency_sweep": [{"placement": "worker", "concurrency": 1, "tokens_per_s": 71.0,
-                               "engine": {"batch_size_mean": 1.0}},
-                              {"placement": "worker", "concurrency": 4, "tokens_per_s": 120.0,
-                               "engine": {"batch_size_mean": 3.04}}]}))
+    def level(c, service, inproc, equal):
+        def run(tps, ms):
+            return {"errors": 0, "output_tokens_per_s": tps, "ttft_ms": {"median": ms * 5},
+                    "tpot_ms": {"median": ms}, "itl_ms": {"p99": ms * 3}}
+        return {"concurrency": c, "service": run(service, 20.0), "inprocess": run(inproc, 10.0),
+                "service_over_inprocess": {"output_tokens_per_s": service / inproc},
+                "service_ids_equal_inprocess_batch1": {"compared": 6, "equal": equal}}
+    svc_run = {"args": {"suite": "mt_bench", "num_prompts": 6, "max_tokens": 128,
+                        "concurrency": "1,4", "mode": "eagle2", "draft_placement": "worker",
+                        "engine_threads": None, "port": 19100, "out": "x.json"},
+               "machine": {"cpus": 2, "loadavg_start": [0.25, 1.0, 1.0]},
+               "levels": [level(1, 70.0, 100.0, 6), level(4, 120.0, 200.0, 6)],
+               "service_ids_equal_plain_decoding": {"compared": 12, "equal": 12}}
+    (tmp_path / "svc.json").write_text(json.dumps(svc_run))
     rows = [("b1.json", "speedup", "here"), ("hf.json", "hf", "here"),
             ("t1.json", "tau", "there"), ("svc.json", "service", "elsewhere")]
     lines = table.build_table(tmp_path, rows).splitlines()
@@ -113,11 +116,19 @@ def test_rows_from_synthetic_results(table, tmp_path):
             "eagle2,static --temperature 1.0 --seed 0 --tree fixed --total-tokens 26 --depth 5 "
             "--tree-top-k 8 --lookup 0 --threads 3`") in t1
     assert svc == (
-        "| the service over gRPC (draft worker), 6 short prompts x 128, mode eagle2 | "
-        "concurrency 1: 70.0 tokens/s, **0.70x** the in-process API's 100.0 (same token ids); "
-        "concurrency 4: 120.0 tokens/s (mean batch 3.0) | `eagle2 bench-service --max-tokens "
-        "128 --num-prompts 6 --concurrency 1,4 --engine-threads auto` | `svc.json`; elsewhere, "
-        "2 CPUs, bfloat16 |")
+        "| the service through its OpenAI endpoint (streaming chat completions, draft worker), "
+        "6 MT-bench prompts x 128, mode eagle2, against the in-process engine at the same batch, "
+        "interleaved | concurrency 1: 70.0 tokens/s, **0.70x** in-process (100.0); TTFT median "
+        "100 ms, TPOT median 20.0 ms (in-process 10.0), ITL p99 60 ms; 6 of 6 outputs equal "
+        "in-process batch 1's; concurrency 4: 120.0 tokens/s, **0.60x** in-process (200.0); "
+        "TTFT median 100 ms, TPOT median 20.0 ms (in-process 10.0), ITL p99 60 ms; 6 of 6 "
+        "outputs equal in-process batch 1's; all 12 service outputs equal plain decoding's | "
+        "`eagle2 bench-service --num-prompts 6 --concurrency 1,4` | `svc.json`; elsewhere, "
+        "2 CPUs, load average 0.2 at the start |")
+    svc_run["service_ids_equal_plain_decoding"]["equal"] = 11  # one output differs: no figure
+    (tmp_path / "svc.json").write_text(json.dumps(svc_run))
+    with pytest.raises(ValueError):
+        table.build_table(tmp_path, [("svc.json", "service", "here")])
     _bench(tmp_path, "bad.json", modes=["vanilla", "eagle2"], lossless=False)
     with pytest.raises(ValueError):
         table.build_table(tmp_path, [("bad.json", "speedup", "here")])
