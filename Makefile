@@ -25,7 +25,7 @@ generate: $(STAMP)
 	$(BIN)/eagle2 generate "Write a haiku about speculative decoding."
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
