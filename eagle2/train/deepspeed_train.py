@@ -34,7 +34,6 @@ import json
 import os
 import random
 import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -182,6 +181,10 @@ class DeepSpeedMixin:
         if self.env.is_main:
             super()._write(rec)
 
+    @property
+    def is_main(self) -> bool:
+        return self.env.is_main
+
     def _agree(self, *flags: bool) -> list[bool]:
         """Rank 0's flags on every rank (each rank's clock differs a little)."""
         t = torch.tensor([float(f) for f in flags], device=self.device)
@@ -242,30 +245,7 @@ class DeepSpeedTrainer(DeepSpeedMixin, Trainer):
             return super().evaluate(seqs)
 
     def run(self, max_steps: int | None = None) -> dict:
-        end = self.total_steps if max_steps is None else min(max_steps, self.total_steps)
-        last_ckpt, start = time.time(), time.time() - self.elapsed
-        window: list[StepStats] = []
-        while self.step < end:
-            window.append(self.train_step())
-            self.elapsed = time.time() - start
-            if self.step % self.cfg.log_every == 0 or self.step == end:
-                self._log(window)
-                window = []
-            ckpt, stop = self._agree(
-                time.time() - last_ckpt > self.cfg.checkpoint_seconds,
-                bool(self.cfg.max_seconds and self.elapsed > self.cfg.max_seconds))
-            if ckpt:
-                self.save_checkpoint()
-                last_ckpt = time.time()
-            if stop:
-                break
-        self.save_checkpoint()
-        val = self.evaluate() if self.val_seqs and self.env.is_main else {}
-        self._write({"step": self.step, "elapsed_s": round(self.elapsed, 1),
-                     **{f"val_{k}": round(v, 5) for k, v in val.items()}})
-        return {"steps": self.step, "total_steps": self.total_steps,
-                "elapsed_s": self.elapsed, "val": val, "world_size": self.env.world}
-
+        return {**super().run(max_steps), "world_size": self.env.world}
 
 def train_deepspeed_from_args(args, root: Path) -> dict:
     """The `train` stage under `--deepspeed`: every rank reads the shards, the target's

@@ -15,7 +15,6 @@ head and decides early stopping; every rank follows its decisions.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -118,35 +117,7 @@ class DeepSpeedTTTTrainer(DeepSpeedMixin, TTTTrainer):
         return stop
 
     def run(self) -> dict:
-        cfg = self.cfg
-        last_ckpt, start = time.time(), time.time() - self.elapsed
-        window: list[StepStats] = []
-        if cfg.eval_first and self.val_seqs and self.step == 0 and not self.best_path.exists():
-            self._eval_and_keep_best()
-        while self.step < self.total_steps:
-            window.append(self.train_step())
-            self.elapsed = time.time() - start
-            if self.step % cfg.log_every == 0:
-                self._log(window)
-                window = []
-            if self.val_seqs and self.step % cfg.eval_every == 0 and self._eval_and_keep_best():
-                break
-            ckpt, stop = self._agree(time.time() - last_ckpt > cfg.checkpoint_seconds,
-                                     bool(cfg.max_seconds and self.elapsed > cfg.max_seconds))
-            if ckpt:
-                self.save_checkpoint()
-                last_ckpt = time.time()
-            if stop:
-                break
-        if self.val_seqs and self.step % cfg.eval_every:
-            self._eval_and_keep_best()
-        self.save_checkpoint()
-        if self.env.is_main and self.best_path.exists():
-            self.head.load_state_dict(torch.load(self.best_path, map_location=self.device))
-        val = self.best_val or (self.evaluate() if self.val_seqs and self.env.is_main else {})
-        return {"steps": self.step, "total_steps": self.total_steps, "elapsed_s": self.elapsed,
-                "val": val, "best_val_loss": self.best, "world_size": self.env.world}
-
+        return {**super().run(), "world_size": self.env.world}
 
 class DeepSpeedStoredTTTTrainer(StoredTTTMixin, DeepSpeedTTTTrainer):
     """The training-time test on the shards (`eagle2.train.ttt_stored`), data-parallel."""

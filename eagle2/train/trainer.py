@@ -135,6 +135,13 @@ class Resumable:
     written after the checkpoint; and the optimizer step. Subclasses set head, opt, gen, cfg,
     device, step, elapsed, total_steps, ckpt_path and log_path, and define `train_loss`."""
 
+    is_main = True  # this process logs, evaluates and keeps the best head (data parallel: rank 0)
+
+    def _agree(self, *flags: bool) -> list[bool]:
+        """The loop's decisions (checkpoint now, stop now) as every process takes them: one
+        process takes its own; data-parallel ranks take rank 0's."""
+        return list(flags)
+
     def _extra_state(self) -> dict:
         return {}
 
@@ -244,7 +251,8 @@ class Trainer(Resumable):
         end = self.total_steps if max_steps is None else min(max_steps, self.total_steps)
         last_ckpt, start = time.time(), time.time() - self.elapsed
         window: list[StepStats] = []
-        bar = tqdm(total=end, initial=self.step, desc="train head", unit="step")
+        bar = tqdm(total=end, initial=self.step, desc="train head", unit="step",
+                   disable=not self.is_main)
         while self.step < end:
             window.append(self.train_step())
             self.elapsed = time.time() - start
@@ -253,14 +261,17 @@ class Trainer(Resumable):
                 rec = self._log(window)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['acc']:.3f}")
                 window = []
-            if time.time() - last_ckpt > self.cfg.checkpoint_seconds:
+            ckpt, stop = self._agree(
+                time.time() - last_ckpt > self.cfg.checkpoint_seconds,
+                bool(self.cfg.max_seconds and self.elapsed > self.cfg.max_seconds))
+            if ckpt:
                 self.save_checkpoint()
                 last_ckpt = time.time()
-            if self.cfg.max_seconds and self.elapsed > self.cfg.max_seconds:
+            if stop:
                 break
         bar.close()
         self.save_checkpoint()
-        val = self.evaluate() if self.val_seqs else {}
+        val = self.evaluate() if self.val_seqs and self.is_main else {}
         self._write({"step": self.step, "elapsed_s": round(self.elapsed, 1),
                      **{f"val_{k}": round(v, 5) for k, v in val.items()}})
         return {"steps": self.step, "total_steps": self.total_steps,

@@ -383,21 +383,22 @@ class TTTTrainer(Resumable):
             if self.step % cfg.log_every == 0:
                 self._log(window)
                 window = []
-            if self.val_seqs and self.step % cfg.eval_every == 0:
-                if self._eval_and_keep_best():
-                    break
-            if time.time() - last_ckpt > cfg.checkpoint_seconds:
+            if self.val_seqs and self.step % cfg.eval_every == 0 and self._eval_and_keep_best():
+                break
+            ckpt, stop = self._agree(time.time() - last_ckpt > cfg.checkpoint_seconds,
+                                     bool(cfg.max_seconds and self.elapsed > cfg.max_seconds))
+            if ckpt:
                 self.save_checkpoint()
                 last_ckpt = time.time()
-            if cfg.max_seconds and self.elapsed > cfg.max_seconds:
+            if stop:
                 break
         if self.val_seqs and self.step % cfg.eval_every:
             self._eval_and_keep_best()
         self.save_checkpoint()
-        if self.best_path.exists():
+        if self.is_main and self.best_path.exists():
             self.head.load_state_dict(torch.load(self.best_path, map_location=self.device))
         # the best head's evaluation is known (an evaluation costs minutes on a CPU)
-        val = self.best_val or (self.evaluate() if self.val_seqs else {})
+        val = self.best_val or (self.evaluate() if self.val_seqs and self.is_main else {})
         return {"steps": self.step, "total_steps": self.total_steps, "elapsed_s": self.elapsed,
                 "val": val, "best_val_loss": self.best}
 
