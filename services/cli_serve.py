@@ -61,7 +61,8 @@ def config_from_args(args) -> dict:
 # reconnect thread) never got an answer after the worker was killed, so speculation never came
 # back (tests/test_service_faults.py). The replicas' gRPC accepts what the public proxy does
 # (2 GiB, not gRPC's 4 MiB), so that an oversized request still reaches the router's size checks
-# (INVALID_ARGUMENT, not INTERNAL). The same variables in the environment override these (e.g. "0" to compare).
+# (INVALID_ARGUMENT, not INTERNAL). The same variables in the environment override these
+# (e.g. "0" to compare).
 SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
              "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str((2 << 30) - 1),
              "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
