@@ -317,11 +317,23 @@ class ShardedRunner:
             remove_placement_group(self.placement)
         self.placement = None
 
-    def _kill_ranks(self) -> None:
-        """Kill every rank actor now: a rank stuck in a collective (waiting for a peer whose
-        task failed) leaves it only so; gloo and NCCL would wait out their own timeouts."""
+    def _kill_ranks(self, wait_s: float = 30.0) -> None:
+        """Kill every rank actor and wait (up to `wait_s`) until each is gone: a rank stuck in
+        a collective (waiting for a peer whose task failed) leaves it only so; gloo and NCCL
+        would wait out their own timeouts. ray.kill only sends the request, and a rank whose
+        loop has ended would still answer calls until it arrives; waiting makes "the group
+        failed" mean "no rank runs", and frees the ranks' CPUs and memory for a rebuild."""
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + wait_s
+        for actor in self.actors:
+            while time.monotonic() < deadline:
+                left = max(deadline - time.monotonic(), 0.01)
+                try:
+                    ray.get(actor.__ray_ready__.remote(), timeout=left)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break
+                time.sleep(0.05)
 
     def _loops_alive(self) -> None:
         """Raise the error of a rank's step loop that has ended (it never ends by itself)."""

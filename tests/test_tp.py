@@ -415,12 +415,27 @@ def test_shard_target_needs_the_process_group():
         shard_target(target, 2)
 
 
+def _settled_cpus(quiet_s: float = 1.5, limit_s: float = 30.0) -> float | None:
+    """Ray's available CPUs once they have not changed for `quiet_s` (placement group removal
+    returns its bundles asynchronously)."""
+    import ray
+
+    value, since, deadline = ray.available_resources().get("CPU"), time.monotonic(), \
+        time.monotonic() + limit_s
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = ray.available_resources().get("CPU")
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
+
+
 def test_a_rank_that_fails_to_start_raises_and_releases_its_bundles(ray_cluster, tmp_path):
     import ray
 
     from services.tp_runner import ShardedRunner
 
-    before = ray.available_resources().get("CPU")
+    before = _settled_cpus()  # an earlier test's released group may still be returning
     with pytest.raises(ValueError, match="does not exist"):
         ShardedRunner(1, 1, 64, target=str(tmp_path / "no-such-model.gguf"))
     tables = ray.util.placement_group_table().values()
