@@ -49,7 +49,7 @@ import torch
 from eagle2.attention import KVCache, StepInputs, decoder_layer
 from eagle2.backend import Backend, TargetOutput, module_layers
 from eagle2.buckets import Buckets, PaddedStep, pad_nodes, pad_step, unpad
-from eagle2.runner import LocalRunner
+from eagle2.runner import BLOCK_SIZE, LocalRunner, cache_layout
 from eagle2.target import TargetModel
 
 if TYPE_CHECKING:
@@ -214,13 +214,26 @@ class GraphedRunner(LocalRunner):
     graphs: capture CUDA graphs (None: on CUDA); strict: a failed capture raises (else it is
     logged and the runner runs the target's own forward from then on; None: strict where
     $EAGLE2_CUDA_GRAPHS is "on"). `counts` says how steps ran: "graph" (replayed), "padded"
-    (eagerly, padded), "eager" (the target's own)."""
+    (eagerly, padded), "eager" (the target's own).
+
+    The cache stays slotted (paged CUDA graphs: not done yet, docs/kv-cache.md): num_blocks
+    is refused; kv_cache_memory sizes the slots as `LocalRunner`'s slotted cache
+    (`runner.cache_layout`), the scratch slot among them."""
+
+    can_page = False
 
     def __init__(self, target: TargetModel, num_slots: int, max_len: int,
-                 buckets: Buckets | None = None, graphs: bool | None = None,
-                 strict: bool | None = None):
+                 num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
+                 kv_cache_memory: int | float | None = None, *, buckets: Buckets | None = None,
+                 graphs: bool | None = None, strict: bool | None = None):
         if target.backend.name == "cpu":
             padded_wanted("on", target.device, target.backend)  # raises: the CPU backend
+        if num_blocks is not None:
+            raise ValueError("the CUDA-graph runner keeps a slotted cache: give kv_cache_memory "
+                             "(its slots), or EAGLE2_CUDA_GRAPHS=off for a paged cache")
+        if kv_cache_memory is not None:
+            num_slots = max(cache_layout(target, num_slots + 1, max_len, kv_cache_memory,
+                                         pages=False).num_slots - 1, 1)
         super().__init__(target, num_slots + 1, max_len)
         self.num_slots = num_slots
         self.scratch_slot = num_slots  # padded rows' slot: committed length 0 for good

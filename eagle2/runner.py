@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -62,24 +63,29 @@ class LocalRunner:
     """The whole target (or one tensor-parallel rank's shard of it) and its KV cache in this
     process."""
 
+    # whether this runner can keep a paged cache (`eagle2.cuda_graphs.GraphedRunner` cannot)
+    can_page = True
+
     def __init__(self, target: TargetModel, num_slots: int, max_len: int,
                  num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
-                 kv_cache_memory: int | None = None):
+                 kv_cache_memory: int | float | None = None):
         """num_slots sequences (cache slots) of at most max_len entries each. Paged
         (docs/kv-cache.md "Paged cache") where the target's attention reads blocks
-        (`TargetModel.pages`) and num_blocks or kv_cache_memory (bytes, which
-        `num_blocks_for` turns into blocks) is given: the slots share num_blocks blocks of
-        block_size entries, which the engine hands out (`Engine`, `eagle2.blocks`); else each
-        slot holds max_len entries of its own."""
+        (`TargetModel.pages`) and num_blocks or kv_cache_memory (bytes, or on CUDA a fraction
+        of the free memory, which `num_blocks_for` turns into blocks) is given: the slots
+        share num_blocks blocks of block_size entries, which the engine hands out (`Engine`,
+        `eagle2.blocks`); else each slot holds max_len entries of its own, and with
+        kv_cache_memory only as many slots as fit it (`cache_layout`; `info["num_slots"]`)."""
         self.target = target.fuse()  # the backend's layers (`Backend.prepare`)
         self.vocab_size = target.vocab_size
         self.device = target.device
-        if num_blocks is None and kv_cache_memory is not None:
-            num_blocks = num_blocks_for(target, kv_cache_memory, block_size)
-        if num_blocks is not None and target.pages:
-            self.cache = target.allocate_paged_cache(num_slots, num_blocks, block_size, max_len)
+        layout = cache_layout(self.target, num_slots, max_len, kv_cache_memory, num_blocks,
+                              block_size, pages=self.can_page and self.target.pages)
+        if layout.num_blocks is not None:
+            self.cache = target.allocate_paged_cache(layout.num_slots, layout.num_blocks,
+                                                     block_size, max_len)
         else:
-            self.cache = target.allocate_cache(num_slots, max_len)
+            self.cache = target.allocate_cache(layout.num_slots, max_len)
 
     @classmethod
     def load(cls, spec: str | None, dtype: torch.dtype, device: torch.device, num_slots: int,
@@ -88,23 +94,32 @@ class LocalRunner:
              kv_cache_memory: int | float | None = None) -> LocalRunner:
         """Rank `rank` of `tp_size` of the target given as for `TargetModel.load`, read
         straight to `device` (`eagle2.tp.load_rank`; tp_size 1: the whole model), with a cache
-        of num_slots x max_len (paged: num_blocks or kv_cache_memory, as `__init__`).
+        of num_slots x max_len (paged, or fewer slots: num_blocks or kv_cache_memory, as
+        `__init__`).
         tp_size > 1 needs `eagle2.tp.init_tp` first.
         feature_layers: the layer inputs an EAGLE-3 head reads (None: the final hidden state)."""
         from eagle2.tp import load_rank
 
         target = load_rank(spec, tp_size, rank, dtype, str(device))
         target.set_feature_layers(feature_layers)
-        return cls(target, num_slots, max_len, num_blocks, block_size, kv_cache_memory)
+        return cls(target, num_slots, max_len, num_blocks=num_blocks, block_size=block_size,
+                   kv_cache_memory=kv_cache_memory)
 
     @property
     def info(self) -> dict:
         """What a service reports about the target held here: vocab_size, device, dtype,
-        local_kv_heads (this shard's), and the backend's kernels (`Backend.info`: backend,
-        attention, fused layers or the modules, native CPU operations)."""
+        local_kv_heads (this shard's), the backend's kernels (`Backend.info`: backend,
+        attention, fused layers or the modules, native CPU operations), and its cache:
+        num_slots (the most requests a step may run), kv_blocks and block_size (None where
+        slotted), kv_cache_bytes (this shard's)."""
         t = self.target
+        paged = self.paged
         return {"vocab_size": t.vocab_size, "device": str(t.device), "dtype": str(t.dtype),
-                "local_kv_heads": t.local_kv_heads(), **t.backend.info(t)}
+                "local_kv_heads": t.local_kv_heads(), **t.backend.info(t),
+                "num_slots": int(self.lengths.shape[0]),
+                "kv_blocks": paged[0] if paged else None,
+                "block_size": paged[1] if paged else None,
+                "kv_cache_bytes": cache_bytes(self.cache)}
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -223,21 +238,66 @@ class LocalRunner:
         self.cache.lengths[slots.to(dev)] = values.to(dev)
 
 
-def num_blocks_for(target: TargetModel, kv_cache_memory: int | float, block_size: int) -> int:
-    """Blocks of block_size entries that fit a K/V budget: kv_cache_memory bytes, or, given
-    as a fraction in (0, 1] on a CUDA target, that fraction of the device's free memory."""
+@dataclass(frozen=True)
+class CacheLayout:
+    """A target cache's shape for a memory budget (`cache_layout`)."""
+
+    num_slots: int  # cache slots: the most requests a step runs
+    num_blocks: int | None  # paged: blocks of block_size entries the slots share; None: slotted
+    block_size: int
+
+
+def cache_layout(target: TargetModel, num_slots: int, max_len: int,
+                 kv_cache_memory: int | float | None = None, num_blocks: int | None = None,
+                 block_size: int = BLOCK_SIZE, pages: bool | None = None) -> CacheLayout:
+    """What a K/V budget buys (docs/kv-cache.md "In the service"). A target whose attention
+    pages (pages None: `TargetModel.pages`) keeps num_slots slots over num_blocks blocks, or
+    over what kv_cache_memory holds (`num_blocks_for`); a slotted one keeps as many slots of
+    max_len entries as kv_cache_memory holds (the cache's real bytes, the CPU's kept key
+    blocks included), at most num_slots and at least one. No budget: num_slots slotted, or
+    num_blocks paged. E.g. 512 bytes a token, max_len 258, 1 MiB: 7 slots."""
+    if pages is None:
+        pages = target.pages
+    if num_blocks is None and kv_cache_memory is not None and pages:
+        num_blocks = num_blocks_for(target, kv_cache_memory, block_size)
+    if num_blocks is not None and pages:
+        return CacheLayout(num_slots, num_blocks, block_size)
+    if kv_cache_memory is not None:
+        budget = kv_budget_bytes(target, kv_cache_memory)  # before the one-slot cache below
+        per_slot = cache_bytes(target.allocate_cache(1, max_len))
+        num_slots = max(1, min(num_slots, int(budget // per_slot)))
+    return CacheLayout(num_slots, None, block_size)
+
+
+def kv_budget_bytes(target: TargetModel, kv_cache_memory: int | float) -> float:
+    """kv_cache_memory in bytes: bytes as given, or, given as a fraction in (0, 1] on a CUDA
+    target, that fraction of the device's free memory now."""
     budget = float(kv_cache_memory)
-    if 0 < budget <= 1:
+    if budget <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0, got {kv_cache_memory}")
+    if budget <= 1:
         if target.device.type != "cuda":
             raise ValueError("kv_cache_memory as a fraction of free memory needs a CUDA "
                              "target; give bytes")
         budget *= torch.cuda.mem_get_info(target.device)[0]
+    return budget
+
+
+def num_blocks_for(target: TargetModel, kv_cache_memory: int | float, block_size: int) -> int:
+    """Blocks of block_size entries that fit a K/V budget (`kv_budget_bytes`), the null block
+    left out."""
     per_block = target.kv_bytes_per_token() * block_size
-    blocks = int(budget // per_block) - 1  # the null block
+    blocks = int(kv_budget_bytes(target, kv_cache_memory) // per_block) - 1  # the null block
     if blocks < 1:
         raise ValueError(f"kv_cache_memory {kv_cache_memory} holds no block of {per_block} "
                          "bytes; give more")
     return blocks
+
+
+def cache_bytes(cache) -> int:
+    """Bytes a cache's tensors take (K, V, the CPU's kept key blocks, tables, lengths)."""
+    return sum(t.numel() * t.element_size() for t in vars(cache).values()
+               if isinstance(t, torch.Tensor))
 
 
 def accepted_features(features: torch.Tensor, nodes: list[list[int]]) -> torch.Tensor:
