@@ -74,7 +74,31 @@ class ServiceConfig(BaseModel):
     # engine replica (single-GPU deployments), otherwise the same code path.
     draft_placement: Literal["worker", "inprocess"] = "worker"
     tree: TreeSettings = TreeSettings()
-    max_batch_size: int = Field(8, ge=1, le=256)
+    # The target's cache (docs/kv-cache.md "In the service"). max_running: the most requests
+    # a step runs (the runner's cache slots); the rest wait, max_queued_requests counting them.
+    # A target whose attention pages (SDPA, FlexAttention, the CPU's fp32 exact attention;
+    # tensor-parallel ranks) keeps its K/V in blocks of block_size entries shared by the
+    # running requests: a request starts when blocks for its prompt are free, the newest is
+    # preempted (and recomputed later) when they run out, and with prefix_caching a prompt
+    # reuses the blocks of its longest cached prefix. A slotted one (the CPU's native bf16
+    # attention, the CUDA-graph runner) keeps max_context entries a slot and only as many
+    # slots as kv_cache_memory holds (at most max_running, at least one; the engine logs it).
+    max_running: int = Field(64, ge=1, le=1024)
+    # Deprecated: the older name of max_running (existing configs); it sets max_running where
+    # max_running is not given.
+    max_batch_size: int | None = Field(None, ge=1, le=1024)
+    # Bytes of the target's K/V cache, all tensor-parallel ranks together (each rank takes
+    # kv_cache_memory / tp_size for its share of the KV heads), or with use_gpu a fraction in
+    # (0, 1] of each rank's free GPU memory once its weights are loaded. None: 1 GiB on CPUs
+    # (the embedded SmolLM2 in bf16 at max_context 2048: ~46k tokens paged, or 14 slots
+    # slotted; the old 8 slots took 0.6 GiB); with use_gpu, 0.9 of the rank's GPU share
+    # (`gpu_per_rank`: 0.9 of the free memory on a GPU of its own, 0.81 beside a draft worker
+    # at draft_gpu_fraction 0.1), the rest for activations, logits and CUDA graphs.
+    kv_cache_memory: float | None = Field(None, gt=0)
+    # Entries per block: a multiple of 16 (the CPU exact attention reads keys in chunks of 16
+    # and 32; FlashInfer and FlashAttention's paged kernels take multiples of 16).
+    block_size: int = Field(32, ge=16, le=1024, multiple_of=16)
+    prefix_caching: bool = True
     max_context: int = Field(2048, ge=64)
     default_max_tokens: int = Field(256, ge=1)
     max_tokens_limit: int = Field(1024, ge=1)
@@ -109,6 +133,21 @@ class ServiceConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _cache(self) -> ServiceConfig:
+        if self.max_batch_size is not None:
+            if "max_running" not in self.model_fields_set:
+                self.max_running = self.max_batch_size
+            elif self.max_running != self.max_batch_size:
+                raise ValueError(f"max_batch_size is the older name of max_running: set one "
+                                 f"(got max_running {self.max_running}, max_batch_size "
+                                 f"{self.max_batch_size})")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 1 and not self.use_gpu:
+            raise ValueError(f"kv_cache_memory {self.kv_cache_memory} is a fraction of free GPU "
+                             f"memory, which needs use_gpu; on CPUs give bytes, e.g. "
+                             f"{1 << 30} for 1 GiB")
+        return self
+
+    @model_validator(mode="after")
     def _check(self) -> ServiceConfig:
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
@@ -131,6 +170,20 @@ class ServiceConfig(BaseModel):
 
     def device(self) -> str:
         return "cuda" if self.use_gpu else "cpu"
+
+    def kv_cache_budget(self) -> float:
+        """kv_cache_memory, or its default where None: 1 GiB on CPUs, 0.9 of the rank's GPU
+        share (`gpu_per_rank`) as a fraction of its free memory with use_gpu."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        return round(0.9 * self.gpu_per_rank(), 4) if self.use_gpu else float(1 << 30)
+
+    def rank_kv_cache_memory(self) -> float:
+        """One tensor-parallel rank's budget: its 1/tp_size of the bytes (it holds that share
+        of the KV heads, so every rank gets the same blocks), or the same fraction of its own
+        GPU's free memory."""
+        budget = self.kv_cache_budget()
+        return budget if budget <= 1 else budget / self.tp_size
 
     def gpu_per_rank(self) -> float:
         """Ray GPU share of one TP rank: 1, or what the draft worker leaves when it shares."""
