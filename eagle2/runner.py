@@ -75,7 +75,7 @@ class LocalRunner:
         of the free memory, which `num_blocks_for` turns into blocks) is given: the slots
         share num_blocks blocks of block_size entries, which the engine hands out (`Engine`,
         `eagle2.blocks`); else each slot holds max_len entries of its own, and with
-        kv_cache_memory only as many slots as fit it (`cache_layout`; `info["num_slots"]`)."""
+        kv_cache_memory only as many slots as fit it (`cache_layout`; `capacity`)."""
         self.target = target.fuse()  # the backend's layers (`Backend.prepare`)
         self.vocab_size = target.vocab_size
         self.device = target.device
@@ -108,15 +108,19 @@ class LocalRunner:
     @property
     def info(self) -> dict:
         """What a service reports about the target held here: vocab_size, device, dtype,
-        local_kv_heads (this shard's), the backend's kernels (`Backend.info`: backend,
-        attention, fused layers or the modules, native CPU operations), and its cache:
-        num_slots (the most requests a step may run), kv_blocks and block_size (None where
-        slotted), kv_cache_bytes (this shard's)."""
+        local_kv_heads (this shard's), and the backend's kernels (`Backend.info`: backend,
+        attention, fused layers or the modules, native CPU operations)."""
         t = self.target
-        paged = self.paged
         return {"vocab_size": t.vocab_size, "device": str(t.device), "dtype": str(t.dtype),
-                "local_kv_heads": t.local_kv_heads(), **t.backend.info(t),
-                "num_slots": int(self.lengths.shape[0]),
+                "local_kv_heads": t.local_kv_heads(), **t.backend.info(t)}
+
+    @property
+    def capacity(self) -> dict:
+        """What the cache holds (docs/kv-cache.md "In the service"): num_slots (the most
+        requests a step may run), kv_blocks and block_size (None where slotted),
+        kv_cache_bytes (this shard's, the CPU's kept key blocks included)."""
+        paged = self.paged
+        return {"num_slots": int(self.lengths.shape[0]),
                 "kv_blocks": paged[0] if paged else None,
                 "block_size": paged[1] if paged else None,
                 "kv_cache_bytes": cache_bytes(self.cache)}

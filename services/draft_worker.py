@@ -75,7 +75,11 @@ def ngram_store(cfg: ServiceConfig):
 
 def build_drafter(cfg: ServiceConfig, max_slots: int) -> tuple[Drafter, str]:
     """The head for cfg.target plus the target's embedding and (EAGLE-1/2 heads, which draft
-    through it) its lm_head; nothing else of the target."""
+    through it) its lm_head; nothing else of the target. Its KV cache (docs/kv-cache.md "The
+    draft head's KV cache") keeps max_slots sequences of max_context + the tree margin
+    entries of one layer, allocated here once; a sequence's slot is taken at its first draft
+    call and freed with the request (`Engine._remove` calls `release` when it finishes, is
+    cancelled or preempted; a failed step releases its requests), so max_slots bounds it."""
     device = pick_device(cfg.device())
     dtype = pick_dtype(cfg.dtype, device)
     path = head_dir(cfg)
@@ -167,7 +171,10 @@ class DraftWorker:
     def __init__(self, config: dict):
         cfg = ServiceConfig(**config)
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        drafter, desc = build_drafter(cfg, max_slots=cfg.max_batch_size * 2)
+        # the engine's running requests, and as many again: ones just replaced (a request's
+        # slot returns with its Release, sent by the engine as it finishes, is cancelled,
+        # preempted or fails)
+        drafter, desc = build_drafter(cfg, max_slots=cfg.max_running * 2)
         self.servicer = DraftServicer(drafter, desc)
         host = cfg.draft_bind_host
         if host == "node":

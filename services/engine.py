@@ -68,9 +68,7 @@ class TargetEngine:
         remote = self.draft_desc == "worker"
         self.lookup_table = lookup_table(cfg) if remote else None
         self.ngram = ngram_store(cfg) if remote else None
-        self.engine = Engine(runner, self.drafter, cfg.max_batch_size, cfg.max_context,
-                             costs=self.cost_path, lookup_table=self.lookup_table,
-                             ngram=self.ngram)
+        self.engine = self._new_engine(runner)
         if cfg.target_in_engine() and cfg.engine_threads == "auto" and runner.info.get(
                 "device", "cpu").startswith("cpu"):
             self._auto_threads(runner)
@@ -106,24 +104,44 @@ class TargetEngine:
 
     def _new_runner(self) -> LocalRunner | ShardedRunner:
         """The whole target in this process (what a rank actor holds at tp_size 1), or the
-        rank actors."""
+        rank actors; max_running slots over a cache of kv_cache_memory (docs/kv-cache.md "In
+        the service": blocks where the target pages, else the slots it holds)."""
         from services.draft_worker import feature_layers
 
         cfg = self.cfg
+        max_len = cfg.max_context + Engine.tree_margin
         if cfg.target_in_engine():
             from eagle2.cuda_graphs import runner_class  # CUDA graphs: $EAGLE2_CUDA_GRAPHS
 
             device = pick_device(cfg.device())
             return runner_class(device).load(cfg.target, pick_dtype(cfg.dtype, device), device,
-                                             cfg.max_batch_size,
-                                             cfg.max_context + Engine.tree_margin,
-                                             feature_layers(cfg))
-        return ShardedRunner(cfg.tp_size, cfg.max_batch_size,
-                             cfg.max_context + Engine.tree_margin, target=cfg.target,
+                                             cfg.max_running, max_len, feature_layers(cfg),
+                                             block_size=cfg.block_size,
+                                             kv_cache_memory=cfg.kv_cache_budget())
+        return ShardedRunner(cfg.tp_size, cfg.max_running, max_len, target=cfg.target,
                              dtype=None if cfg.dtype == "auto" else cfg.dtype,
                              use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank,
                              gpu_per_rank=cfg.gpu_per_rank(),
-                             feature_layers=feature_layers(cfg))
+                             feature_layers=feature_layers(cfg), block_size=cfg.block_size,
+                             kv_cache_memory=cfg.rank_kv_cache_memory())
+
+    def _new_engine(self, runner: LocalRunner | ShardedRunner) -> Engine:
+        """The core engine over `runner` (at start and after a failed step): max_running
+        requests a step, or the fewer slots a slotted cache of kv_cache_memory holds."""
+        cfg, cap = self.cfg, runner.capacity
+        running = min(cfg.max_running, cap["num_slots"])
+        if cap["kv_blocks"]:
+            log.info("target cache: %d blocks of %d entries (%.2f GiB a rank), max_running %d, "
+                     "prefix caching %s", cap["kv_blocks"], cap["block_size"],
+                     cap["kv_cache_bytes"] / 2**30, running, cfg.prefix_caching)
+        elif running < cfg.max_running:
+            log.warning("target cache: slotted (%s attention), kv_cache_memory holds %d slots "
+                        "of %d entries: max_running %d, not %d", runner.info.get("attention"),
+                        running, cfg.max_context + Engine.tree_margin, running, cfg.max_running)
+        return Engine(runner, self.drafter, max_context=cfg.max_context, max_running=running,
+                      prefix_caching=cfg.prefix_caching,
+                      costs=_cost_path(cfg, self.placement, runner.info),  # cached after one
+                      lookup_table=self.lookup_table, ngram=self.ngram)
 
     @staticmethod
     async def _make_drafter(cfg: ServiceConfig, draft_worker):
@@ -132,7 +150,7 @@ class TargetEngine:
         if cfg.draft_placement == "inprocess" or draft_worker is None:
             from services.draft_worker import build_drafter
 
-            return build_drafter(cfg, max_slots=cfg.max_batch_size)
+            return build_drafter(cfg, max_slots=cfg.max_running)
         from services.draft_client import ResilientDrafter
 
         def lookup() -> str:  # called from threads: the worker's current address via Serve
@@ -179,7 +197,9 @@ class TargetEngine:
         costs = self.engine.known_costs  # what the tree budget decides with
         out["costs"] = None if costs is None else costs.to_json()
         out["costs_path"] = str(self.cost_path)
-        out["active"] = len(self.engine.seqs) + len(self.engine.waiting)
+        out["active"] = len(self.engine.ids())  # running, chunking, preempted, waiting
+        out["prefix_hit_rate"] = s.prefix_hit_rate
+        out.update(cache_stats(self.engine))
         out["draft"] = self.draft_desc
         d = self.drafter
         out["draft_address"] = getattr(getattr(d, "remote", None), "address", None)
@@ -217,12 +237,14 @@ class TargetEngine:
         self.inbox.put(("reset_stats", None))
 
     def info(self) -> dict:
-        """What `ModelInfo` reports from here: the draft, the tree, and the target's kernels
-        (`runner.info`: backend, attention, device, dtype, CUDA graphs)."""
+        """What `ModelInfo` reports from here: the draft, the tree, the target's kernels
+        (`runner.info`: backend, attention, device, dtype, CUDA graphs) and its cache
+        (`cache_stats`)."""
         kernels = self.engine.runner.info
         return {"draft": self.draft_desc, "tree": asdict(self.tree), "pid": os.getpid(),
                 "target_placement": self.placement,
-                "kernels": {k: kernels.get(k) for k in KERNEL_INFO}}
+                "kernels": {k: kernels.get(k) for k in KERNEL_INFO},
+                **{k: v for k, v in cache_stats(self.engine).items() if k != "kv_free_blocks"}}
 
     def health(self) -> dict:
         """serving: the step loop runs, the ranks are up, and waiting work makes progress."""
@@ -284,8 +306,13 @@ class TargetEngine:
         self._dispatch(events)
         t_sent = time.perf_counter()
         d = self.drafter
-        self.metrics.step(len(self.engine.seqs), len(self.engine.waiting),
+        eng = self.engine
+        self.metrics.step(len(eng.seqs), len(eng.ids()) - len(eng.seqs),
                           [len(ev.token_ids) for ev in events if ev.num_steps > 1])  # 1: prefill
+        paging, st = eng.paging, eng.stats
+        self.metrics.cache(0.0 if paging is None else
+                           1 - paging.blocks.num_free / paging.blocks.num_blocks,
+                           st.preemptions, st.prefix_query_tokens, st.prefix_hit_tokens)
         self.metrics.drafter(getattr(d, "fallbacks", 0), getattr(d, "reconnects", 0))
         self.times.add(t_events - t_step, time.perf_counter() - t0 - (t_events - t_step),
                        t_sent - t_events)
@@ -340,9 +367,7 @@ class TargetEngine:
             self.metrics.rank_restarts.inc()
             self.last_rank_recovery_s = time.monotonic() - t0
             log.warning("tensor-parallel ranks rebuilt in %.1f s", self.last_rank_recovery_s)
-        self.engine = Engine(runner, self.drafter, self.cfg.max_batch_size, self.cfg.max_context,
-                             costs=_cost_path(self.cfg, self.placement, runner.info),  # cached
-                             lookup_table=self.lookup_table, ngram=self.ngram)
+        self.engine = self._new_engine(runner)
 
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":
@@ -364,6 +389,20 @@ class TargetEngine:
         if box is not None:
             loop, q = box
             loop.call_soon_threadsafe(q.put_nowait, item)  # (errors and refusals: rare)
+
+
+def cache_stats(engine: Engine) -> dict:
+    """The target cache as the engine runs it (docs/kv-cache.md "In the service"):
+    max_running (requests a step runs at most), and where paged kv_blocks, kv_free_blocks
+    (free now, cached prefixes included), block_size and prefix_caching (None where slotted).
+    Read from other threads: a torn read is off by one step at most."""
+    out = {"max_running": engine.max_batch, "kv_blocks": None, "kv_free_blocks": None,
+           "block_size": None, "prefix_caching": None}
+    if engine.paging is not None:
+        b = engine.paging.blocks
+        out.update(kv_blocks=b.num_blocks, kv_free_blocks=b.num_free, block_size=b.block_size,
+                   prefix_caching=b.prefix_caching)
+    return out
 
 
 def traffic_stats(runner, drafter) -> dict:

@@ -9,11 +9,15 @@ Prometheus endpoint (`ray.init(_metrics_export_port=...)`; Ray prefixes each nam
            eagle2_spec_decode_num_drafts_total, eagle2_spec_decode_num_accepted_tokens_total,
            eagle2_spec_decode_num_accepted_tokens_per_pos_total{position},
            eagle2_spec_decode_acceptance_length, eagle2_draft_worker_fallbacks_total,
-           eagle2_draft_worker_reconnects_total, eagle2_tp_rank_restarts_total
+           eagle2_draft_worker_reconnects_total, eagle2_tp_rank_restarts_total,
+           eagle2_kv_cache_usage_perc, eagle2_num_preemptions_total,
+           eagle2_prefix_cache_queries_total, eagle2_prefix_cache_hits_total
 
 Acceptance length is tokens per target forward (accepted draft tokens + the bonus token),
 the tau of docs/architecture.md; position p counts steps that accepted the draft token at depth
-p + 1.
+p + 1. The cache's series (docs/kv-cache.md "Paged cache") are vLLM's: the fraction of the
+paged cache's blocks in use (0 where slotted), requests preempted, and prompt tokens looked up
+in the prefix cache and found there.
 """
 
 from __future__ import annotations
@@ -72,12 +76,23 @@ class EngineMetrics:
                                           "Reconnections to a restarted draft worker.")
         self.rank_restarts = metrics.Counter("eagle2_tp_rank_restarts_total",
                                              "Tensor-parallel rank groups rebuilt.")
+        self.kv_usage = metrics.Gauge("eagle2_kv_cache_usage_perc",
+                                      "Fraction of the paged KV cache's blocks in use (1 = all).")
+        self.preemptions = metrics.Counter("eagle2_num_preemptions_total",
+                                           "Requests preempted because KV blocks ran out.")
+        self.prefix_queries = metrics.Counter("eagle2_prefix_cache_queries_total",
+                                              "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = metrics.Counter("eagle2_prefix_cache_hits_total",
+                                           "Prompt tokens whose K/V the prefix cache held.")
         self.max_depth = max_depth
-        self._seen = {"fallbacks": 0, "reconnects": 0}
+        self._seen = {"fallbacks": 0, "reconnects": 0, "preemptions": 0, "prefix_queries": 0,
+                      "prefix_hits": 0}
         self._lock = threading.Lock()
         self._gauges = (0, 0)
         self._lengths: Counter[int] = Counter()  # tokens per step of one sequence -> steps
         self._drafter = (0, 0)
+        self._cache = (0.0, 0, 0, 0)  # usage, preemptions, prefix queries, prefix hits
+
 
     def step(self, num_running: int, num_waiting: int, new_tokens: list[int]) -> None:
         """After one decoding step: new_tokens = tokens each sequence got from it."""
@@ -88,6 +103,12 @@ class EngineMetrics:
     def drafter(self, fallbacks: int, reconnects: int) -> None:
         """The drafter's counters (they change in its own threads), as of this step."""
         self._drafter = (fallbacks, reconnects)
+
+    def cache(self, usage: float, preemptions: int, prefix_queries: int,
+              prefix_hits: int) -> None:
+        """The cache's state as of this step: the fraction of blocks in use, and the engine's
+        running totals (`EngineStats`: they restart from 0 when its stats are reset)."""
+        self._cache = (usage, preemptions, prefix_queries, prefix_hits)
 
     def flush(self) -> None:
         """Hand what the steps counted since the last flush to Ray's metrics."""
@@ -106,8 +127,13 @@ class EngineMetrics:
             for n, k in lengths.items():  # Ray's histogram takes one observation a call
                 for _ in range(k):
                     self.acceptance_length.observe(n)
+        usage, preemptions, queries, hits = self._cache
+        self.kv_usage.set(usage)
         for name, value, counter in (("fallbacks", self._drafter[0], self.fallbacks),
-                                     ("reconnects", self._drafter[1], self.reconnects)):
+                                     ("reconnects", self._drafter[1], self.reconnects),
+                                     ("preemptions", preemptions, self.preemptions),
+                                     ("prefix_queries", queries, self.prefix_queries),
+                                     ("prefix_hits", hits, self.prefix_hits)):
             if value > self._seen[name]:
                 counter.inc(value - self._seen[name])
-                self._seen[name] = value
+            self._seen[name] = value  # (lower after a reset: counted from there)

@@ -265,9 +265,10 @@ class Router:
             tp_size=self.cfg.tp_size, draft_placement=self.cfg.draft_placement, mode=t.mode,
             total_tokens=info["tree"]["total_tokens"], depth=info["tree"]["depth"],
             top_k=info["tree"]["top_k"], max_context=self.cfg.max_context,
-            max_tokens_limit=self.cfg.max_tokens_limit, max_batch_size=self.cfg.max_batch_size,
+            max_tokens_limit=self.cfg.max_tokens_limit, max_batch_size=info["max_running"],
             vocab_size=self.model_config.vocab_size,
-            target_placement=info["target_placement"],
+            target_placement=info["target_placement"], kv_blocks=info["kv_blocks"] or 0,
+            block_size=info["block_size"] or 0, prefix_caching=bool(info["prefix_caching"]),
             **{k: v for k, v in info["kernels"].items() if v is not None})
 
     async def Check(self, request, grpc_context):

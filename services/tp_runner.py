@@ -41,7 +41,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from eagle2.devices import pick_device, pick_dtype
-from eagle2.runner import LocalRunner
+from eagle2.runner import BLOCK_SIZE, LocalRunner
 from eagle2.target import embedded_model_dir
 from eagle2.tp import check_tp_size, init_tp
 from eagle2.tp_channel import DriverChannel, RankChannel, RankError, RankLost
@@ -53,12 +53,15 @@ class TPRank:
 
     def __init__(self, rank: int, tp_size: int, target: str | None, dtype: str | None,
                  num_slots: int, max_len: int, num_threads: int = 1,
-                 feature_layers: tuple[int, ...] | None = None):
+                 feature_layers: tuple[int, ...] | None = None, block_size: int = BLOCK_SIZE,
+                 kv_cache_memory: int | float | None = None):
         torch.set_num_threads(num_threads)  # the rank's share of the node's cores (its bundle)
         use_tensor_wire()  # the results it sends
         self.rank, self.tp_size = rank, tp_size
         self.target_spec, self.dtype = target, dtype
         self.num_slots, self.max_len = num_slots, max_len
+        # this rank's K/V budget (its share: `ShardedRunner`) and block size
+        self.block_size, self.kv_cache_memory = block_size, kv_cache_memory
         self.feature_layers = feature_layers  # EAGLE-3 head: TargetModel.set_feature_layers
         self.runner: LocalRunner | None = None
         self.device = pick_device()  # cuda:0 when Ray gave this actor a GPU
@@ -79,7 +82,8 @@ class TPRank:
         init_tp(self.rank, self.tp_size, master_addr, master_port)
         self.runner = LocalRunner.load(self.target_spec, dtype, self.device, self.num_slots,
                                        self.max_len, self.feature_layers, self.tp_size,
-                                       self.rank)
+                                       self.rank, block_size=self.block_size,
+                                       kv_cache_memory=self.kv_cache_memory)
         return self.runner.info
 
     # Tensors arrive from the driver on HOST and go back there: `to_device` both ways.
@@ -121,6 +125,12 @@ class TPRank:
 
     def set_lengths(self, slots, values) -> None:
         self.runner.set_lengths(*to_device((slots, values), self.runner.device))
+
+    def set_blocks(self, slot: int, blocks: list[int]) -> None:
+        self.runner.set_blocks(slot, blocks)
+
+    def capacity(self) -> dict:
+        return self.runner.capacity
 
     def lengths(self) -> torch.Tensor:
         return to_device(self.runner.lengths, HOST)
@@ -184,7 +194,8 @@ class ShardedRunner:
                  dtype: str | None = None, use_gpu: bool = False, cpus_per_rank: float = 1.0,
                  placement: PlacementGroup | None = None, first_bundle: int = 0,
                  timeout_s: float = 600.0, gpu_per_rank: float = 1.0,
-                 feature_layers: tuple[int, ...] | None = None):
+                 feature_layers: tuple[int, ...] | None = None, block_size: int = BLOCK_SIZE,
+                 kv_cache_memory: int | float | None = None):
         """target: a model directory, a .gguf file or None (the embedded SmolLM2); dtype: None
         = fp32 on CPU, bf16 on GPU. num_slots, max_len: each rank's KV cache, as LocalRunner.
         placement: use these bundles (first_bundle ..) of an existing placement group, e.g. a
@@ -193,6 +204,9 @@ class ShardedRunner:
         gpu_per_rank: each rank's Ray GPU share when use_gpu (below 1 when a draft worker
         shares the GPUs; a rank still gets one device of its own).
         feature_layers: the layer inputs an EAGLE-3 head reads (None: the final hidden state).
+        block_size, kv_cache_memory: each rank's cache as `LocalRunner`'s (its bytes, or a
+        fraction of its GPU's free memory: paged in blocks, or fewer slots where it cannot
+        page); the group runs what every rank holds (`capacity`, `_group_capacity`).
         """
         _check_target(target, tp_size)
         use_tensor_wire()  # the arguments this process sends to the ranks
@@ -222,10 +236,13 @@ class ShardedRunner:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=first_bundle + rank),
             ).remote(rank, tp_size, target, dtype, num_slots, max_len,
-                     max(1, int(cpus_per_rank)), feature_layers)
+                     max(1, int(cpus_per_rank)), feature_layers, block_size, kv_cache_memory)
                 for rank in range(tp_size)]
             master_addr, master_port = self._gather([self.actors[0].address.remote()])[0]
             infos = self._gather([a.start.remote(master_addr, master_port) for a in self.actors])
+            # the cache every rank holds (`LocalRunner.capacity`)
+            self.capacity = _group_capacity(self._gather([a.capacity.remote()
+                                                          for a in self.actors]))
             self._channel = DriverChannel(ray.util.get_node_ip_address(), tp_size)
             self.loops = [a.serve.remote(*self._channel.address) for a in self.actors]
             self._channel.accept(timeout_s, alive=self._loops_alive)
@@ -233,6 +250,7 @@ class ShardedRunner:
             self.shutdown()
             raise
         self.info = infos[0]  # vocab_size, device, dtype, local_kv_heads, fused of rank 0
+        self._lengths = torch.zeros(self.capacity["num_slots"], dtype=torch.long)
         self.vocab_size = infos[0]["vocab_size"]
         # calls: runner calls (deferred updates included); steps: messages sent; ray_calls: Ray
         # calls to the ranks since the loops started (none per step); bytes_out / bytes_in,
@@ -244,6 +262,12 @@ class ShardedRunner:
     @property
     def lengths(self) -> torch.Tensor:
         return self._lengths
+
+    @property
+    def paged(self) -> tuple[int, int] | None:
+        """(num_blocks, block_size) every rank's paged cache holds, else None (slotted)."""
+        blocks = self.capacity["kv_blocks"]
+        return (blocks, self.capacity["block_size"]) if blocks else None
 
     def forward(self, tokens, positions, tree_mask, slots, logit_index=None):
         """(features, logits) from rank 0: logits cross the process boundary, so the engine
@@ -277,6 +301,9 @@ class ShardedRunner:
     def set_lengths(self, slots, values) -> None:
         self._all("set_lengths", slots, values, wait=False)
         self._lengths[slots.cpu()] = values.cpu()
+
+    def set_blocks(self, slot: int, blocks: list[int]) -> None:
+        self._all("set_blocks", slot, list(blocks), wait=False)
 
     # ----- lifecycle and checks ---------------------------------------------------------------
     def rank_lengths(self) -> list[torch.Tensor]:
@@ -431,6 +458,17 @@ class ShardedRunner:
                 self.failed_rank = refs.index(done[0])
                 raise
         return ray.get(refs)
+
+
+def _group_capacity(ranks: list[dict]) -> dict:
+    """The group's `LocalRunner.capacity`: rank 0's, with the slots and blocks every rank
+    holds (budgets given as a fraction of free memory may give ranks different counts; the
+    blocks past the smallest count stay unused)."""
+    out = dict(ranks[0])
+    out["num_slots"] = min(r["num_slots"] for r in ranks)
+    if out["kv_blocks"]:
+        out["kv_blocks"] = min(r["kv_blocks"] for r in ranks)
+    return out
 
 
 def use_tensor_wire() -> None:
