@@ -193,3 +193,22 @@ def test_small_block_pool_preempts_shares_prefixes_and_keeps_greedy_outputs(page
     assert shared_out == plain_greedy(shared, 20)
     assert after["prefix_hit_tokens"] - stats["prefix_hit_tokens"] >= 3 * 32
     assert after["prefix_hit_rate"] > 0
+
+
+def test_plan_reports_the_blocks_the_service_allocates():
+    """`eagle2 plan --kv-cache-memory` for the 70B deployment (tp 4, 112 GiB of K/V): each
+    rank's 28 GiB in blocks of 32 entries of 81,920 bytes (its 2 of 8 KV heads), the null
+    block left out, as `runner.num_blocks_for` counts them; 261 blocks a sequence of 8192 +
+    the engine's tree margin."""
+    from eagle2 import plan
+
+    assert plan.layout.TREE_MARGIN == Engine.tree_margin
+    model = plan.PRESETS["llama-3.3-70b"]
+    p = plan.plan(plan.PlanRequest(model, num_gpus=8, gpu_mem_gib=80, tp_size=4,
+                                   context_len=8192, kv_cache_memory=112 * GIB))
+    assert p.kv_bytes_per_token_per_gpu == 81_920
+    assert p.kv_blocks_per_gpu == 28 * GIB // (81_920 * 32) - 1 == 11_467
+    assert p.paged_max_sequences == 11_467 // -(-(8192 + 130) // 32) == 11_467 // 261 == 43
+    fraction = plan.plan(plan.PlanRequest(model, num_gpus=8, gpu_mem_gib=80, tp_size=4,
+                                          context_len=8192, kv_cache_memory=0.5))
+    assert fraction.kv_budget_bytes_per_gpu == (80 * GIB - p.weight_bytes_per_gpu) // 2

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from eagle2.plan.layout import DraftPlan, PlanRequest, ServingPlan, plan
+from eagle2.plan.layout import TREE_MARGIN, DraftPlan, PlanRequest, ServingPlan, plan
 from eagle2.plan.layouts import Hardware, Workload, format_layouts, node_layouts
 from eagle2.plan.specs import (
     DEFAULT_CONTEXT,
@@ -41,12 +41,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its directory (EAGLE-1/2 or EAGLE-3)")
     parser.add_argument("--reserve", type=float, default=0.10,
                         help="fraction of each GPU kept for CUDA context and activations")
+    parser.add_argument("--block-size", type=int, default=32,
+                        help="entries per block of the paged KV cache (the service's)")
+    parser.add_argument("--kv-cache-memory", type=float, default=None,
+                        help="the service's kv_cache_memory: bytes of all ranks together, or a "
+                             "fraction in (0, 1] of each GPU's memory after the weights "
+                             "(default: what --reserve and the weights leave)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--layouts", action="store_true",
                         help="rank whole-node layouts (replicas x tp, draft worker shared / own "
                              "GPU / none) by expected tokens/s per node")
     parser.add_argument("--max-batch", type=int, default=8,
-                        help="--layouts: sequences per replica")
+                        help="--layouts: sequences per replica (the service's max_running)")
     parser.add_argument("--tree-tokens", type=int, default=26,
                         help="--layouts: draft-tree nodes verified per sequence and step")
     parser.add_argument("--tau", type=float, default=3.3,
@@ -74,6 +80,8 @@ def format_plan(p: ServingPlan) -> str:
         (f"KV cache: {p.kv_bytes_per_token:,} B/token, {p.kv_bytes_per_token_per_gpu:,} B/token "
          f"per GPU; {_gib(p.kv_budget_bytes_per_gpu)} free per GPU = {p.kv_tokens_per_gpu:,} "
          f"tokens = {p.target_max_sequences} sequences"),
+        (f"paged: {p.kv_blocks_per_gpu:,} blocks of {p.block_size} per GPU = "
+         f"{p.paged_max_sequences} sequences of {p.context_len} + {TREE_MARGIN} entries"),
     ]
     if p.draft:
         lines.append(_format_draft(p.draft))
@@ -120,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         req = PlanRequest(model=model, num_gpus=args.gpus, gpu_mem_gib=args.gpu_mem,
                           draft=load_draft_spec(args.draft, model), tp_size=args.tp,
                           dtype=args.dtype, context_len=args.context,
-                          reserve_fraction=args.reserve)
+                          reserve_fraction=args.reserve, block_size=args.block_size,
+                          kv_cache_memory=args.kv_cache_memory)
         result = plan(req)
     except ValueError as err:
         print(f"eagle2 plan: error: {err}", file=sys.stderr)

@@ -17,6 +17,8 @@ from eagle2.plan.memory import (
 )
 from eagle2.plan.specs import DEFAULT_CONTEXT, DTYPE_BYTES, GIB, DraftSpec, ModelSpec
 
+TREE_MARGIN = 130  # `Engine.tree_margin`: cache entries a request holds past its context
+
 
 @dataclass(frozen=True)
 class PlanRequest:
@@ -30,6 +32,11 @@ class PlanRequest:
     dtype: str = "bf16"
     context_len: int | None = None  # None: min(8192, max_position_embeddings)
     reserve_fraction: float = 0.10  # CUDA context, activations, logits, allocator slack
+    # the service's paged cache (docs/kv-cache.md "In the service"): entries per block, and
+    # kv_cache_memory: bytes of all ranks together, or a fraction in (0, 1] of each GPU's
+    # memory left by the weights (None: what the reserve and the weights leave)
+    block_size: int = 32
+    kv_cache_memory: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -44,6 +51,10 @@ class PlanRequest:
             raise ValueError(f"--context must be >= 1, got {self.context_len}")
         if self.tp_size is not None and self.tp_size < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp_size}")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be > 0, got {self.kv_cache_memory}")
         if self.draft is not None:
             d, t = self.draft.model, self.model
             if (d.hidden_size, d.vocab_size) != (t.hidden_size, t.vocab_size):
@@ -93,6 +104,11 @@ class ServingPlan:
     max_sequences: int  # min(target, draft) at context_len
     draft: DraftPlan | None
     notes: tuple[str, ...] = ()
+    # the paged cache of the KV budget: blocks of block_size entries per GPU (the null block
+    # left out), and how many sequences of context_len + TREE_MARGIN entries they hold
+    block_size: int = 32
+    kv_blocks_per_gpu: int = 0
+    paged_max_sequences: int = 0
 
 
 def _choose_tp(req: PlanRequest, num_target_gpus: int) -> int:
@@ -159,7 +175,8 @@ def plan(req: PlanRequest) -> ServingPlan:
     weights = max(per_rank)
     _check_weights_fit(req, tp, weights, usable)
     kv_gpu = max(kv_bytes_per_token(spec, nbytes, tp, r) for r in range(tp))
-    kv_tokens = (usable - weights) // kv_gpu
+    kv_budget = _kv_budget(req, tp, gpu_mem - weights, usable - weights)
+    kv_tokens = kv_budget // kv_gpu
     target_seqs = kv_tokens // context
     if target_seqs < 1:
         raise ValueError(f"after {weights / GIB:.2f} GiB of weights per GPU, the KV cache holds "
@@ -168,6 +185,10 @@ def plan(req: PlanRequest) -> ServingPlan:
     draft = _draft_plan(req, usable, context) if req.draft else None
     idle = num_target_gpus - tp
     notes = []
+    if kv_budget > usable - weights:
+        notes.append(f"kv_cache_memory takes {kv_budget / GIB:.2f} GiB per GPU, more than the "
+                     f"{(usable - weights) / GIB:.2f} GiB the reserve leaves")
+    blocks = max(kv_budget // (kv_gpu * req.block_size) - 1, 0)
     if idle:
         notes.append(f"{idle} GPU(s) idle: tp must divide {spec.num_key_value_heads} KV heads, "
                      f"{spec.num_attention_heads} heads and {spec.intermediate_size}; valid tp "
@@ -178,8 +199,18 @@ def plan(req: PlanRequest) -> ServingPlan:
         num_params=num_params(spec), weight_bytes_total=num_params(spec) * nbytes,
         weight_bytes_per_gpu=weights, weight_bytes_all_target_gpus=sum(per_rank),
         kv_bytes_per_token=kv_bytes_per_token(spec, nbytes), kv_bytes_per_token_per_gpu=kv_gpu,
-        kv_budget_bytes_per_gpu=usable - weights, kv_tokens_per_gpu=kv_tokens,
+        kv_budget_bytes_per_gpu=kv_budget, kv_tokens_per_gpu=kv_tokens,
         target_max_sequences=target_seqs,
         max_sequences=min(target_seqs, draft.max_sequences) if draft else target_seqs,
-        draft=draft, notes=tuple(notes))
+        draft=draft, notes=tuple(notes), block_size=req.block_size, kv_blocks_per_gpu=blocks,
+        paged_max_sequences=blocks // -(-(context + TREE_MARGIN) // req.block_size))
+
+
+def _kv_budget(req: PlanRequest, tp: int, after_weights: int, usable_left: int) -> int:
+    """One GPU's K/V bytes: kv_cache_memory / tp (bytes: all ranks'), or that fraction of
+    the memory the weights leave; None: what the reserve and the weights leave."""
+    mem = req.kv_cache_memory
+    if mem is None:
+        return usable_left
+    return int(mem * after_weights) if mem <= 1 else int(mem) // tp
 

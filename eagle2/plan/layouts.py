@@ -54,7 +54,7 @@ class Hardware:
 class Workload:
     """What the estimate assumes about the traffic."""
 
-    max_batch: int = 8  # sequences per replica (the engine's max_batch_size)
+    max_batch: int = 8  # sequences per replica (the service's max_running)
     context_len: int = DEFAULT_CONTEXT
     tree_tokens: int = 26  # N verified per sequence and step
     depth: int = 5  # draft levels after the root step
