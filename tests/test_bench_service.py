@@ -81,6 +81,7 @@ def test_cpu_per_token_sums_deltas_by_role():
     assert per_token({}, 10) is None and per_token(acc, 0) is None
 
 
+@pytest.mark.slow  # its own service, ~30 s; the metrics code is tested above
 def test_tiny_run_against_a_real_service(tmp_path):
     """Starts the service (the embedded model; a fresh local Ray), runs 2 prompts x 6 tokens at
     concurrency 1 and 2 over /v1/chat/completions and in process, and stops it (~60 s on 2

@@ -84,6 +84,7 @@ def _check_results(res: dict) -> None:
     assert res["imports"]["imported_forbidden"] == []
 
 
+@pytest.mark.slow  # tp2 over gloo is tests/test_tp.py's; this runs gpu_check's phase
 def test_tp2_over_gloo_from_the_checkout(tmp_path):
     """`--phases tp2` as `make gpu-check` starts it: setup, then tp = 2 in two processes."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

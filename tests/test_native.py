@@ -26,7 +26,7 @@ def ops():
     return module
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+@pytest.fixture(scope="module", params=["native", pytest.param("avx2", marks=pytest.mark.slow)])
 def attn_ops(request, ops):
     """This machine's build, and the AVX2 build where this one is AVX-512 (a machine builds
     only its own instruction set, so an AVX-512 CI machine would otherwise never run the AVX2
@@ -57,6 +57,7 @@ def test_the_build_uses_the_cpus_vector_instructions(ops):
             ops.linear(torch.randn(1, 64).bfloat16(), ops.pack_linear(w), 64, 0)
 
 
+@pytest.mark.slow  # four compiles, ~45 s on 2 cores; make test-slow
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
 def test_both_instruction_sets_compile():
     """The source compiles for both of its instruction sets, whichever this CPU has: a machine

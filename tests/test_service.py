@@ -427,6 +427,7 @@ def test_openai_fields_it_does_not_implement_get_400_naming_them(openai_client):
         openai_client.chat.completions.create(model="eagle2", messages=image, max_tokens=4)
 
 
+@pytest.mark.slow  # 20 s of load; `eagle2 soak` is the long form
 def test_short_soak_is_clean(client):
     from services.soak import Soak
 

@@ -276,6 +276,7 @@ def test_steps_make_no_ray_call_and_only_rank_0_replies(tiny, tiny_tp2, tiny_exp
         messages + len(checks)
 
 
+@pytest.mark.slow  # tests/test_service_faults.py covers it through the service
 def test_a_killed_rank_fails_the_next_step_and_the_health_check_at_once(ray_cluster, tiny):
     """kill -9 of a rank between steps: the health check sees its connection end (no step,
     no timeout), and a step sent to a group with a killed rank fails with RankFailure within
@@ -317,6 +318,7 @@ def test_a_killed_rank_fails_the_next_step_and_the_health_check_at_once(ray_clus
             runner.shutdown()
 
 
+@pytest.mark.slow  # tests/test_service_faults.py covers it through the service
 def test_a_rank_task_that_raises_fails_the_group_at_once(ray_cluster, tiny, tiny_expected):
     """Rank 1 runs out of memory in a step (an injected fault: its task raises before the
     forward) while rank 0 waits for it in the forward's all-reduce: the call fails at once

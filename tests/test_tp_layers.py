@@ -149,7 +149,7 @@ def _collectives(rank: int, world: int, port: int, queue) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_socket_group_sums_and_gathers_the_same_bits_on_every_rank(world):
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()

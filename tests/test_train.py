@@ -249,6 +249,7 @@ def test_every_nth_chunk_is_answered_at_temperature_one():
         data.DataConfig(sample_every=-1)
 
 
+@pytest.mark.slow  # the model writes prompts, ~14 s
 def test_self_written_prompts_are_stored_reproducible_and_filtered(smol, tmp_path):
     """The embedded target writes user messages from its user-turn header; a stored chunk is
     reused as is, the same seed writes the same prompts, and a prompt that overlaps a

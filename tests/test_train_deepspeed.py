@@ -136,6 +136,7 @@ def test_two_ranks_follow_the_single_process_loss_curve(runs):
     assert summary["deepspeed"]["zero_optimization"]["stage"] == 2
 
 
+@pytest.mark.slow  # resuming one process: tests/test_train.py; ~20 s of two torchruns
 def test_a_killed_run_resumes_to_the_same_head(runs, shards, tmp_path):
     """SIGKILL both ranks once a checkpoint past step 3 exists (checkpoints every step), rerun
     the same command: it resumes from DeepSpeed's latest checkpoint and ends where the
