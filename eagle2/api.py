@@ -25,6 +25,7 @@ from eagle2.engine import Engine, Event, Request
 from eagle2.head import DraftHead, load_head, new_head
 from eagle2.target import EMBEDDED_NAME, TargetModel
 from eagle2.text import TextStream, encode_prompt
+from eagle2.verify import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class Completion:
     wall_s: float  # from admission to the last token (prefill included)
     tokens_per_s: float
     accepted_at_depth: dict[int, int] = field(default_factory=dict)
+    # token_ids' TokenLogprobs where SamplingParams.logprobs asked, else None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class Eagle2:
@@ -148,6 +151,8 @@ class Eagle2:
     def _absorb(self, prog: _Progress, ev: Event) -> bool:
         """Add an event's tokens; apply stop strings. True when the request is finished."""
         prog.text.add(ev.token_ids, final=ev.finished)
+        if ev.logprobs is not None:
+            prog.logprobs.extend(ev.logprobs)
         prog.num_steps, prog.accepted = ev.num_steps, ev.accepted_at_depth
         prog.reason = ev.finish_reason
         if prog.text.stopped and not ev.finished:
@@ -165,6 +170,7 @@ class _Progress:
     num_steps: int = 0
     accepted: dict[int, int] = field(default_factory=dict)
     reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def completion(self) -> Completion:
         wall = time.perf_counter() - self.start
@@ -173,7 +179,8 @@ class _Progress:
         return Completion(self.text.text, list(ids), self.reason or "length",
                           len(self.req.prompt_ids), self.num_steps,
                           n / max(self.num_steps, 1), wall, n / wall if wall > 0 else 0.0,
-                          self.accepted)
+                          self.accepted, self.logprobs[:n]  # a stop string cuts the ids
+                          if self.req.params.logprobs is not None else None)
 
 
 def resolve_head(target: TargetModel, draft: str | None) -> DraftHead | Eagle3Head:

@@ -16,6 +16,8 @@ MAX_LOOKUP = 32
 # the deepest drafted node (depth + 1) stays within the exact attention's window
 # (eagle2.cpu.attention.WINDOW_DEPTH)
 MAX_DEPTH = 31
+# The most likely tokens a request may ask log-probabilities of, a position (OpenAI: 20).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ class SamplingParams:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # None: no log-probabilities; k: each output token's log-probability under the target's
+    # own distribution (its log-softmax, before temperature, top-k and top-p) and the k most
+    # likely tokens' (`eagle2.verify.TokenLogprobs`; k <= MAX_LOGPROBS)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -112,6 +118,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (the most likely tokens "
+                             f"reported a position), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

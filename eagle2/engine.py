@@ -50,7 +50,7 @@ from eagle2.ngram import NgramStore
 from eagle2.paging import Paging
 from eagle2.runner import TargetRunner
 from eagle2.tree import HOST, DraftTree, prune_tree, root_only, to_device, tree_from_rows
-from eagle2.verify import Verified
+from eagle2.verify import TokenLogprobs, Verified
 
 
 class DrafterLike(Protocol):
@@ -81,6 +81,8 @@ class Event:
     finish_reason: str | None  # "stop" (EOS), "length"
     num_steps: int  # target forwards that produced this request's output so far
     accepted_at_depth: dict[int, int]  # steps that accepted exactly d draft tokens
+    # token_ids' TokenLogprobs where the request asked (SamplingParams.logprobs), else None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -956,7 +958,8 @@ class Engine:
             s.chain_value = 0.0
             s.num_steps += 1
             s.accepted_at_depth[n - 1] += 1
-            events.append(self._emit(s, verified.tokens[b]))
+            events.append(self._emit(s, verified.tokens[b], verified.logprobs[b]
+                                     if verified.logprobs is not None else None))
         if self.paging is not None and self.paging.blocks.prefix_caching:
             # full blocks become shareable (kept after a request ends, e.g. the next turn's)
             for s, length in zip(self.seqs, self.runner.lengths[: len(self.seqs)].tolist(),
@@ -965,8 +968,10 @@ class Engine:
         self._drop_finished(events)
         return events
 
-    def _emit(self, s: _Seq, new_tokens: list[int]) -> Event:
-        """Append tokens up to EOS / max_tokens / context end and say whether s is done."""
+    def _emit(self, s: _Seq, new_tokens: list[int],
+              logprobs: list[TokenLogprobs] | None = None) -> Event:
+        """Append tokens up to EOS / max_tokens / context end and say whether s is done;
+        logprobs: the tokens' TokenLogprobs (the event carries those of the tokens taken)."""
         reason = None
         take = []
         for t in new_tokens:
@@ -981,7 +986,8 @@ class Engine:
         if reason is None and len(s.req.prompt_ids) + len(s.output) >= self.max_context:
             reason = "length"
         return Event(s.req.seq_id, take, reason is not None, reason, s.num_steps,
-                     dict(s.accepted_at_depth))
+                     dict(s.accepted_at_depth),
+                     logprobs[:len(take)] if logprobs is not None else None)
 
     def _drop_finished(self, events: list[Event]) -> None:
         done = {e.seq_id for e in events if e.finished}
@@ -1140,7 +1146,7 @@ class Engine:
         last = ch.done + num == len(ch.tokens)
         final = last and ch.resumed is None  # only a new request's last chunk samples
         slots = torch.tensor([ch.row], device=dev)
-        features, first = self.runner.prefill_step(
+        features, first, first_lp = self.runner.prefill_step(
             torch.tensor([ch.tokens[ch.done:ch.done + num]], device=dev),
             ch.done + torch.arange(num, device=dev)[None],
             causal_mask(torch.tensor([num], device=dev), num), slots,
@@ -1160,7 +1166,7 @@ class Engine:
                 self.runner.copy_slot(ch.row, row)
                 self._clear_row(ch.row)
             event = self._start(ch.req, ch.resumed, ch.tokens, ch.start, torch.cat(ch.feats),
-                                first[0], ch.generator)
+                                first[0], ch.generator, first_lp[0] if first_lp else None)
             events = [event] if event is not None else []
             self._drop_finished(events)
             self._rate, self._depths_used, self._sizes_used = 0.0, [], []
@@ -1175,7 +1181,8 @@ class Engine:
             self.runner.set_blocks(row, [])
 
     def _start(self, r: Request, resumed: _Seq | None, toks: list[int], cached: int,
-               feats: torch.Tensor, tok: int, gen: torch.Generator | None) -> Event | None:
+               feats: torch.Tensor, tok: int, gen: torch.Generator | None,
+               logprobs: TokenLogprobs | None = None) -> Event | None:
         """A prefilled request joins the running ones (the next row): its pending pairs are
         (feature of position t, token t + 1) over the computed positions feats [n, H], the
         last one's token the next root (the first new token, or a resumed request's newest
@@ -1190,7 +1197,7 @@ class Engine:
             return None
         s = _Seq(r, gen, feats, following, order=self._admitted)
         self.seqs.append(s)
-        return self._emit(s, [tok])
+        return self._emit(s, [tok], [logprobs] if logprobs is not None else None)
 
     # ----- prefill ----------------------------------------------------------------------------
     def _prefill(self) -> list[Event]:
@@ -1214,7 +1221,7 @@ class Engine:
         # generator (its output continues as it would have)
         params = [SamplingParams() if s is not None else r.params for r, s, _, _ in batch]
         gens = [None if s is not None else _generator(r.params) for r, s, _, _ in batch]
-        features, first = self.runner.prefill_step(
+        features, first, first_lp = self.runner.prefill_step(
             tokens, positions, causal_mask(lengths, width), slots, lengths - 1, params,
             gens)  # features [B, S, H]
         features = to_device(features, dev)
@@ -1225,7 +1232,8 @@ class Engine:
                 self.paging.commit(r.seq_id, len(toks), lambda toks=toks: toks)
         events = []
         for b, ((r, resumed, toks, c), tok) in enumerate(zip(batch, first, strict=True)):
-            event = self._start(r, resumed, toks, c, features[b, :len(toks) - c], tok, gens[b])
+            event = self._start(r, resumed, toks, c, features[b, :len(toks) - c], tok, gens[b],
+                                first_lp[b] if first_lp else None)
             if event is not None:
                 events.append(event)
         self._drop_finished(events)

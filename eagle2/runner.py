@@ -18,7 +18,15 @@ from eagle2.backend import TargetOutput
 from eagle2.config import SamplingParams
 from eagle2.target import TargetModel
 from eagle2.tree import DraftTree, to_device
-from eagle2.verify import Verified, first_tokens, verify_batch, verify_greedy_lazily
+from eagle2.verify import (
+    TokenLogprobs,
+    Verified,
+    first_logprobs,
+    first_tokens,
+    verify_batch,
+    verify_greedy_lazily,
+    with_logprobs,
+)
 
 BLOCK_SIZE = 32  # entries per block of a paged cache: the CPU exact attention's key chunk
 
@@ -48,8 +56,9 @@ class TargetRunner(Protocol):
     def prefill_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                      slots: torch.Tensor, last_idx: torch.Tensor, params: list[SamplingParams],
                      generators: list[torch.Generator | None]
-                     ) -> tuple[torch.Tensor, list[int]]:
-        """Prompt forward. -> (features [B, S, H], the first new token of each request)."""
+                     ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs | None] | None]:
+        """Prompt forward. -> (features [B, S, H], the first new token of each request, its
+        TokenLogprobs where the request asks (None: none asks))."""
         ...
 
     def commit(self, slots: torch.Tensor, node_idx: torch.Tensor, kept: torch.Tensor) -> None: ...
@@ -165,8 +174,8 @@ class LocalRunner:
 
     def _greedy_only(self, params) -> bool:
         """Whether this step needs only argmaxes, which the target can find without logits
-        (`TargetModel.greedy_tokens`)."""
-        return self.greedy_argmax and all(p.greedy for p in params)
+        (`TargetModel.greedy_tokens`): every request greedy, none asking log-probabilities."""
+        return self.greedy_argmax and all(p.greedy and p.logprobs is None for p in params)
 
     @torch.inference_mode()
     def head_seconds(self, rows: tuple[int, ...], passes: int = 4, argmax: bool = False,
@@ -220,16 +229,18 @@ class LocalRunner:
             return verified, accepted_features(out.features, verified.nodes)
         features, logits = self.forward(tree.tokens, positions.to(dev), tree.tree_mask,
                                         slots.to(dev))  # [B, N, V]
-        verified = verify_batch(tree, logits, params, generators)
+        verified = with_logprobs(verify_batch(tree, logits, params, generators), logits, params)
         return verified, accepted_features(features, verified.nodes)
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
         if self._greedy_only(params):
             out = self.target_forward(tokens, positions, mask, slots)
             rows = torch.arange(out.hidden.shape[0], device=out.hidden.device)
-            return out.features, self.target.greedy_tokens(out.hidden[rows, last_idx]).tolist()
+            return (out.features,
+                    self.target.greedy_tokens(out.hidden[rows, last_idx]).tolist(), None)
         features, last_logits = self.forward(tokens, positions, mask, slots, last_idx)  # [B, V]
-        return features, first_tokens(last_logits, params, generators)
+        first = first_tokens(last_logits, params, generators)
+        return features, first, first_logprobs(last_logits, first, params)
 
     def commit(self, slots, node_idx, kept) -> None:
         self.cache.commit(slots, node_idx, kept)

@@ -43,11 +43,25 @@ from eagle2.tree import DraftTree
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's own log-probabilities at one output position (the log-softmax of its
+    logits there, before temperature, top-k and top-p): the output token's, and the most
+    likely tokens' (id, log-probability), most likely first. Under speculation the position's
+    logits are those of the accepted node before it, the row plain decoding computes."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Verified:
     """Per request: nodes to commit (root first) and the tokens that become output."""
 
     nodes: list[list[int]]  # [B][a + 1] tree-node indices to keep, root first
     tokens: list[list[int]]  # [B][a + 1] accepted draft tokens + the bonus/residual token
+    # [B] each token's TokenLogprobs where the request asked (SamplingParams.logprobs), else
+    # None; None: no request asked
+    logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -403,6 +417,61 @@ def verify_batch(tree: DraftTree, logits: torch.Tensor, params: list[SamplingPar
             out[b] = [toks[b][n] for n in nodes[b][1:]] + drawn[i]
     assert not flat, "verify_batch read more than it used"
     return Verified(nodes, out)
+
+
+def logprobs_at(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
+    """TokenLogprobs of rows logits [R, V] (fp32 or wider) whose output tokens are `tokens`,
+    with the `top` most likely of each; one read."""
+    if not tokens:
+        return []
+    dev = logits.device
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    rows = torch.arange(len(tokens), device=dev)
+    chosen = lp[rows, torch.tensor(tokens, device=dev)]  # [R]
+    values, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
+    flat = torch.cat([chosen.double(), values.double().reshape(-1),
+                      ids.double().reshape(-1)]).tolist()  # ids < 2^53: exact in fp64
+    num = len(tokens)
+    vals, idx = flat[num:num + num * top], flat[num + num * top:]
+    return [TokenLogprobs(flat[r], tuple((int(idx[r * top + i]), vals[r * top + i])
+                                         for i in range(top)))
+            for r in range(num)]
+
+
+def with_logprobs(verified: Verified, logits: torch.Tensor,
+                  params: list[SamplingParams]) -> Verified:
+    """`verified` with each asking request's TokenLogprobs: output token j of request b
+    comes from the logits at its accepted node j - 1 (the root first), the row plain
+    decoding computes at that position. logits [B, N, V]."""
+    asking = [b for b, p in enumerate(params) if p.logprobs is not None]
+    if not asking:
+        return verified
+    dev = logits.device
+    rows = torch.cat([logits[b, torch.tensor(verified.nodes[b], device=dev)] for b in asking])
+    toks = [t for b in asking for t in verified.tokens[b]]
+    found = iter(logprobs_at(rows, toks, max(params[b].logprobs for b in asking)))
+    out: list[list[TokenLogprobs] | None] = [None] * len(params)
+    for b in asking:
+        k = params[b].logprobs
+        out[b] = [TokenLogprobs(e.logprob, e.top[:k])
+                  for e in (next(found) for _ in verified.tokens[b])]
+    return Verified(verified.nodes, verified.tokens, out)
+
+
+def first_logprobs(logits: torch.Tensor, first: list[int], params: list[SamplingParams]
+                   ) -> list[TokenLogprobs | None] | None:
+    """Each asking request's TokenLogprobs of its first token (logits [B, V] at its prompt's
+    last position); None where none asks."""
+    asking = [b for b, p in enumerate(params) if p.logprobs is not None]
+    if not asking:
+        return None
+    rows = logits[torch.tensor(asking, device=logits.device)]
+    found = logprobs_at(rows, [first[b] for b in asking], max(params[b].logprobs
+                                                              for b in asking))
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    for b, e in zip(asking, found, strict=True):
+        out[b] = TokenLogprobs(e.logprob, e.top[:params[b].logprobs])
+    return out
 
 
 def first_tokens(logits: torch.Tensor, params: list[SamplingParams],

@@ -108,14 +108,15 @@ class TPRank:
         return verified, to_device(feats, HOST), _states(gens)
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, gen_states):
-        """Rank 0: (features [B, S, H] on CPU, first tokens, generator states); others None."""
+        """Rank 0: (features [B, S, H] on CPU, first tokens, their TokenLogprobs where asked,
+        generator states); others None."""
         args = to_device((tokens, positions, mask, slots), self.runner.device)
         gens = _generators(gen_states)
-        feats, first = self.runner.prefill_step(
+        feats, first, logprobs = self.runner.prefill_step(
             *args, to_device(last_idx, self.runner.device), params, gens)
         if self.rank != 0:
             return None
-        return to_device(feats, HOST), first, _states(gens)
+        return to_device(feats, HOST), first, logprobs, _states(gens)
 
     def commit(self, slots, node_idx, kept) -> None:
         self.runner.commit(*to_device((slots, node_idx, kept), self.runner.device))
@@ -283,10 +284,10 @@ class ShardedRunner:
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
         sampled = [None if p.greedy else g for p, g in zip(params, generators, strict=True)]
-        feats, first, states = self._all("prefill_step", tokens, positions, mask, slots,
-                                         last_idx, params, _states(sampled))[0]
+        feats, first, logprobs, states = self._all("prefill_step", tokens, positions, mask,
+                                                   slots, last_idx, params, _states(sampled))[0]
         _restore(generators, states)
-        return feats, first
+        return feats, first, logprobs
 
     # Cache updates return nothing, so they wait for the next call (the next forward) and run
     # first in it, in the order made; that call raises their errors.
