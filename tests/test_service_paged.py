@@ -6,6 +6,7 @@ cached prefix reads it from the prefix cache."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 from conftest import random_prompts, run, save_tiny_target, tiny_target
@@ -175,8 +176,14 @@ def test_small_block_pool_preempts_shares_prefixes_and_keeps_greedy_outputs(page
         assert info.prefix_caching
         calls = [client.stub.Generate.future(  # all sent at once
             client.request(p, max_tokens=MAX_TOKENS, ignore_eos=True),
-            metadata=client.metadata, timeout=120) for p in prompts]
-        outputs = [list(c.result().token_ids) for c in calls]
+            metadata=client.metadata, timeout=300) for p in prompts]
+        try:
+            outputs = [list(c.result().token_ids) for c in calls]
+        except grpc.RpcError as e:  # say where the engine stands
+            stats = paged_service.engine_stats.remote().result()
+            pytest.fail(f"{e.code()}: {e.details()}; engine: " + str(
+                {k: stats[k] for k in ("steps", "active", "preemptions", "kv_free_blocks",
+                                       "loop_alive", "loop_steps")}))
         stats = paged_service.engine_stats.remote().result()
         assert stats["preemptions"] > 0, stats  # 3 requests of ~110 entries > 9 x 32
         assert max(stats["batch_sizes"]) <= 8
@@ -193,6 +200,38 @@ def test_small_block_pool_preempts_shares_prefixes_and_keeps_greedy_outputs(page
     assert shared_out == plain_greedy(shared, 20)
     assert after["prefix_hit_tokens"] - stats["prefix_hit_tokens"] >= 3 * 32
     assert after["prefix_hit_rate"] > 0
+
+
+def test_tensor_parallel_ranks_page_preempt_and_keep_greedy_outputs(paged_service, tiny_model,
+                                                                    plain_greedy):
+    """Two rank actors (in the service's Ray cluster) over the same budget: each holds one KV
+    head, kv_cache_memory / 2 bytes and so the same 9 blocks; block tables reach them with the
+    next step; 4 requests of ~110 entries are preempted and every output is plain greedy's."""
+    from eagle2.drafter import Drafter
+    from eagle2.head import new_head
+    from eagle2.target import TargetModel
+    from services.tp_runner import ShardedRunner
+
+    cfg = ServiceConfig(tp_size=2, kv_cache_memory=(NUM_BLOCKS + 1) * 32 * TOKEN_BYTES)
+    runner = ShardedRunner(2, 4, MAX_CONTEXT + Engine.tree_margin, target=tiny_model,
+                           dtype="float32", cpus_per_rank=1, block_size=cfg.block_size,
+                           kv_cache_memory=cfg.rank_kv_cache_memory())
+    try:
+        assert runner.paged == (NUM_BLOCKS, 32) and runner.capacity["num_slots"] == 4
+        target = TargetModel.load(tiny_model, dtype="float32", device="cpu")
+        drafter = Drafter(new_head(target.config, seed=0), target.embed, target.lm_head,
+                          max_slots=4, max_len=MAX_CONTEXT)
+        engine = Engine(runner, drafter, max_running=4, max_context=MAX_CONTEXT)
+        prompts = random_prompts(6, VOCAB, seed=48, lo=40, hi=60)
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        tree = TreeConfig("eagle2", total_tokens=8, depth=3, top_k=4, budget="fixed")
+        assert run(engine, prompts, params, tree) == plain_greedy(prompts, MAX_TOKENS)
+        assert engine.stats.preemptions > 0
+        assert engine.paging.blocks.num_free == NUM_BLOCKS
+        for lengths in runner.rank_lengths():
+            assert torch.equal(lengths, runner.lengths)
+    finally:
+        runner.shutdown()
 
 
 def test_plan_reports_the_blocks_the_service_allocates():
