@@ -44,7 +44,8 @@ class Eagle2Client:
 
     @staticmethod
     def request(prompt: str | list[dict] | list[int], **kw) -> eagle2_pb2.GenerateRequest:
-        """kw: max_tokens, temperature, top_p, top_k, seed, stop, mode, raw, request_id."""
+        """kw: max_tokens, temperature, top_p, top_k, seed, stop, mode, raw, request_id,
+        logprobs (each token's log-probability and that many most likely tokens')."""
         req = eagle2_pb2.GenerateRequest(**kw)
         if isinstance(prompt, str):
             req.text = prompt

@@ -111,7 +111,16 @@ def sampling_from_request(req: eagle2_pb2.GenerateRequest, default_max_tokens: i
         max_tokens=max_tokens,
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
     )
+
+
+def logprobs_to_proto(entries: list | None) -> list[eagle2_pb2.TokenLogprob]:
+    """The engine's (token id, log-probability, [(id, log-probability)]) triples of a
+    message's tokens as TokenLogprob messages (none where the request did not ask)."""
+    return [eagle2_pb2.TokenLogprob(token_id=t, logprob=lp, top=[
+        eagle2_pb2.TopLogprob(token_id=i, logprob=v) for i, v in top])
+        for t, lp, top in entries or ()]
 
 
 CHAT_ROLES = ("system", "user", "assistant")

@@ -448,14 +448,19 @@ def _merge(a: dict, b: dict) -> dict:
     """Two consecutive events of one request as one: b's tokens after a's, b's totals."""
     if "error" in b:
         return b
-    return {**b, "token_ids": a["token_ids"] + b["token_ids"], "time": a["time"]}
+    logprobs = None if b["logprobs"] is None else a["logprobs"] + b["logprobs"]
+    return {**b, "token_ids": a["token_ids"] + b["token_ids"], "logprobs": logprobs,
+            "time": a["time"]}
 
 
 def _event_dict(ev: Event, now: float) -> dict:
-    """time: when the step loop handed it over (the router measures the delivery from it)."""
+    """time: when the step loop handed it over (the router measures the delivery from it).
+    logprobs: (token id, log-probability, [(id, log-probability)]) per token, or None."""
+    logprobs = None if ev.logprobs is None else [
+        (t, e.logprob, list(e.top)) for t, e in zip(ev.token_ids, ev.logprobs, strict=True)]
     return {"token_ids": ev.token_ids, "finished": ev.finished,
             "finish_reason": ev.finish_reason, "num_steps": ev.num_steps,
-            "accepted_at_depth": ev.accepted_at_depth, "time": now}
+            "accepted_at_depth": ev.accepted_at_depth, "logprobs": logprobs, "time": now}
 
 
 def _cost_path(cfg: ServiceConfig, placement: str, runner_info: dict):

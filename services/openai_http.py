@@ -22,6 +22,7 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from eagle2.config import MAX_LOGPROBS
 from services.protos import eagle2_pb2
 
 HTTP_STATUS = {
@@ -56,17 +57,19 @@ def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
 # Fields the server implements, per endpoint (OpenAI's names; top_k, ignore_eos and
 # return_token_ids are the common extensions of vLLM and SGLang, mode this server's
 # speculation mode). return_token_ids: each choice (each streamed chunk's) also carries the
-# generated token ids as "token_ids", as vLLM's.
+# generated token ids as "token_ids", as vLLM's. logprobs (chat: a boolean and top_logprobs;
+# completions: the number of most likely tokens): the target's own log-probabilities, exact
+# under speculation (`logprobs_of`).
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                  "stream", "stream_options", "n", "user", "mode", "ignore_eos",
-                 "return_token_ids"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+                 "return_token_ids", "logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 # Fields accepted only at the value that changes nothing (what a client sends by default);
 # any other value is refused by name rather than ignored.
 NO_OP_VALUES: dict[str, tuple] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logprobs": (False, 0), "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],),
+    "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},),
     "echo": (False,), "best_of": (1,), "store": (False,), "service_tier": ("auto", "default"),
     "parallel_tool_calls": (), "function_call": ("none",), "suffix": (), "metadata": ({},),
@@ -120,6 +123,27 @@ def include_usage(body: dict) -> bool:
     return options.get("include_usage", False)
 
 
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """How many most likely tokens a position's log-probabilities list (None: not asked).
+    Chat: logprobs true, top_logprobs 0 .. 20; completions: logprobs 0 .. 20."""
+    asked = body.get("logprobs")
+    if chat:
+        top = body.get("top_logprobs")
+        if asked is not None and not isinstance(asked, bool):
+            raise ValueError("logprobs must be a boolean (top_logprobs says how many)")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                                or not 0 <= top <= MAX_LOGPROBS):
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]")
+        if top and not asked:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (top or 0) if asked else None
+    if asked is None or asked is False:  # some clients send false for "none"
+        return None
+    if isinstance(asked, bool) or not isinstance(asked, int) or not 0 <= asked <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
+    return asked
+
+
 def to_generate_request(body: dict, chat: bool) -> eagle2_pb2.GenerateRequest:
     """An OpenAI request body as a GenerateRequest (ValueError on a malformed body)."""
     if not isinstance(body, dict):
@@ -168,7 +192,43 @@ def to_generate_request(body: dict, chat: bool) -> eagle2_pb2.GenerateRequest:
     req.ignore_eos = bool(ignore_eos)
     if not isinstance(body.get("return_token_ids", False), bool):
         raise ValueError("return_token_ids must be a boolean")
+    top = logprobs_asked(body, chat)
+    if top is not None:
+        req.logprobs = top
     return req
+
+
+class LogprobsFormat:
+    """A request's log-probabilities in OpenAI's form, message by message (token strings
+    from the tokenizer, one token each): chat {"content": [{token, logprob, bytes,
+    top_logprobs}]}; completions {tokens, token_logprobs, top_logprobs, text_offset}, the
+    offsets running on across a stream's chunks."""
+
+    def __init__(self, tokenizer, chat: bool, top: int):
+        self.tokenizer, self.chat, self.top, self.offset = tokenizer, chat, top, 0
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def __call__(self, entries) -> dict:
+        """entries: a message's TokenLogprob messages."""
+        if self.chat:
+            def one(token_id: int, logprob: float) -> dict:
+                s = self._text(token_id)
+                return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+            return {"content": [{**one(e.token_id, e.logprob),
+                                 "top_logprobs": [one(t.token_id, t.logprob) for t in e.top]}
+                                for e in entries]}
+        tokens = [self._text(e.token_id) for e in entries]
+        offsets = []
+        for s in tokens:
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._text(t.token_id): t.logprob for t in e.top}
+                                 for e in entries] if self.top else None,
+                "text_offset": offsets}
 
 
 async def handle(router, request: Request) -> Response:
@@ -193,23 +253,26 @@ async def handle(router, request: Request) -> Response:
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()), "model": model}
     stream = router.http_stream(req, HttpCall(request))
+    fmt = (LogprobsFormat(router.tokenizer, chat, req.logprobs)
+           if req.HasField("logprobs") else None)
     if body.get("stream"):
         first = await stream.__anext__()  # errors before the first token: a plain error
         if isinstance(first, tuple):
             return error_response(*first)
         return StreamingResponse(_sse(stream, first, head, kind, chat, include_usage(body),
-                                      bool(body.get("return_token_ids"))),
+                                      bool(body.get("return_token_ids")), fmt),
                                  media_type="text/event-stream")
-    text, ids, last = "", [], None
+    text, ids, entries, last = "", [], [], None
     async for msg in stream:
         if isinstance(msg, tuple):
             return error_response(*msg)
         text += msg.text_delta
         ids.extend(msg.token_ids)
+        entries.extend(msg.logprobs)
         last = msg
     choice = {"index": 0, "finish_reason": FINISH.get(last.finish_reason, "stop"),
               **({"message": {"role": "assistant", "content": text}} if chat else
-                 {"text": text, "logprobs": None})}
+                 {"text": text}), "logprobs": fmt(entries) if fmt is not None else None}
     if body.get("return_token_ids"):
         choice["token_ids"] = ids
     return JSONResponse({**head, "object": kind, "choices": [choice], "usage": _usage(last)})
@@ -222,7 +285,7 @@ def _usage(msg) -> dict:
 
 
 async def _sse(stream, first, head: dict, kind: str, chat: bool, with_usage: bool = False,
-               with_ids: bool = False):
+               with_ids: bool = False, fmt: LogprobsFormat | None = None):
     """Server-sent events: one chunk per streamed message (one engine step's tokens; with
     `"usage": null` when the client asked for usage, and the step's `token_ids` when it asked
     for them), then the usage chunk (no choices) if asked, then `[DONE]`."""
@@ -244,6 +307,8 @@ async def _sse(stream, first, head: dict, kind: str, chat: bool, with_usage: boo
             choice = {"index": 0, "text": msg.text_delta, "finish_reason": finish}
         if with_ids:
             choice["token_ids"] = list(msg.token_ids)
+        if fmt is not None:
+            choice["logprobs"] = fmt(msg.logprobs)
         chunk = {**head, "object": obj, "choices": [choice]}
         if with_usage:
             chunk["usage"] = None

@@ -179,8 +179,9 @@ class Router:
                 first, t_last = False, time.monotonic()
                 delta = text.add(ev["token_ids"], final=ev["finished"])
                 done = ev["finished"] or text.stopped
-                msg = eagle2_pb2.GenerateStreamResponse(text_delta=delta,
-                                                        token_ids=ev["token_ids"])
+                msg = eagle2_pb2.GenerateStreamResponse(
+                    text_delta=delta, token_ids=ev["token_ids"],
+                    logprobs=convert.logprobs_to_proto(ev.get("logprobs")))
                 if done:
                     reason = "stop" if text.stopped else ev["finish_reason"]
                     msg.finish_reason = convert.FINISH[reason]
@@ -233,6 +234,7 @@ class Router:
             async for msg in self._stream(request, grpc_context):
                 out.text += msg.text_delta
                 out.token_ids.extend(msg.token_ids)
+                out.logprobs.extend(msg.logprobs)
                 if msg.HasField("usage"):
                     out.finish_reason = msg.finish_reason
                     out.usage.CopyFrom(msg.usage)

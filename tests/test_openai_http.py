@@ -56,7 +56,7 @@ def test_the_benchmark_tools_payloads_convert():
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("logprobs", True), ("top_logprobs", 5), ("presence_penalty", 0.5),
+    ("presence_penalty", 0.5),
     ("frequency_penalty", -1.0), ("repetition_penalty", 1.1), ("logit_bias", {"5": 10}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}), ("parallel_tool_calls", True),
@@ -66,6 +66,30 @@ def test_fields_the_server_does_not_implement_are_refused_by_name(field, value):
     body = {"messages": [{"role": "user", "content": "Hi"}], field: value}
     with pytest.raises(ValueError, match=repr(field)):
         to_generate_request(body, chat=True)
+
+
+def test_logprobs_fields_convert_per_endpoint():
+    """Chat: logprobs true + top_logprobs k; completions: logprobs k; anything else is a
+    clear error (the values themselves: tests/test_service.py against plain decoding)."""
+    hi = [{"role": "user", "content": "Hi"}]
+
+    def chat(**kw):
+        return to_generate_request({"messages": hi, **kw}, chat=True)
+
+    assert chat(logprobs=True, top_logprobs=5).logprobs == 5
+    assert chat(logprobs=True).logprobs == 0
+    assert not chat(logprobs=False).HasField("logprobs")
+    assert not chat(logprobs=False, top_logprobs=0).HasField("logprobs")
+    completion = to_generate_request({"prompt": "Hi", "logprobs": 3}, chat=False)
+    assert completion.logprobs == 3
+    for body, message in (({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be"),
+                          ({"logprobs": 3}, "logprobs must be a boolean")):
+        with pytest.raises(ValueError, match=message):
+            chat(**body)
+    for value in (21, -1, "2", 1.5):
+        with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\]"):
+            to_generate_request({"prompt": "Hi", "logprobs": value}, chat=False)
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -409,11 +409,71 @@ def test_openai_benchmark_payloads_and_ignore_eos(client):
     assert status == 200 and events[-1]["usage"]["completion_tokens"] <= 8
 
 
+def test_logprobs_through_grpc_and_openai_equal_in_process_plain_decodings(openai_client,
+                                                                           client, local):
+    """Speculated through the service (gRPC, OpenAI chat and completions, streamed or not):
+    each token's log-probability and the most likely tokens' are plain decoding's in
+    process, position by position (fp32 on the wire)."""
+    from eagle2.config import SamplingParams, TreeConfig
+
+    messages = [{"role": "user", "content": PROMPTS[5]}]
+    ids = local.encode(messages)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3)
+    plain = local.generate_ids([local.request(ids, params, TreeConfig("vanilla"))])[0]
+    want = [(e.logprob, [i for i, _ in e.top]) for e in plain.logprobs]
+
+    def close(entries) -> None:
+        assert len(entries) == len(want)
+        for (lp, top), (wlp, wtop) in zip(entries, want, strict=True):
+            assert lp == pytest.approx(wlp, abs=1e-5) and top == wtop
+
+    got = client.generate(messages, max_tokens=20, ignore_eos=True, logprobs=3,
+                          mode="eagle2")
+    assert list(got.token_ids) == plain.token_ids and got.stats.num_steps < 20
+    assert [e.token_id for e in got.logprobs] == plain.token_ids
+    close([(e.logprob, [t.token_id for t in e.top]) for e in got.logprobs])
+    streamed = [e for m in client.stream(messages, max_tokens=20, ignore_eos=True,
+                                         logprobs=3) for e in m.logprobs]
+    assert [e.token_id for e in streamed] == plain.token_ids
+    assert client.generate(messages, max_tokens=4).logprobs == []  # not asked: none
+
+    tok = local.tokenizer
+    out = openai_client.chat.completions.create(model="eagle2", messages=messages,
+                                                max_tokens=20, logprobs=True, top_logprobs=3,
+                                                extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == [tok.decode([t]) for t in plain.token_ids]
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
+    top_tokens = [[t.token for t in c.top_logprobs] for c in content]
+    assert top_tokens == [[tok.decode([i]) for i in w] for _, w in want]
+    close([(c.logprob, w) for c, (_, w) in zip(content, want, strict=True)])
+    chunks = openai_client.chat.completions.create(
+        model="eagle2", messages=messages, max_tokens=20, logprobs=True, stream=True,
+        extra_body={"ignore_eos": True})
+    lps = [c.logprob for ch in chunks for c in ch.choices[0].logprobs.content]
+    assert lps == pytest.approx([w for w, _ in want], abs=1e-5)
+
+    raw = client.generate(PROMPTS[2], max_tokens=8, ignore_eos=True, raw=True, logprobs=2)
+    status, body = post_json("/v1/completions", {"model": "eagle2", "prompt": PROMPTS[2],
+                                                 "max_tokens": 8, "ignore_eos": True,
+                                                 "logprobs": 2})
+    lp = body["choices"][0]["logprobs"]
+    assert status == 200 and lp["token_logprobs"] == pytest.approx(
+        [e.logprob for e in raw.logprobs], abs=1e-6)
+    assert lp["tokens"] == [tok.decode([e.token_id]) for e in raw.logprobs]  # specials too
+    assert lp["text_offset"][0] == 0 and all(len(d) == 2 for d in lp["top_logprobs"])
+    status, body = post_json("/v1/completions", {"model": "eagle2", "prompt": "Hi",
+                                                 "max_tokens": 2, "logprobs": 21})
+    assert status == 400 and "logprobs must be an integer in [0, 20]" in \
+        body["error"]["message"]
+
+
 def test_openai_fields_it_does_not_implement_get_400_naming_them(openai_client):
     import openai
 
     hi = [{"role": "user", "content": "Hi"}]
-    for kwargs, name in (({"logprobs": True}, "logprobs"),
+    for kwargs, name in (({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be"),
                          ({"presence_penalty": 0.5}, "presence_penalty"),
                          ({"response_format": {"type": "json_object"}}, "response_format"),
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]},
