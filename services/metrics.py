@@ -59,7 +59,8 @@ class EngineMetrics:
         self.running = metrics.Gauge("eagle2_num_requests_running",
                                      "Sequences in the running batch.")
         self.waiting = metrics.Gauge("eagle2_num_requests_waiting",
-                                     "Admitted sequences waiting for a batch slot.")
+                                     "Admitted sequences not running: waiting, preempted, or "
+                                     "prefilled in chunks.")
         self.drafts = metrics.Counter("eagle2_spec_decode_num_drafts_total",
                                       "Speculative steps (one per sequence per step).")
         self.accepted = metrics.Counter("eagle2_spec_decode_num_accepted_tokens_total",
