@@ -71,20 +71,21 @@ def test_serve_config_layout_is_the_planners_first_choice():
     from eagle2 import plan
 
     args, model, preset = _deployed_models()
-    work = plan.Workload(max_batch=args["max_batch_size"], context_len=args["max_context"],
+    work = plan.Workload(max_batch=args["max_running"], context_len=args["max_context"],
                          tree_tokens=args["tree"]["total_tokens"], depth=args["tree"]["depth"])
     best = plan.node_layouts(model, preset.spec(), 8, plan.Hardware(80.0), work)[0]
     assert (best.replicas, best.tp_size, best.draft) == (
         args["num_replicas"], args["tp_size"], "shared")
     assert best.draft_gpu_fraction == args["draft_gpu_fraction"] and best.idle_gpus == 0
-    assert best.batch == args["max_batch_size"]
+    assert best.batch == args["max_running"]
 
 
 def test_serve_config_layout_fits_by_the_planners_memory_accounting():
     """What the processes allocate on the GPU a rank shares with its draft worker, in the
-    planner's per-tensor sizes: the rank's shard and KV cache (max_batch slots of max_context
-    + the engine's tree margin), the worker's head, the target's embedding (EAGLE-3) it loads, d2t
-    and its KV cache (DraftWorker: 2 x max_batch slots of max_context + the drafter's margin)."""
+    planner's per-tensor sizes: the rank's shard and its share of the paged KV cache
+    (kv_cache_memory / tp_size), the worker's head, the target's embedding (EAGLE-3) it loads,
+    d2t and its KV cache (DraftWorker: 2 x max_running slots of max_context + the drafter's
+    margin)."""
     import inspect
 
     from eagle2 import plan
@@ -93,15 +94,18 @@ def test_serve_config_layout_fits_by_the_planners_memory_accounting():
 
     args, model, preset = _deployed_models()
     draft, nbytes, gpu = preset.spec(), 2, 80 * plan.GIB  # bf16, 80 GiB H100
-    tp, batch, context = args["tp_size"], args["max_batch_size"], args["max_context"]
-    rank = (plan.rank_params(model, tp, 0) * nbytes
-            + batch * (context + Engine.tree_margin) * plan.kv_bytes_per_token(model, 2, tp))
+    tp, batch, context = args["tp_size"], args["max_running"], args["max_context"]
+    rank = plan.rank_params(model, tp, 0) * nbytes + args["kv_cache_memory"] // tp
+    # the rank's blocks hold every running request at its whole context
+    per_request = -(-(context + Engine.tree_margin) // 32) * 32 * plan.kv_bytes_per_token(
+        model, 2, tp)
+    assert batch * per_request <= args["kv_cache_memory"] // tp
     margin = inspect.signature(Drafter).parameters["tree_margin"].default
     worker = (plan.draft_worker_params(model, draft) * nbytes + plan.draft_buffer_bytes(draft)
               + 2 * batch * (context + margin) * plan.kv_bytes_per_token(draft.model, 2))
-    assert worker == 4_907_657_216 + 16 * 8448 * 4096 == 5_461_305_344  # 5.09 GiB
+    assert worker == 4_907_657_216 + 32 * 8448 * 4096 == 6_014_953_472  # 5.60 GiB
     assert worker <= args["draft_gpu_fraction"] * gpu  # its Ray share: 8 GiB
-    assert rank + worker <= gpu * (1 - plan.Hardware().reserve_fraction)  # 47.9 of 72 GiB
+    assert rank + worker <= gpu * (1 - plan.Hardware().reserve_fraction)  # 69.4 of 72 GiB
 
 
 def test_rayservice_carries_the_same_serve_config_and_enough_gpus():
