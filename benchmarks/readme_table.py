@@ -46,6 +46,9 @@ ROWS: list[tuple[str, str, str]] = [
      "160 outputs token for token as the row above"),
     ("service-epyc-s39.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, the machine otherwise idle"),
+    ("service-epyc-s40-concurrency.json", "service",
+     "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 26 bf16 slots "
+     "of 1,024 + margin, the most it ran at once), the machine otherwise idle"),
 ]
 SUITES = {"mt_bench": "MT-bench", "humaneval": "HumanEval"}
 DEFAULT_HEAD = "eagle2/heads/smollm2-135m-instruct"
@@ -54,7 +57,8 @@ DEFAULT_LOOKUP = 16  # TreeConfig.lookup
 SERVICE_DEFAULTS = {"suite": "mt_bench", "num_prompts": 16, "max_tokens": 128,
                     "concurrency": "1,8", "mode": "eagle2", "draft_placement": "worker",
                     "engine_threads": None, "inprocess_threads": None, "max_context": 1024,
-                    "max_batch_size": 8, "target": None, "draft": None}
+                    "max_running": None, "kv_cache_memory": None, "dtype": None,
+                    "target": None, "draft": None}
 
 
 # ----- commands, from what each run recorded ------------------------------------------------
@@ -98,9 +102,11 @@ def bench_command(res: dict) -> str:
 
 def service_command(res: dict) -> str:
     """The `eagle2 bench-service` command line a run's JSON records (its args)."""
-    args = []
+    args, given = [], dict(res["args"])
+    if "max_batch_size" in given:  # max_running's old name (runs before it)
+        given.setdefault("max_running", given.pop("max_batch_size"))
     for key, default in SERVICE_DEFAULTS.items():
-        value = res["args"].get(key, default)
+        value = given.get(key, default)
         if value != default:
             args += ["--" + key.replace("_", "-"), _fmt(value)]
     return " ".join(["eagle2 bench-service", *args])

@@ -73,7 +73,12 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=19100, help="gRPC port of a started service")
     p.add_argument("--http-port", type=int, default=18100, help="HTTP port of a started one")
     p.add_argument("--max-context", type=int, default=1024)
-    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-running", "--max-batch-size", dest="max_running", type=int,
+                   default=None, help="the started service's max_running (default: config's)")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="the started service's kv_cache_memory in bytes (default: config's)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                   help="the started service's target dtype, and in process (default: auto)")
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
     p.add_argument("--out", default=None,
@@ -290,12 +295,15 @@ def _log(msg: str) -> None:
 
 
 def _service_config(args) -> dict:
-    conf = {"max_batch_size": args.max_batch_size, "max_context": args.max_context,
+    conf = {"max_context": args.max_context,
             "max_tokens_limit": min(1024, args.max_context - 1),
             "default_max_tokens": min(args.max_tokens, args.max_context - 1),
             "grpc_port": args.port, "max_queued_requests": 256, "target": args.target,
             "draft": args.draft, "draft_placement": args.draft_placement,
             "tree": {"mode": args.mode}}
+    for key in ("max_running", "kv_cache_memory", "dtype"):
+        if getattr(args, key, None) is not None:
+            conf[key] = getattr(args, key)
     if args.engine_threads is not None:
         conf["engine_threads"] = (args.engine_threads if args.engine_threads == "auto"
                                   else int(args.engine_threads))
@@ -367,8 +375,9 @@ def _measure(args, handle, base_url: str, prompts: list[str], levels: list[int])
         tree = ServiceConfig(**(_service_config(args))).tree.to_core()
         costs = first and first["costs"]
         threads = args.inprocess_threads or (first and first["torch_threads"]) or "auto"
+        dtype = None if getattr(args, "dtype", None) in (None, "auto") else args.dtype
         llm = Eagle2.load(args.target, args.draft, tree=tree, max_batch=max(levels),
-                          max_context=args.max_context, threads=threads,
+                          max_context=args.max_context, threads=threads, dtype=dtype,
                           costs=CostModel.from_json(costs) if costs else None)
         out["inprocess"] = {"torch_threads": torch.get_num_threads(),
                             "costs": "service's" if costs else "own"}

@@ -257,9 +257,19 @@ class TargetEngine:
                 "draft_connected": getattr(self.drafter, "connected", True)}
 
     def check_health(self) -> None:
-        """Serve's periodic check: raising makes Serve replace this replica."""
+        """Serve's periodic check: raising makes Serve replace this replica. Rank actors are
+        checked too, between steps (`ShardedRunner.check_health`: a dead rank's connection
+        has ended): a rank lost while the engine is idle is rebuilt now, by the step loop,
+        rather than failing the next request with UNAVAILABLE."""
         if not self.thread.is_alive():
             raise RuntimeError("engine step loop stopped")
+        runner = self.engine.runner
+        if isinstance(runner, ShardedRunner) and not self.rebuilding and runner.failed is None:
+            try:
+                runner.check_health()
+            except RankFailure as e:
+                log.error("a tensor-parallel rank failed between steps: %s", e)
+                self.inbox.put(("ranks_failed", (runner, e)))
 
     # ----- the step loop (its own thread) ------------------------------------------------------
     def _flush_metrics(self) -> None:
@@ -378,6 +388,10 @@ class TargetEngine:
                                         "finished": True})
         elif cmd == "cancel":
             self.engine.cancel(arg)
+        elif cmd == "ranks_failed":  # from check_health; not if a step rebuilt them already
+            runner, error = arg
+            if runner is self.engine.runner:
+                self._step_failed(error)
         elif cmd == "reset_stats":
             self.engine.stats = type(self.engine.stats)()
             self.times = LoopTimes()

@@ -153,6 +153,28 @@ def test_kill_tp_rank_mid_stream_gives_unavailable_then_recovers(client, service
           f"(rank rebuild {stats['last_rank_recovery_s']:.1f} s)")
 
 
+def test_a_rank_killed_while_idle_is_rebuilt_before_the_next_request(client, service, plain):
+    """kill -9 of a rank while no request runs: Serve's periodic health check finds it
+    (`TargetEngine.check_health`, every 10 s) and the step loop rebuilds the ranks, so the
+    next request is served at once instead of failing with UNAVAILABLE."""
+    import os
+    import signal
+
+    restarts = service.engine_stats.remote().result()["rank_restarts"]
+    pid = service.rank_pids.remote().result()[0]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while service.engine_stats.remote().result()["rank_restarts"] == restarts:
+        assert time.monotonic() - killed < 90, "the idle engine never noticed the dead rank"
+        time.sleep(0.5)
+    rebuilt = time.monotonic() - killed
+    ids = [t for msg in client.stream(PROMPTS[2], max_tokens=MAX_TOKENS) for t in msg.token_ids]
+    assert ids == plain[PROMPTS[2]]  # no UNAVAILABLE: the first try is served
+    assert pid not in service.rank_pids.remote().result()
+    print(f"\nTP rank kill -9 while idle -> ranks rebuilt {rebuilt:.1f} s later, no "
+          "request failed")
+
+
 def test_a_rank_task_that_raises_gives_unavailable_at_once_then_recovers(client, service,
                                                                         plain):
     """A rank's task raises mid-stream (out of memory, injected: `TPRank.inject_fault`): the
