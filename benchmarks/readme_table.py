@@ -48,7 +48,8 @@ ROWS: list[tuple[str, str, str]] = [
      "AMD EPYC with AVX512-BF16, head v8, the machine otherwise idle"),
     ("service-epyc-s40-concurrency.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 26 bf16 slots "
-     "of 1,024 + margin, the most it ran at once), the machine otherwise idle"),
+     "of 1,024 + margin), one torch thread in the engine and in process (the service's auto "
+     "choice, the machine not yet quiet at its start)"),
 ]
 SUITES = {"mt_bench": "MT-bench", "humaneval": "HumanEval"}
 DEFAULT_HEAD = "eagle2/heads/smollm2-135m-instruct"

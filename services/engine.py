@@ -138,10 +138,12 @@ class TargetEngine:
             log.warning("target cache: slotted (%s attention), kv_cache_memory holds %d slots "
                         "of %d entries: max_running %d, not %d", runner.info.get("attention"),
                         running, cfg.max_context + Engine.tree_margin, running, cfg.max_running)
-        return Engine(runner, self.drafter, max_context=cfg.max_context, max_running=running,
-                      prefix_caching=cfg.prefix_caching,
-                      costs=_cost_path(cfg, self.placement, runner.info),  # cached after one
-                      lookup_table=self.lookup_table, ngram=self.ngram)
+        engine = Engine(runner, self.drafter, max_context=cfg.max_context, max_running=running,
+                        prefix_caching=cfg.prefix_caching,
+                        costs=_cost_path(cfg, self.placement, runner.info),  # cached after one
+                        lookup_table=self.lookup_table, ngram=self.ngram)
+        engine.prefill_chunk = cfg.resolved_prefill_chunk()
+        return engine
 
     @staticmethod
     async def _make_drafter(cfg: ServiceConfig, draft_worker):

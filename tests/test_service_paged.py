@@ -57,6 +57,16 @@ def test_block_size_must_be_a_multiple_of_16(size):
 
 
 # ----- what a budget buys -----------------------------------------------------------------------
+def test_prefill_chunk_defaults_follow_the_device():
+    """Chunked prefill's tokens a step: 64 on CPUs (the running streams' p99 inter-token
+    latency within 3x their median, benchmarks/service_cache.py), 512 on GPUs, else as set."""
+    assert ServiceConfig().resolved_prefill_chunk() == 64
+    assert ServiceConfig(use_gpu=True).resolved_prefill_chunk() == 512
+    assert ServiceConfig(prefill_chunk=256).resolved_prefill_chunk() == 256
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        ServiceConfig(prefill_chunk=8)
+
+
 def test_a_paged_target_gets_the_blocks_its_budget_holds():
     target = tiny_target(seed=41)
     assert target.pages and target.kv_bytes_per_token() == TOKEN_BYTES == 512
