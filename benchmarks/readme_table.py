@@ -50,6 +50,8 @@ ROWS: list[tuple[str, str, str]] = [
      "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 26 bf16 slots "
      "of 1,024 + margin), one torch thread in the engine and in process (the service's auto "
      "choice, the machine not yet quiet at its start)"),
+    ("service-cache-epyc-s40.json", "cache",
+     "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 64 (the CPU default)"),
 ]
 SUITES = {"mt_bench": "MT-bench", "humaneval": "HumanEval"}
 DEFAULT_HEAD = "eagle2/heads/smollm2-135m-instruct"
@@ -202,6 +204,28 @@ def service_figure(res: dict) -> str:
     return "; ".join(parts)
 
 
+def cache_row(res: dict) -> tuple[str, str, str]:
+    """benchmarks/service_cache.py: prefix caching and a long prompt beside decoding."""
+    c, p, lp = res["config"], res["prefix"], res["long_prompt"]
+    if not p["outputs_equal_on_off"]:
+        raise ValueError("a run whose outputs differ with the prefix cache is no figure")
+    on = p["ttft_ms_cache_on"]
+    setting = (f"the service through its OpenAI endpoint, {c['dtype']} target (paged: "
+               f"{p['kv_blocks']} blocks), greedy: {len(on)} chat requests one after another "
+               f"sharing a {p['system_prompt_tokens']}-token system prompt; a "
+               f"{lp['long_prompt_tokens']}-token prompt arriving while {lp['streams']} "
+               f"streams decode")
+    figure = (f"TTFT after the first **{p['later_over_first_cache_on']:.3f}x** the first's "
+              f"with the prefix cache ({sorted(on[1:])[len(on[1:]) // 2]:.0f} against "
+              f"{on[0]:.0f} ms), {p['later_over_first_cache_off']:.2f}x without; outputs "
+              f"equal with it on and off; while the long prompt is read the streams' ITL p99 "
+              f"is **{lp['window_p99_over_median']:.1f}x** their median "
+              f"({lp['itl_window_p99_ms']:.0f} against {lp['itl_median_ms']:.0f} ms), its "
+              f"first token after {lp['long_ttft_s']:.1f} s")
+    command = "python " + res["command"].split(" --out")[0]
+    return setting, figure, command
+
+
 def machine(res: dict) -> str:
     """What the run recorded of its machine: CPUs (threads), the target's dtype."""
     m = res["machine"]
@@ -215,6 +239,8 @@ def row(res: dict, kind: str) -> tuple[str, str, str]:
     """(setting, figures, command) of one results file."""
     if kind == "service":
         return service_setting(res), service_figure(res), service_command(res)
+    if kind == "cache":
+        return cache_row(res)
     return bench_setting(res), bench_figure(res, kind), bench_command(res)
 
 

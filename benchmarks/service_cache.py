@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -146,8 +147,9 @@ def main() -> int:
     if args.prefill_chunk is not None:
         conf["prefill_chunk"] = args.prefill_chunk
     system, long_text = texts(args.system_chars), texts(args.long_chars, skip=20)
-    report: dict = {"command": " ".join(sys.argv), "config": conf,
-                    "loadavg_start": list(__import__("os").getloadavg())}
+    report: dict = {"command": " ".join(["benchmarks/service_cache.py", *sys.argv[1:]]),
+                    "config": conf, "machine": {"cpus": os.cpu_count(),
+                                                "loadavg_start": list(os.getloadavg())}}
 
     def prefix_only(url: str) -> dict:
         asyncio.run(prefix_requests(url, "Warm up.", 1, 4))
