@@ -464,7 +464,7 @@ def _merge(a: dict, b: dict) -> dict:
     """Two consecutive events of one request as one: b's tokens after a's, b's totals."""
     if "error" in b:
         return b
-    logprobs = None if b["logprobs"] is None else a["logprobs"] + b["logprobs"]
+    logprobs = None if b.get("logprobs") is None else (a.get("logprobs") or []) + b["logprobs"]
     return {**b, "token_ids": a["token_ids"] + b["token_ids"], "logprobs": logprobs,
             "time": a["time"]}
 

@@ -158,6 +158,7 @@ def test_flex_sliding_window_equals_dense_reference(window):
             seed=window)
 
 
+@pytest.mark.slow  # torch.compile of FlexAttention, ~12 s; the eager tests above stay
 def test_compiled_flex_visits_only_the_listed_blocks():
     """The compiled CPU kernel reads the block lists (the eager one ignores them): it equals the
     reference over the whole cache rows (contiguous slots: all 1,024 rows, the unused ones

@@ -50,6 +50,7 @@ def describe(pids: list[int]) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # a whole `eagle2 serve` started and stopped, ~38 s
 def test_ctrl_c_stops_everything_within_30_s(tmp_path):
     from services.client import Eagle2Client
 

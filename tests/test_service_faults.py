@@ -155,15 +155,22 @@ def test_kill_tp_rank_mid_stream_gives_unavailable_then_recovers(client, service
 
 def test_a_rank_killed_while_idle_is_rebuilt_before_the_next_request(client, service, plain):
     """kill -9 of a rank while no request runs: Serve's periodic health check finds it
-    (`TargetEngine.check_health`, every 10 s) and the step loop rebuilds the ranks, so the
-    next request is served at once instead of failing with UNAVAILABLE."""
+    (`TargetEngine.check_health`, every 10 s; called here at once, as Serve calls it) and the
+    step loop rebuilds the ranks, so the next request is served at once instead of failing
+    with UNAVAILABLE."""
     import os
     import signal
 
+    from ray import serve
+
+    engine = serve.get_deployment_handle("TargetEngine", app_name=CONFIG.get("app_name",
+                                                                              "eagle2"))
     restarts = service.engine_stats.remote().result()["rank_restarts"]
     pid = service.rank_pids.remote().result()[0]
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
+    time.sleep(0.5)  # the connection's end reaches the engine
+    engine.check_health.remote().result()
     while service.engine_stats.remote().result()["rank_restarts"] == restarts:
         assert time.monotonic() - killed < 90, "the idle engine never noticed the dead rank"
         time.sleep(0.5)

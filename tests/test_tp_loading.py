@@ -141,6 +141,7 @@ def test_index_layout_is_the_standard_one(checkpoint):
     assert 0.95e9 < total < 1.1e9
 
 
+@pytest.mark.slow  # three processes read a 1 GB checkpoint, ~15 s
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_tp2_ranks_read_their_half_and_equal_tp1(checkpoint):
     path, total = checkpoint
