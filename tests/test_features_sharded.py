@@ -68,6 +68,7 @@ def features_stage(root: Path, out: Path) -> None:
     shutil.copytree(root / "convs", out)
 
 
+@pytest.mark.slow  # two worker processes, ~8 s; the split itself is tested below
 def test_two_processes_on_a_split_target_write_the_shards_of_one(conversations, tmp_path):
     """torchrun, 2 processes (`--worker auto`), each with the target split over memory and
     disk by accelerate (`--device-map`), write the same shards (ids, masks, final features,

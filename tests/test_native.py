@@ -478,6 +478,7 @@ def test_kept_key_blocks_give_the_bits_of_transposing_every_call(attn_ops, value
     call([0, 1, 2], [20, length[0] + 2, 0], 6)
 
 
+@pytest.mark.slow  # a second process loading the build, ~6 s
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_process(ops):
     """torch's extension builder waits forever on the lock file of a build that was killed;
     the next process clears it (its own flock proves the file stale) and loads the ops."""

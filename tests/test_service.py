@@ -29,14 +29,12 @@ PROMPTS = ["Write a haiku about the sea.", "Name three fruits.", "What is 7 time
 @pytest.fixture(scope="module")
 def service():
     import ray
-    from ray import serve
 
     from services.cli_serve import start
 
     handle = start(CONFIG, http_port=18000)  # not 8000: a running `eagle2 serve` may hold it
     yield handle
-    serve.shutdown()
-    ray.shutdown()
+    ray.shutdown()  # Serve goes with the cluster (its graceful stop, ~7 s: test_serve_shutdown)
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,6 @@ def paged_service(tiny_model):
     replica; 8 running requests at most over NUM_BLOCKS blocks."""
     pytest.importorskip("ray")
     import ray
-    from ray import serve
 
     from services.cli_serve import start
 
@@ -157,8 +156,7 @@ def paged_service(tiny_model):
                      "budget": "fixed"}}
     handle = start(conf, http_port=HTTP_PORT, address="local")
     yield handle
-    serve.shutdown()
-    ray.shutdown()
+    ray.shutdown()  # Serve goes with the cluster (its graceful stop, ~7 s: test_serve_shutdown)
 
 
 @pytest.fixture(scope="module")

@@ -192,7 +192,7 @@ TTT = ("--stages", "train", "--device", "cpu", "--arch", "eagle3", "--ttt-steps"
        "--threads", "1", "--log-every", "1")
 
 
-@pytest.mark.slow  # the same trainer on shards runs in CI: tests/test_ttt_stored.py
+@pytest.mark.slow  # the same trainer on shards: tests/test_ttt_stored.py (slow too)
 def test_two_ranks_follow_the_single_process_training_time_test(tmp_path):
     """`--deepspeed zero2 --arch eagle3`: an EAGLE-3 head trained with the training-time test
     (target online on every rank, soft targets) by two ranks logs the single process's loss,

@@ -74,6 +74,7 @@ def test_stored_features_train_as_the_online_target_does(stored, tmp_path):
     assert load_head(offline / "head-eagle3").kind == "eagle3"
 
 
+@pytest.mark.slow  # two torchrun ranks, ~13 s; DeepSpeed in CI: test_train_deepspeed.py
 def test_two_ranks_train_on_stored_features_as_one(stored, tmp_path):
     """`--deepspeed zero2 --arch eagle3 --stored-features`: two gloo ranks log the single
     stored run's loss and held-out evaluations within 1e-5."""
