@@ -44,8 +44,9 @@ ROWS: list[tuple[str, str, str]] = [
     ("ab-epyc-s38-a04a4cd.json", "speedup",
      "AMD EPYC with AVX512-BF16, head v8, the release before (a04a4cd), one core; the same "
      "160 outputs token for token as the row above"),
-    ("service-epyc-s39.json", "service",
-     "AMD EPYC with AVX512-BF16, head v8, the machine otherwise idle"),
+    ("service-epyc-s40.json", "service",
+     "AMD EPYC with AVX512-BF16, head v8, two torch threads in the engine and in process, the "
+     "machine otherwise idle"),
     ("service-epyc-s40-concurrency.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 26 bf16 slots "
      "of 1,024 + margin), one torch thread in the engine and in process (the service's auto "
