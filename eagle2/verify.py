@@ -443,34 +443,38 @@ def with_logprobs(verified: Verified, logits: torch.Tensor,
     """`verified` with each asking request's TokenLogprobs: output token j of request b
     comes from the logits at its accepted node j - 1 (the root first), the row plain
     decoding computes at that position. logits [B, N, V]."""
-    asking = [b for b, p in enumerate(params) if p.logprobs is not None]
-    if not asking:
-        return verified
     dev = logits.device
-    rows = torch.cat([logits[b, torch.tensor(verified.nodes[b], device=dev)] for b in asking])
-    toks = [t for b in asking for t in verified.tokens[b]]
-    found = iter(logprobs_at(rows, toks, max(params[b].logprobs for b in asking)))
-    out: list[list[TokenLogprobs] | None] = [None] * len(params)
-    for b in asking:
-        k = params[b].logprobs
-        out[b] = [TokenLogprobs(e.logprob, e.top[:k])
-                  for e in (next(found) for _ in verified.tokens[b])]
-    return Verified(verified.nodes, verified.tokens, out)
+    out = _asked_logprobs(params, lambda b: logits[b, torch.tensor(verified.nodes[b],
+                                                                   device=dev)],
+                          lambda b: verified.tokens[b])
+    return verified if out is None else Verified(verified.nodes, verified.tokens, out)
 
 
 def first_logprobs(logits: torch.Tensor, first: list[int], params: list[SamplingParams]
                    ) -> list[TokenLogprobs | None] | None:
     """Each asking request's TokenLogprobs of its first token (logits [B, V] at its prompt's
     last position); None where none asks."""
+    out = _asked_logprobs(params, lambda b: logits[b:b + 1], lambda b: [first[b]])
+    return None if out is None else [None if e is None else e[0] for e in out]
+
+
+def _asked_logprobs(params: list[SamplingParams], rows_of: Callable[[int], torch.Tensor],
+                    tokens_of: Callable[[int], list[int]]
+                    ) -> list[list[TokenLogprobs] | None] | None:
+    """[B] the TokenLogprobs of tokens_of(b) from its logits rows_of(b) [n, V] for each
+    request b that asks (SamplingParams.logprobs), cut to its own k, else None; one read for
+    all of them. None: no request asks."""
     asking = [b for b, p in enumerate(params) if p.logprobs is not None]
     if not asking:
         return None
-    rows = logits[torch.tensor(asking, device=logits.device)]
-    found = logprobs_at(rows, [first[b] for b in asking], max(params[b].logprobs
-                                                              for b in asking))
-    out: list[TokenLogprobs | None] = [None] * len(params)
-    for b, e in zip(asking, found, strict=True):
-        out[b] = TokenLogprobs(e.logprob, e.top[:params[b].logprobs])
+    tokens = [tokens_of(b) for b in asking]
+    found = iter(logprobs_at(torch.cat([rows_of(b) for b in asking]),
+                             [t for ts in tokens for t in ts],
+                             max(params[b].logprobs for b in asking)))
+    out: list[list[TokenLogprobs] | None] = [None] * len(params)
+    for b, ts in zip(asking, tokens, strict=True):
+        k = params[b].logprobs
+        out[b] = [TokenLogprobs(e.logprob, e.top[:k]) for e in (next(found) for _ in ts)]
     return out
 
 

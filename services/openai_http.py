@@ -59,7 +59,7 @@ def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
 # speculation mode). return_token_ids: each choice (each streamed chunk's) also carries the
 # generated token ids as "token_ids", as vLLM's. logprobs (chat: a boolean and top_logprobs;
 # completions: the number of most likely tokens): the target's own log-probabilities, exact
-# under speculation (`logprobs_of`).
+# under speculation (`logprobs_asked`, `LogprobsFormat`).
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                  "stream", "stream_options", "n", "user", "mode", "ignore_eos",
                  "return_token_ids", "logprobs"}
