@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 def texts(min_chars: int, skip: int = 0) -> str:
     """MT-bench questions joined until at least min_chars characters (~4 a token)."""
-    from eagle2.bench.prompts import load_suite
-
-    out, prompts = [], [p.user_message for p in load_suite("mt_bench", 80)][skip:]
-    for p in prompts * 4:
+    out = []
+    for p in questions(80, skip) * 4:
         out.append(p)
         if sum(map(len, out)) >= min_chars:
             break
@@ -50,26 +47,15 @@ def questions(n: int, skip: int) -> list[str]:
 
 
 async def stream(session, url: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed request: absolute arrival time and token ids of every chunk."""
-    body = {"model": "eagle2", "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
-    rec = {"sent": time.perf_counter(), "chunks": [], "token_ids": [], "prompt_tokens": None}
-    async with session.post(url, json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            if chunk.get("usage"):
-                rec["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
-            for choice in chunk.get("choices", []):
-                if choice.get("token_ids"):
-                    rec["chunks"].append(time.perf_counter())
-                    rec["token_ids"] += choice["token_ids"]
-    rec["ttft_s"] = rec["chunks"][0] - rec["sent"]
+    """One streamed greedy request (`bench_service.stream_request`: "sent", "chunks" are
+    the perf_counter times of the request and of each chunk); an error stops the run."""
+    from services.bench_service import stream_request
+
+    rec = await stream_request(session, url, {
+        "model": "eagle2", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "return_token_ids": True})
+    assert rec["error"] is None, rec["error"]
     return rec
 
 

@@ -184,10 +184,14 @@ def compare_ids(service: list[dict], reference: dict[int, list[int]]) -> dict:
 
 
 # ----- the service's side: streaming chat completions ------------------------------------------
-async def _stream_request(session, url: str, body: dict) -> dict:
-    rec = {"token_ids": [], "ttft_s": None, "itl_s": [], "latency_s": None, "error": None,
-           "usage_completion_tokens": None, "text": "", "finish_reason": None}
+async def stream_request(session, url: str, body: dict) -> dict:
+    """One streamed OpenAI request: its token ids, TTFT, inter-chunk latencies, and "sent"
+    / "chunks" (perf_counter times of the request and of each chunk with tokens); an error
+    is recorded, not raised."""
     t0 = last = time.perf_counter()
+    rec = {"token_ids": [], "ttft_s": None, "itl_s": [], "latency_s": None, "error": None,
+           "usage_completion_tokens": None, "prompt_tokens": None, "text": "",
+           "finish_reason": None, "sent": t0, "chunks": []}
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -206,6 +210,7 @@ async def _stream_request(session, url: str, body: dict) -> dict:
                     break
                 if chunk.get("usage"):
                     rec["usage_completion_tokens"] = chunk["usage"]["completion_tokens"]
+                    rec["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
                 for choice in chunk.get("choices", []):
                     ids = choice.get("token_ids") or []
                     if ids:
@@ -214,6 +219,7 @@ async def _stream_request(session, url: str, body: dict) -> dict:
                         else:
                             rec["itl_s"].append(now - last)
                         last = now
+                        rec["chunks"].append(now)
                         rec["token_ids"].extend(ids)
                     rec["text"] += choice.get("delta", {}).get("content") or ""
                     rec["finish_reason"] = choice.get("finish_reason") or rec["finish_reason"]
@@ -242,7 +248,7 @@ async def _service_level(base_url: str, prompts: list[str], conc: int, max_token
                         "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
                         "stream": True, "stream_options": {"include_usage": True},
                         "return_token_ids": True, "mode": mode}
-                rec = await _stream_request(session, url, body)
+                rec = await stream_request(session, url, body)
                 rec["prompt"] = i
                 out.append(rec)
 
