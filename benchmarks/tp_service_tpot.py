@@ -1,4 +1,4 @@
-"""The service's time per output token at tp 2 against the same target in this process.
+"""The service's time per output token (tp 2, or --tp 1) against the same target in process.
 
 A tiny random Llama (2 layers, hidden 64, vocabulary 256) is saved to a temporary directory
 and served (`services.cli_serve.start`, a fresh local Ray) with `tp_size` 2 and plain decoding
@@ -57,12 +57,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tp", type=int, default=2, help="tp_size (1: the target in the engine)")
     args = ap.parse_args()
     from conftest import random_prompts, save_tiny_target, tiny_target
     from tp_step_channel import decode
 
     from eagle2.engine import Engine
     from eagle2.runner import LocalRunner
+    from services.bench_service import add_cpu, cpu_seconds, per_token, service_processes
     from services.cli_serve import shutdown, start
     from services.client import Eagle2Client
 
@@ -70,7 +72,7 @@ def main() -> None:
     print(f"load: {os.getloadavg()}, cores: {os.cpu_count()}")
     target = tiny_target(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, seed=1)
     path = save_tiny_target(target, tempfile.mkdtemp())
-    conf = {"target": path, "tp_size": 2, "cpus_per_rank": 1, "dtype": "float32",
+    conf = {"target": path, "tp_size": args.tp, "cpus_per_rank": 1, "dtype": "float32",
             "max_batch_size": max(args.concurrency), "max_context": 256,
             "max_tokens_limit": 200, "default_max_tokens": 64, "grpc_port": PORT,
             "tree": {"mode": "vanilla"}}
@@ -82,10 +84,14 @@ def main() -> None:
             service_round(client, random_prompts(1, 256, seed=99), 8)  # warm-up
             for c in args.concurrency:
                 prompts = random_prompts(c, 256, seed=c)
-                svc, ip = [], []
+                svc, ip, cpu, tokens_out = [], [], {}, 0
+                procs = service_processes()
                 before = handle.engine_stats.remote().result()
                 for _ in range(args.rounds):
+                    cpu0 = cpu_seconds(procs)
                     outs = service_round(client, prompts, args.max_tokens)
+                    add_cpu(cpu, cpu0, cpu_seconds(procs))
+                    tokens_out += sum(len(o["ids"]) for o in outs)
                     svc += [o["tpot"] for o in outs]
                     tokens, times, _ = decode(local, prompts, args.max_tokens)
                     ip += times
@@ -97,13 +103,16 @@ def main() -> None:
                 steps = after["steps"] - before["steps"]
                 per = {k: (after[k] - before[k]) / steps * 1e3
                        for k in ("verify_s", "prefill_s", "other_s", "rank_wait_s",
-                                 "rank_busy_s")}
+                                 "rank_busy_s", "loop_host_s", "loop_dispatch_s")
+                       if after.get(k) is not None}
                 print(f"concurrency {c}: service TPOT median {s * 1e3:.2f} ms (mean "
                       f"{statistics.mean(svc) * 1e3:.2f}, {len(svc)} requests), in-process "
                       f"{i * 1e3:.2f} ms per token ({len(ip)} steps): overhead "
                       f"{(s - i) * 1e3:.2f} ms")
                 print(f"  engine, ms per step over {steps} steps: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in per.items()))
+                print("  CPU ms per output token by process (client: the gRPC streams): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in per_token(cpu, tokens_out).items()))
         print("service tokens equal in-process plain decoding" if ok else "TOKENS DIFFER")
         print(f"load after: {os.getloadavg()}")
     finally:

@@ -1,23 +1,20 @@
-"""What a tensor-parallel step costs to drive: Ray calls per step (before) against the step
-channel (`eagle2.tp_channel`, after), beside the same target in this process.
+"""What a tensor-parallel step costs to drive over the step channel (`eagle2.tp_channel`),
+beside the same target in this process.
 
 A tiny random Llama (2 layers, hidden 64) is saved to a temporary directory; plain decoding
 (the vanilla tree: one node a request) runs through the engine on three runners of it, in
 turns, in one process and one local Ray:
   - local: `LocalRunner`, the whole target in this process (the in-process time per step);
-  - before: `ShardedRunner` at tp 2 as of commit BEFORE (`services/tp_runner.py` read from git:
-    each call is one Ray task per rank carrying the inputs, results from every rank);
-  - after: `ShardedRunner` at tp 2 as in the working tree (one message a rank per step on the
-    step channel, one reply from rank 0; no Ray call per step), its CPU ranks all-reducing
-    over their socket group (`eagle2.tp_comm`);
-  - after-gloo: the same runner with the ranks' all-reduces on gloo, as before (the two
-    changes apart). "before" runs on gloo too: its ranks are made to skip the socket group.
+  - after: `ShardedRunner` at tp 2 (one message a rank per step on the step channel, one reply
+    from rank 0; no Ray call per step), its CPU ranks all-reducing over their socket group
+    (`eagle2.tp_comm`);
+  - after-gloo: the same runner with the ranks' all-reduces on gloo.
 Per concurrency (requests decoded together) it prints the median and mean milliseconds per
-decode step (prefill excluded), their excess over local, and what crossed processes per step:
-Ray calls, channel frames and bytes (before: the same serialization of the call's arguments
-and results as the channel uses, `tp_channel.dumps`, which Ray's pickling of them matches to a
-few bytes; after: the frames as counted by the channel). Every runner's tokens must equal
-local's: the script exits non-zero otherwise.
+decode step (prefill excluded), their excess over local, and what crossed processes per step
+(channel frames and bytes as the channel counts them). Every runner's tokens must equal
+local's: the script exits non-zero otherwise. (The Ray-call runner the step channel replaced,
+one Ray task a rank per step, was measured by this script as of commit d851b1c, which ran
+commit 2c75dda's services/tp_runner.py; docs/tensor-parallel.md keeps its figures.)
 
 --probe also times the raw transports the channel chose between: a 4 KiB gloo broadcast from
 the driver to two processes plus a 64 B reply, against the same over TCP sockets.
@@ -28,9 +25,7 @@ the driver to two processes plus a 64 B reply, against the same over TCP sockets
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,25 +36,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-BEFORE = "2c75dda"  # the last commit whose ranks took one Ray call per step
-
-
-def old_runner_module():
-    """services/tp_runner.py as of BEFORE, importable here and (pickled by value) in Ray."""
-    import ray.cloudpickle
-
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE}:services/tp_runner.py"],
-                         check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "tp_runner_before.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("tp_runner_before", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tp_runner_before"] = module
-    spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)
-    return module
-
-
 class _GlooRank:
     """Rank start-up that leaves the layers' collectives on gloo (no `SocketGroup`)."""
 
@@ -83,29 +59,6 @@ def on_gloo(runner_module, *args, **kwargs):
         return runner_module.ShardedRunner(*args, **kwargs)
     finally:
         runner_module.TPRank = saved
-
-
-def count_before(runner) -> None:
-    """Count the old runner's Ray calls and serialized bytes per call (instrumentation only:
-    the call itself runs unchanged)."""
-    from eagle2.tp_channel import dumps
-
-    call = runner._all
-    runner.counts = Counter()
-
-    def counted(method, *args, wait=True):
-        if not wait:
-            return call(method, *args, wait=wait)
-        message = (runner._deferred, method, args)
-        size = len(dumps(message))
-        results = call(method, *args, wait=wait)
-        runner.counts["ray_calls"] += runner.tp_size
-        runner.counts["bytes_out"] += size * runner.tp_size
-        runner.counts["bytes_in"] += sum(len(dumps((r, 0.0))) for r in results)
-        runner.counts["replies"] += len(results)
-        return results
-
-    runner._all = counted
 
 
 def decode(runner, prompts, max_tokens: int, counts=Counter):
@@ -137,9 +90,6 @@ def decode(runner, prompts, max_tokens: int, counts=Counter):
 def snapshot(name, runner) -> Counter:
     if name == "local":
         return Counter()
-    if name == "before":
-        return Counter({**runner.counts, "rank0_s": runner.rank_busy_s(),
-                        "wait_s": runner.traffic["wait_s"]})
     t = runner.traffic
     return Counter({"rank0_s": runner.rank_busy_s(), "wait_s": t["wait_s"],
                     "ray_calls": t["ray_calls"], "bytes_out": t["bytes_out"],
@@ -230,7 +180,7 @@ def _probe_member(rank: int, store_port: int, sock_port: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=48, help="decode steps per request")
-    ap.add_argument("--reps", type=int, default=5, help="turns of local, before, after")
+    ap.add_argument("--reps", type=int, default=5, help="turns of each runner")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--probe", action="store_true", help="also time gloo against sockets")
     args = ap.parse_args()
@@ -252,12 +202,9 @@ def main() -> None:
     path = save_tiny_target(target, tempfile.mkdtemp())
     max_batch, max_len = max(args.concurrency), 256 + Engine.tree_margin
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    old = old_runner_module()
     runners = {"local": LocalRunner(target, max_batch, max_len)}
     try:
         kwargs = {"target": path, "dtype": "float32", "cpus_per_rank": 1}
-        runners["before"] = on_gloo(old, 2, max_batch, max_len, **kwargs)
-        count_before(runners["before"])
         runners["after-gloo"] = on_gloo(tp_runner, 2, max_batch, max_len, **kwargs)
         runners["after"] = ShardedRunner(2, max_batch, max_len, **kwargs)
         ok = True
@@ -280,7 +227,7 @@ def main() -> None:
         print("greedy tokens equal local's on every runner" if ok else "TOKENS DIFFER")
         print(f"load after: {os.getloadavg()}")
     finally:
-        for name in ("before", "after-gloo", "after"):
+        for name in ("after-gloo", "after"):
             if name in runners:
                 runners[name].shutdown()
         ray.shutdown()
@@ -300,8 +247,6 @@ def report(c: int, times: dict, crossed: dict) -> None:
         n = crossed[name]
         per = {k: n[k] / steps for k in ("ray_calls", "frames_out", "bytes_out", "replies",
                                          "bytes_in", "wait_s", "rank0_s")}
-        if name == "before":  # one Ray task a rank carries the call: no frames
-            per["frames_out"] = 0
         print(f"{name:10} {med * 1e3:10.3f} {statistics.mean(t) * 1e3:8.3f} "
               f"{(med - local) * 1e3:10.3f} {per['wait_s'] * 1e3:8.3f} {per['rank0_s'] * 1e3:9.3f} "
               f"{per['ray_calls']:10.1f} {per['frames_out']:11.1f} "

@@ -477,7 +477,8 @@ def _level(args, handle, llm, base_url: str, prompts: list[str], prompt_ids, con
 
 # ----- CPU time per process (what the service's processes cost besides the step) ----------------
 ROLES = (("TargetEngine", "engine"), ("Router", "router"), ("ProxyActor", "proxy"),
-         ("DraftWorker", "draft_worker"), ("ServeController", "controller"))
+         ("DraftWorker", "draft_worker"), ("ServeController", "controller"),
+         ("TPRank", "ranks"))
 
 
 def service_processes() -> dict[str, list[int]]:

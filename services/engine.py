@@ -37,6 +37,7 @@ from eagle2.devices import pick_device, pick_dtype
 from eagle2.engine import Engine, Event, Request
 from eagle2.runner import LocalRunner
 from services.config import ServiceConfig
+from services.event_channel import EventServer
 from services.metrics import EngineMetrics
 from services.tp_runner import RankFailure, ShardedRunner
 
@@ -76,7 +77,11 @@ class TargetEngine:
         if self.drafter is not None and self.tree.budget == "auto":
             _ = self.engine.costs  # measured (or read) before serving, not at the first request
         self.inbox: queue.Queue = queue.Queue()
-        self.outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its router's id, a future done once its last event is sent)
+        self.outboxes: dict[str, tuple[str, asyncio.Future]] = {}
+        self.events = EventServer()  # started by the first request, on the serving loop
+        self.events_host = _node_ip()
+        self.events_loop: asyncio.AbstractEventLoop | None = None
         self.rebuilding = False
         self.rank_restarts = 0
         self.last_rank_recovery_s: float | None = None
@@ -165,28 +170,31 @@ class TargetEngine:
         return drafter, "worker"
 
     # ----- called by the router (through a streaming handle) ---------------------------------
-    async def generate(self, seq_id: str, prompt_ids: list[int], params: dict, mode: str):
-        """Stream this request's events as dicts; cancelling the stream cancels the request.
-        A failure is one last dict {"error": <grpc status name>, "message": ...}."""
+    async def generate(self, seq_id: str, prompt_ids: list[int], params: dict, mode: str,
+                       router: str):
+        """Start this request; its events go to `router`'s connection to this replica
+        (`services.event_channel`: one frame a step for all of that router's requests). The
+        stream's one item is that connection's address; it ends when the request has
+        finished (or failed: a last event {"error": <grpc status name>, "message": ...});
+        cancelling it cancels the request."""
         params = dict(params)
         eos_ids = frozenset(params.pop("eos_ids", ()))
         sp = SamplingParams(**{**params, "stop": tuple(params.get("stop", ()))})
         req = Request(seq_id, tuple(prompt_ids), sp, self.cfg.tree.to_core(mode or None),
                       eos_ids)
-        loop, box = asyncio.get_running_loop(), asyncio.Queue()
-        self.outboxes[seq_id] = (loop, box)
+        address = await self.events.start(self.events_host)
+        self.events_loop = asyncio.get_running_loop()
+        done = self.events_loop.create_future()
+        self.outboxes[seq_id] = (router, done)
+        self.events.opened(router)
         self.inbox.put(("add", req))
-        finished = False
         try:
-            while not finished:
-                item = await box.get()
-                while not box.empty() and "error" not in item:  # the caller fell behind
-                    item = _merge(item, box.get_nowait())
-                finished = item["finished"] or "error" in item
-                yield item
+            yield {"events": address}
+            await done
         finally:
             self.outboxes.pop(seq_id, None)
-            if not finished:
+            self.events.closed(router)
+            if not done.done():
                 self.inbox.put(("cancel", seq_id))
 
     def stats(self) -> dict:
@@ -215,6 +223,7 @@ class TargetEngine:
         out["last_rank_recovery_s"] = self.last_rank_recovery_s
         out["loop_alive"] = self.thread.is_alive()
         out.update(self.times.as_dict())
+        out.update(self.events.stats())
         out.update(traffic_stats(self.engine.runner, getattr(d, "remote", None) or d))
         return out
 
@@ -330,16 +339,26 @@ class TargetEngine:
                        t_sent - t_events)
 
     def _dispatch(self, events: list[Event]) -> None:
-        """Hand a step's events to their streams: one call into each event loop that holds
-        any of them (the replica has one), whatever the number of streams."""
+        """Hand a step's events to the event loop in one call, which sends each router one
+        frame with all of its requests' events (`_deliver`)."""
         now = time.time()
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        by_router: dict[str, list] = {}
         for ev in events:
             box = self.outboxes.get(ev.seq_id)
             if box is not None:
-                by_loop.setdefault(box[0], []).append((box[1], _event_dict(ev, now)))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+                by_router.setdefault(box[0], []).append((ev.seq_id, _event_dict(ev, now)))
+        if by_router:
+            self.events_loop.call_soon_threadsafe(self._deliver, by_router)
+
+    def _deliver(self, by_router: dict[str, list]) -> None:
+        """(On the event loop.) One frame a router; a request's stream ends after its last."""
+        for router, items in by_router.items():
+            self.events.send(router, items)
+            for seq_id, item in items:
+                if item["finished"] or "error" in item:
+                    box = self.outboxes.get(seq_id)
+                    if box is not None and not box[1].done():
+                        box[1].set_result(None)
 
     def _step_failed(self, e: Exception) -> None:
         """End every running request with an error event and start over with a clean engine
@@ -401,10 +420,10 @@ class TargetEngine:
                 self.drafter.calls, self.drafter.rpc_s = 0, 0.0
 
     def _send(self, seq_id: str, item: dict) -> None:
+        """One event outside a step (errors and refusals: rare)."""
         box = self.outboxes.get(seq_id)
         if box is not None:
-            loop, q = box
-            loop.call_soon_threadsafe(q.put_nowait, item)  # (errors and refusals: rare)
+            self.events_loop.call_soon_threadsafe(self._deliver, {box[0]: [(seq_id, item)]})
 
 
 def cache_stats(engine: Engine) -> dict:
@@ -455,20 +474,6 @@ class LoopTimes:
                 "loop_host_s": self.host_s, "loop_dispatch_s": self.dispatch_s}
 
 
-def _put_all(items: list[tuple[asyncio.Queue, dict]]) -> None:
-    for box, item in items:
-        box.put_nowait(item)
-
-
-def _merge(a: dict, b: dict) -> dict:
-    """Two consecutive events of one request as one: b's tokens after a's, b's totals."""
-    if "error" in b:
-        return b
-    logprobs = None if b.get("logprobs") is None else (a.get("logprobs") or []) + b["logprobs"]
-    return {**b, "token_ids": a["token_ids"] + b["token_ids"], "logprobs": logprobs,
-            "time": a["time"]}
-
-
 def _event_dict(ev: Event, now: float) -> dict:
     """time: when the step loop handed it over (the router measures the delivery from it).
     logprobs: (token id, log-probability, [(id, log-probability)]) per token, or None."""
@@ -477,6 +482,16 @@ def _event_dict(ev: Event, now: float) -> dict:
     return {"token_ids": ev.token_ids, "finished": ev.finished,
             "finish_reason": ev.finish_reason, "num_steps": ev.num_steps,
             "accepted_at_depth": ev.accepted_at_depth, "logprobs": logprobs, "time": now}
+
+
+def _node_ip() -> str:
+    """Where routers reach this replica's events: this node's address in the Ray cluster."""
+    try:
+        import ray.util
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (unit tests)
+        return "127.0.0.1"
 
 
 def _cost_path(cfg: ServiceConfig, placement: str, runner_info: dict):

@@ -31,6 +31,7 @@ from eagle2.target import embedded_model_dir
 from eagle2.text import TextStream, encode_prompt
 from services import auth, convert
 from services.config import ServiceConfig
+from services.event_channel import EventClient, merge
 from services.metrics import RouterMetrics
 from services.protos import MalformedRequest, eagle2_pb2
 
@@ -71,6 +72,21 @@ def to_request_error(e: BaseException) -> RequestError:
     return RequestError(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}; see the log)")
 
 
+async def _watch(gen, box: asyncio.Queue) -> None:
+    """The engine call's end: nothing when the request finished, an error event when the
+    call failed (the engine replica died: its events connection may not have said so yet)."""
+    from ray.serve.exceptions import RequestCancelledError
+
+    try:
+        async for _ in gen:
+            pass
+    except (asyncio.CancelledError, RequestCancelledError):  # the request ended here first
+        return
+    except Exception as e:
+        err = to_request_error(e)
+        box.put_nowait({"error": err.code.name, "message": err.message, "finished": True})
+
+
 def set_status(grpc_context, e: RequestError) -> None:
     grpc_context.set_code(e.code)
     grpc_context.set_details(e.message)
@@ -96,6 +112,7 @@ class Router:
             self.app_name = cfg.app_name
         self.admitted = 0
         self.draining = False
+        self.events = EventClient(uuid.uuid4().hex)  # the engine replicas' token events
         self.metrics = RouterMetrics()
         # per streamed message: the engine's hand-off -> here (Ray's stream), and the work
         # here (detokenizing, stop strings, the message); engine_stats() reports the sums
@@ -167,11 +184,24 @@ class Router:
         seq_id = uuid.uuid4().hex
         label = request.request_id[:64] or seq_id
         text = TextStream(self.tokenizer, tuple(params["stop"]))
-        gen = self.engine.options(stream=True).generate.remote(seq_id, ids, params, mode)
+        box = self.events.open(seq_id)  # before the engine can send
+        gen = self.engine.options(stream=True).generate.remote(seq_id, ids, params, mode,
+                                                               self.events.router_id)
+        watch = None
         self.metrics.prompt_tokens.inc(len(ids))
         first = True
         try:
-            async for ev in gen:
+            try:
+                reply = await gen.__anext__()  # where this request's events come from
+            except StopAsyncIteration:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,  # never a truncated OK stream
+                                   "the engine ended the stream early; retry the request") from None
+            await self.events.attach(seq_id, reply["events"])
+            watch = asyncio.ensure_future(_watch(gen, box))
+            while True:
+                ev = await box.get()
+                while not box.empty() and "error" not in ev:  # a step's worth came at once
+                    ev = merge(ev, box.get_nowait())
                 received = time.time()
                 if "error" in ev:
                     raise RequestError(grpc.StatusCode[ev["error"]], ev["message"])
@@ -197,12 +227,13 @@ class Router:
                 yield msg
                 if done:
                     return
-            raise RequestError(grpc.StatusCode.UNAVAILABLE,  # never a truncated OK stream
-                               "the engine ended the stream early; retry the request")
         except asyncio.CancelledError:
             log.info("request %s cancelled by the client", label)  # one line, no traceback
             raise
         finally:
+            self.events.close(seq_id)
+            if watch is not None:
+                watch.cancel()
             gen.cancel()  # no-op when finished; stops the engine's work when the client left
             self.admitted -= 1
 

@@ -1,5 +1,6 @@
-"""The engine replica's stream plumbing without Ray: a lagging caller gets one message with
-every step it has not read (`services.engine._merge`), and the loop's time accounting."""
+"""The engine replica's stream plumbing without Ray: the events connection between an engine
+replica and its routers (`services.event_channel`, real sockets), a lagging reader getting one
+message with every step it has not read (`merge`), and the loop's time accounting."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import pytest
 
 pytest.importorskip("ray")
 
-from services.engine import LoopTimes, _merge
+import asyncio
+import socket
+
+from services.engine import LoopTimes
+from services.event_channel import LOST, EventClient, EventServer, frame, merge
 
 
 def event(ids, finished=False, t=0.0, steps=1):
@@ -17,7 +22,7 @@ def event(ids, finished=False, t=0.0, steps=1):
 
 def test_merge_joins_tokens_in_order_keeps_the_first_time_and_the_last_totals():
     a, b, c = event([1, 2], t=1.0), event([3], t=2.0, steps=2), event([4, 5], True, 3.0, 3)
-    m = _merge(_merge(a, b), c)
+    m = merge(merge(a, b), c)
     assert m["token_ids"] == [1, 2, 3, 4, 5]
     assert m["time"] == 1.0  # the router's delivery time counts from the oldest token
     assert m["finished"] and m["finish_reason"] == "length" and m["num_steps"] == 3
@@ -26,7 +31,7 @@ def test_merge_joins_tokens_in_order_keeps_the_first_time_and_the_last_totals():
 
 def test_merge_an_error_wins():
     err = {"error": "UNAVAILABLE", "message": "a model shard failed", "finished": True}
-    assert _merge(event([1]), err) is err
+    assert merge(event([1]), err) is err
 
 
 def test_loop_times_sum_per_step():
@@ -37,3 +42,101 @@ def test_loop_times_sum_per_step():
     assert d["loop_steps"] == 2 and d["loop_step_s"] == pytest.approx(0.05)
     assert d["loop_host_s"] == pytest.approx(0.003)
     assert d["loop_dispatch_s"] == pytest.approx(0.0005)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def _next(box: asyncio.Queue) -> dict:
+    return await asyncio.wait_for(box.get(), 10)
+
+
+def test_one_frame_carries_a_step_of_every_request_of_a_router_and_only_its_own():
+    async def main():
+        server = EventServer()
+        address = await server.start("127.0.0.1")
+        a, b = EventClient("router-a"), EventClient("router-b")
+        boxes = {sid: a.open(sid) for sid in ("s1", "s2")}
+        boxes["s3"] = b.open("s3")
+        for client, _sid in ((a, "s1"), (a, "s2"), (b, "s3")):
+            server.opened(client.router_id)
+        # events sent before a router connects wait for it (its first request's reply names
+        # the address; the engine may step before the router reads it)
+        server.send("router-a", [("s1", event([1])), ("s2", event([7]))])
+        for client, sid in ((a, "s1"), (a, "s2"), (b, "s3")):
+            await client.attach(sid, address)
+        server.send("router-a", [("s1", event([2], True)), ("s2", event([8]))])
+        server.send("router-b", [("s3", event([5], True))])
+        got = {sid: [await _next(boxes[sid])] for sid in boxes}
+        for sid in ("s1", "s2"):
+            got[sid].append(await _next(boxes[sid]))
+        assert [e["token_ids"] for e in got["s1"]] == [[1], [2]] and got["s1"][1]["finished"]
+        assert [e["token_ids"] for e in got["s2"]] == [[7], [8]]
+        assert got["s3"][0]["token_ids"] == [5] and boxes["s3"].empty()
+        assert server.stats()["event_frames"] == 3 and server.stats()["event_messages"] == 5
+        assert len(a.conns) == 1  # one connection a router and engine replica
+        server.server.close()
+
+    run(main())
+
+
+def test_a_lost_engine_connection_fails_its_requests_with_unavailable():
+    async def main():
+        server = EventServer()
+        address = await server.start("127.0.0.1")
+        client = EventClient("r")
+        box = client.open("s1")
+        server.opened("r")
+        await client.attach("s1", address)
+        server.send("r", [("s1", event([3]))])
+        assert (await _next(box))["token_ids"] == [3]
+        for writer in list(server.writers.values()):  # the replica's side goes away
+            writer.transport.abort()
+        assert await _next(box) == LOST
+        other = client.open("s2")  # a request to a replica that cannot be reached
+        await client.attach("s2", ("127.0.0.1", _free_port()))
+        assert await _next(other) == LOST
+        server.server.close()
+
+    run(main())
+
+
+def test_pending_events_of_a_router_that_never_connects_are_dropped_with_its_requests():
+    async def main():
+        server = EventServer()
+        await server.start("127.0.0.1")
+        server.opened("gone")
+        server.send("gone", [("s1", event([1]))])
+        assert len(server.pending["gone"]) == 1
+        server.closed("gone")
+        assert "gone" not in server.pending and "gone" not in server.active
+        server.send("gone", [("s1", event([2]))])  # after its last request: not kept
+        assert "gone" not in server.pending
+        server.server.close()
+
+    run(main())
+
+
+def test_the_server_drops_a_connection_whose_hello_is_too_big_and_serves_the_next():
+    async def main():
+        server = EventServer()
+        host, port = await server.start("127.0.0.1")
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(frame(b"x" * 100_000))
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed on it
+        client = EventClient("ok")
+        box = client.open("s")
+        server.opened("ok")
+        await client.attach("s", (host, port))
+        server.send("ok", [("s", event([4], True))])
+        assert (await _next(box))["token_ids"] == [4]
+        server.server.close()
+
+    run(main())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
