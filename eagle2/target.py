@@ -138,6 +138,10 @@ class TargetModel:
         model, tokenizer = load_hf(spec, pick_dtype(dtype, dev), dev)
         return cls(model, tokenizer, name=spec or EMBEDDED_NAME)
 
+    def local_heads(self) -> int:
+        """Query heads held by this rank (all of them unless the model is TP-sharded)."""
+        return self.layers[0].self_attn.q_proj.weight.shape[0] // self.head_dim
+
     def local_kv_heads(self) -> int:
         """KV heads held by this rank (all of them unless the model is TP-sharded)."""
         proj = self.layers[0].self_attn.k_proj

@@ -79,14 +79,19 @@ class RowParallelLinear(torch.nn.Linear):
     A bias (whole on every rank) is added once, after the sum."""
 
     group: SocketGroup | None = None  # CPU ranks: the socket collectives (else torch's)
+    row_parallel = True  # (the CPU backend's fused layers call `reduce` after their product)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """out (this rank's partial product) <- its sum over the ranks, in place."""
         if self.group is not None:
             self.group.all_reduce(out)
         elif dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(out)
-        return out if self.bias is None else out + self.bias
+        return out
 
 
 class VocabParallelLMHead(torch.nn.Module):

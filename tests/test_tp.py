@@ -22,6 +22,7 @@ import torch
 from conftest import random_prompts, save_tiny_target, tiny_target
 
 from eagle2.config import SamplingParams, TreeConfig
+from eagle2.cpu.kernels import exact_bf16_kernels
 from eagle2.drafter import Drafter
 from eagle2.engine import Engine, Request
 from eagle2.head import new_head
@@ -111,7 +112,7 @@ def tiny_tp2(ray_cluster, tiny):
 def test_tp2_shards_hold_one_kv_head_each(tiny_tp2):
     assert tiny_tp2.info == {"vocab_size": 32, "device": "cpu", "dtype": "torch.float32",
                              "local_kv_heads": 1, "backend": "cpu", "attention": "sdpa",
-                             "fused": False, "native": False}
+                             "fused": True, "native": False}
 
 
 @pytest.mark.parametrize("tensor", [
@@ -165,6 +166,30 @@ def test_tp2_tiny_llama_equals_unsharded_greedy(tiny, tiny_tp2, tiny_expected, m
     assert [len(g) for g in got] == list(MAX_TOKENS)
     if mode == "eagle2":  # some drafts were accepted: commit gathered tree entries on each rank
         assert sum(n for depth, n in accepted.items() if depth > 0) > 0
+
+
+@pytest.mark.skipif(not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")),
+                    reason="bf16 verification is exact only with the CPU's exact bf16 kernels")
+def test_tp2_bf16_shards_run_fused_layers_and_speculation_equals_their_plain_decoding(
+        ray_cluster, tiny):
+    """A bf16 shard runs the CPU backend's fused layers with o and down summed over the ranks
+    (`FusedLayer.reduce`), pages its cache (no native slotted attention), and stays exact:
+    tree verification gives its own plain decoding's tokens bit for bit."""
+    from services.tp_runner import ShardedRunner
+
+    runner = ShardedRunner(2, MAX_BATCH, MAX_CONTEXT + Engine.tree_margin, target=tiny[1],
+                           dtype="bfloat16", cpus_per_rank=1, block_size=32,
+                           kv_cache_memory=2**22)
+    try:
+        assert runner.info["fused"] and runner.info["attention"] == "exact"
+        assert runner.paged is not None
+        prompts = random_prompts(3, 32, seed=5)
+        plain, _ = generate(make_engine(runner, tiny[0]), prompts, TINY_TREES["vanilla"])
+        spec, accepted = generate(make_engine(runner, tiny[0]), prompts, TINY_TREES["eagle2"])
+        assert spec == plain
+        assert sum(n for depth, n in accepted.items() if depth > 0) > 0
+    finally:
+        runner.shutdown()
 
 
 def tensors_in(obj) -> list[torch.Tensor]:

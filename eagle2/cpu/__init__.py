@@ -133,8 +133,12 @@ class CpuBackend(Backend):
     @property
     def native_attention(self) -> ModuleType | None:
         """The fused CPU operations where the layers run them with their exact attention
-        (bf16, fused layers, `native` built), else None."""
-        return self.native if self.exact and self.fused is not None else None
+        (bf16, fused layers, `native` built), else None. Not on a tensor-parallel shard: its
+        ranks page their cache (the native attention reads slotted rows only), and its layers
+        sum o and down over the ranks between the operations (`FusedLayer.reduce`)."""
+        if not self.exact or self.fused is None or self.fused[0].reduce is not None:
+            return None
+        return self.native
 
     def allocate_cache(self, target: TargetModel, num_slots: int, max_len: int) -> KVCache:
         cache = KVCache.allocate(target.num_layers, num_slots, target.local_kv_heads(),
@@ -155,7 +159,7 @@ class CpuBackend(Backend):
                           else None, dense_mask=native is None)
         keep = target.feature_layers or ()
         kept: dict[int, torch.Tensor] = {}
-        num_heads, num_layers = target.num_heads, target.num_layers
+        num_heads, num_layers = target.local_heads(), target.num_layers  # (a shard's own)
         stack = self.layer_stack if native is not None else None
         i = 0
         while i < num_layers:

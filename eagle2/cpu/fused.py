@@ -11,13 +11,17 @@ The same arithmetic as `attention.decoder_layer`, in fewer and larger operations
   - in bf16 on a CPU, the norms (with the residual add before the second), RoPE with the K/V
     writes, and the exact attention as single calls of `eagle2.cpu.native` (row by row, in a
     fixed order: a token's result does not depend on the other rows, which exactness needs).
-Used for plain `nn.Linear` weights without bias (the unsharded target); anything else (a
-sharded or biased model) keeps the module path.
+Used for plain `nn.Linear` weights without bias: the unsharded target, and a tensor-parallel
+rank's shard (`eagle2.tp`: its merged column-parallel q|k|v and gate|up are used as they are,
+and the row-parallel o and down products are summed over the ranks, `FusedLayer.reduce`,
+before their residual adds, so the one-operator native layer does not apply); anything else
+(a biased or quantized model) keeps the module path.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -39,10 +43,11 @@ _NO_NORM = torch.empty(0, dtype=torch.bfloat16)  # `decoder_layer` without its i
 
 
 def can_fuse(layers: nn.ModuleList) -> bool:
-    """True when every projection is a plain bias-free nn.Linear (not sharded, not quantized)."""
-    def plain(m: nn.Module) -> bool:  # hooks could be a sharded model's all-reduce
-        return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks
-                and not m._forward_pre_hooks)
+    """True when every projection is a plain bias-free nn.Linear, or a tensor-parallel
+    shard's (`eagle2.tp.RowParallelLinear` for o and down), not quantized."""
+    def plain(m: nn.Module) -> bool:  # hooks could be another library's all-reduce
+        return ((type(m) is nn.Linear or getattr(type(m), "row_parallel", False))
+                and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks)
 
     return all(
         all(plain(getattr(layer.self_attn, p)) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -74,17 +79,36 @@ class FusedLayer:
     eps: float
     act: nn.Module
     silu: bool  # act is SiLU (the native path fuses it with the multiply by up)
+    # a tensor-parallel shard's all-reduce of the o and down products (in place), else None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def from_hf(cls, layer: nn.Module, plan: BlockPlan) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _fuse_into([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = _fuse_into([mlp.gate_proj, mlp.up_proj])
+        merged = getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)
+        # a shard's merged matrices (`tp.merge_projections`: the modules' weights are views of
+        # them) as they are, not a second copy
+        qkv = merged[0].weight.detach() if merged[0] is not None else _fuse_into(
+            [attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = merged[1].weight.detach() if merged[1] is not None else _fuse_into(
+            [mlp.gate_proj, mlp.up_proj])
         norm = layer.input_layernorm
+        reduce = attn.o_proj.reduce if getattr(type(attn.o_proj), "row_parallel", False) \
+            else None
         return cls(BlockedWeight(qkv, plan), BlockedWeight(attn.o_proj.weight.detach(), plan),
                    BlockedWeight(gate_up, plan), BlockedWeight(mlp.down_proj.weight.detach(), plan),
                    norm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                   norm.variance_epsilon, mlp.act_fn, is_silu(mlp.act_fn))
+                   norm.variance_epsilon, mlp.act_fn, is_silu(mlp.act_fn), reduce)
+
+    def o_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The o product, summed over the ranks of a shard."""
+        out = self.o(x)
+        return out if self.reduce is None else self.reduce(out)
+
+    def down_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The down product, summed over the ranks of a shard."""
+        out = self.down(x)
+        return out if self.reduce is None else self.reduce(out)
 
     def weights(self) -> list[torch.Tensor]:
         return [w.weight for w in self.linears]
@@ -112,7 +136,7 @@ class LayerStack:
         self.layers = layers
         first = layers[0]
         self.uniform = all(
-            lw.silu and lw.eps == first.eps
+            lw.silu and lw.eps == first.eps and lw.reduce is None
             and all(w.plan is w0.plan and w.fits_amx == w0.fits_amx
                     and w.weight.shape == w0.weight.shape
                     for w, w0 in zip(lw.linears, first.linears, strict=True))
@@ -182,9 +206,9 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
     q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]  # [B, Hq, N, Dh], [B, KVH, N, Dh]
     v = qkv[:, num_q_heads + num_kv:]
     out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
-    x = x + lw.o(out.transpose(1, 2).reshape(num_b, num_n, -1))
+    x = x + lw.o_sum(out.transpose(1, 2).reshape(num_b, num_n, -1))
     gate, up = lw.gate_up(_rms_norm(x, lw.post_norm, lw.eps)).chunk(2, dim=-1)
-    return x + lw.down(lw.act(gate) * up)
+    return x + lw.down_sum(lw.act(gate) * up)
 
 
 def one_native_kernel(linears: tuple[BlockedWeight, ...], rows: int) -> int | None:
@@ -207,7 +231,7 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
     rows = x.numel() // x.shape[-1]
     linears = lw.linears
     kernel = one_native_kernel(linears, rows)
-    if lw.silu and NATIVE_LAYER and kernel is not None:
+    if lw.silu and NATIVE_LAYER and kernel is not None and lw.reduce is None:
         # the same calls in one operator (`decoder_layer`: bitwise this function's result)
         return ops.decoder_layer(
             x, lw.input_norm, lw.post_norm, lw.eps, *lw.fma_arguments, inp.cos, inp.sin,
@@ -218,11 +242,11 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
                            layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
     out = ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
                         q.shape[-1] ** -0.5, key_blocks, valid)  # [B, N, Hq Dh]
-    x, h = ops.add_rms_norm(x, lw.o(out), lw.post_norm, lw.eps)
+    x, h = ops.add_rms_norm(x, lw.o_sum(out), lw.post_norm, lw.eps)
     if lw.silu:
-        return x + lw.down(ops.silu_mul(lw.gate_up(h)))
+        return x + lw.down_sum(ops.silu_mul(lw.gate_up(h)))
     gate, up = lw.gate_up(h).chunk(2, dim=-1)
-    return x + lw.down(lw.act(gate) * up)
+    return x + lw.down_sum(lw.act(gate) * up)
 
 
 def native_head_layer(ops: ModuleType, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor,
