@@ -22,6 +22,7 @@ otherwise), never a silently truncated stream; a dead rank group is rebuilt in p
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import queue
@@ -52,13 +53,53 @@ class TargetEngine:
     async def __init__(self, config: dict, draft_worker=None):
         self.cfg = cfg = ServiceConfig(**config)
         self.placement = cfg.resolved_target_placement()
+        self.inbox: queue.Queue = queue.Queue()
+        # request id -> (its router's id, a future done once its last event is sent)
+        self.outboxes: dict[str, tuple[str, asyncio.Future]] = {}
+        self.events = EventServer()  # started by the first request, on the serving loop
+        self.events_host = _node_ip()
+        self.events_loop: asyncio.AbstractEventLoop | None = None
+        self.rebuilding = False
+        self.rank_restarts = 0
+        self.last_rank_recovery_s: float | None = None
+        self.metrics = EngineMetrics()
+        self.times = LoopTimes()
+        address = None
+        if draft_worker is not None and cfg.draft_placement != "inprocess":
+            address = await draft_worker.address.remote()  # (the drafter: `_make_drafter`)
+        # Every torch operation of this replica runs in one thread, the step loop's: it
+        # builds the target and the drafter, then loops. OpenMP gives each thread that starts
+        # parallel work its own team of threads, and once a process holds more of them than
+        # it has CPUs, libgomp lets its idle threads spin only ~100 times before they sleep
+        # (GOMP_SPINCOUNT no longer applies), so every parallel region wakes them from
+        # sleep: a target loaded on the event loop's thread and stepped on another decoded
+        # at half speed on 2 cores (docs/cpu-backend.md "CPU performance").
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self.thread = threading.Thread(target=self._run, args=(built, draft_worker, address),
+                                       name="engine-loop", daemon=True)
+        self.thread.start()
+        await asyncio.wrap_future(built)
+        threading.Thread(target=self._flush_metrics, name="engine-metrics", daemon=True).start()
+
+    def _run(self, built: concurrent.futures.Future, draft_worker, address) -> None:
+        """The step loop's thread: build (`_build`; its error goes to __init__), then loop."""
+        try:
+            self._build(draft_worker, address)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(None)
+        self._loop()
+
+    def _build(self, draft_worker, address) -> None:
+        cfg = self.cfg
         # the target's threads where it runs here: engine_threads ("auto": `_auto_threads`,
         # once the target is loaded; None: cpus_per_rank)
         if cfg.engine_threads is None:
             torch.set_num_threads(max(1, int(cfg.cpus_per_rank)))
         elif cfg.engine_threads != "auto":
             torch.set_num_threads(cfg.engine_threads)
-        self.drafter, self.draft_desc = await self._make_drafter(cfg, draft_worker)
+        self.drafter, self.draft_desc = self._make_drafter(cfg, draft_worker, address)
         runner = self._new_runner()
         self.cost_path = _cost_path(cfg, self.placement, runner.info)
         from services.draft_worker import lookup_table, ngram_store
@@ -76,21 +117,7 @@ class TargetEngine:
         self.tree = cfg.tree.to_core()
         if self.drafter is not None and self.tree.budget == "auto":
             _ = self.engine.costs  # measured (or read) before serving, not at the first request
-        self.inbox: queue.Queue = queue.Queue()
-        # request id -> (its router's id, a future done once its last event is sent)
-        self.outboxes: dict[str, tuple[str, asyncio.Future]] = {}
-        self.events = EventServer()  # started by the first request, on the serving loop
-        self.events_host = _node_ip()
-        self.events_loop: asyncio.AbstractEventLoop | None = None
-        self.rebuilding = False
-        self.rank_restarts = 0
-        self.last_rank_recovery_s: float | None = None
         self.last_progress = time.monotonic()  # last finished step, or idle
-        self.metrics = EngineMetrics()
-        self.times = LoopTimes()
-        self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self.thread.start()
-        threading.Thread(target=self._flush_metrics, name="engine-metrics", daemon=True).start()
 
     def _auto_threads(self, runner: LocalRunner) -> None:
         """The target's thread count as `Eagle2.load(threads="auto")` sets it (EAGLE2_THREADS,
@@ -151,7 +178,9 @@ class TargetEngine:
         return engine
 
     @staticmethod
-    async def _make_drafter(cfg: ServiceConfig, draft_worker):
+    def _make_drafter(cfg: ServiceConfig, draft_worker, address):
+        """(drafter, description): none, the head in this process, or the draft worker at
+        `address` (gRPC; asked of Serve again after a failure)."""
         if cfg.tree.mode == "vanilla" and cfg.draft is None and draft_worker is None:
             return None, "none"
         if cfg.draft_placement == "inprocess" or draft_worker is None:
@@ -163,9 +192,7 @@ class TargetEngine:
         def lookup() -> str:  # called from threads: the worker's current address via Serve
             return draft_worker.address.remote().result(timeout_s=10)
 
-        address = await draft_worker.address.remote()
-        drafter = await asyncio.to_thread(ResilientDrafter, lambda: address,
-                                           cfg.draft_timeout_s)
+        drafter = ResilientDrafter(lambda: address, cfg.draft_timeout_s)
         drafter.lookup = lookup
         return drafter, "worker"
 
