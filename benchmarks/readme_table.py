@@ -26,7 +26,8 @@ S37 = "head-goals-xeon-amx-s37/"
 AMX = "Intel Xeon with AMX, head v8"
 # (results file under RESULTS, what the row reads from it, where and with what it ran): one row
 # each. Kinds: "speedup" (eagle2 against plain decoding, same run), "hf" (eagle2 against HF
-# `generate`), "tau" (accepted tokens per target forward), "service" (`bench-service`).
+# `generate`), "tau" (accepted tokens per target forward), "service" (`bench-service`),
+# "cache" (service_cache.py), "tpot" (tp_service_tpot.py).
 ROWS: list[tuple[str, str, str]] = [
     (S37 + "full.json", "speedup", AMX),
     (S37 + "hf.json", "hf", AMX),
@@ -44,13 +45,15 @@ ROWS: list[tuple[str, str, str]] = [
     ("ab-epyc-s38-a04a4cd.json", "speedup",
      "AMD EPYC with AVX512-BF16, head v8, the release before (a04a4cd), one core; the same "
      "160 outputs token for token as the row above"),
-    ("service-epyc-s40.json", "service",
+    ("service-epyc-s41.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, two torch threads in the engine and in process, the "
-     "machine otherwise idle"),
-    ("service-epyc-s40-concurrency.json", "service",
+     "machine otherwise idle; tokens to the router one frame a step"),
+    ("service-epyc-s41-concurrency.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 26 bf16 slots "
-     "of 1,024 + margin), one torch thread in the engine and in process (the service's auto "
-     "choice, the machine not yet quiet at its start)"),
+     "of 1,024 + margin, so at most 26 run), two torch threads in the engine and in process "
+     "(the service's auto choice), the machine otherwise idle"),
+    ("tpot-tp1-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread"),
+    ("tpot-tp2-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread a rank"),
     ("service-cache-epyc-s40.json", "cache",
      "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 64 (the CPU default)"),
 ]
@@ -227,6 +230,21 @@ def cache_row(res: dict) -> tuple[str, str, str]:
     return setting, figure, command
 
 
+def tpot_row(res: dict) -> tuple[str, str, str]:
+    """benchmarks/tp_service_tpot.py: what the service adds to a token of a ~1 ms forward."""
+    if not res["tokens_equal"]:
+        raise ValueError("a run whose tokens differ from in-process decoding's is no figure")
+    where = "in the engine replica" if res["tp_size"] == 1 else "on 2 rank actors"
+    setting = (f"the service's TPOT over gRPC against the same target in process: a tiny "
+               f"random Llama (a ~1 ms forward, as short as a GPU's next to host work) "
+               f"{where}, plain decoding, {res['max_tokens']} tokens x {res['rounds']} rounds")
+    figure = "; ".join(
+        f"concurrency {lv['concurrency']}: **{lv['overhead_ms']:.2f} ms** a token over "
+        f"in-process (TPOT median {lv['service_tpot_ms_median']:.2f} against "
+        f"{lv['inprocess_ms_per_token']:.2f} ms)" for lv in res["levels"])
+    return setting, figure + "; tokens equal in-process decoding's", "python " + res["command"]
+
+
 def machine(res: dict) -> str:
     """What the run recorded of its machine: CPUs (threads), the target's dtype."""
     m = res["machine"]
@@ -242,6 +260,8 @@ def row(res: dict, kind: str) -> tuple[str, str, str]:
         return service_setting(res), service_figure(res), service_command(res)
     if kind == "cache":
         return cache_row(res)
+    if kind == "tpot":
+        return tpot_row(res)
     return bench_setting(res), bench_figure(res, kind), bench_command(res)
 
 

@@ -154,3 +154,17 @@ def test_commands_are_the_ones_head_goals_ran(table):
         assert _flags(derived) == _flags(goals.COMMON + argv), name
         checked += 1
     assert checked == len(goals.RUNS)
+
+
+def test_a_tpot_row_reads_its_figures_and_refuses_differing_tokens(table):
+    res = {"command": "benchmarks/tp_service_tpot.py --tp 2", "tp_size": 2, "max_tokens": 48,
+           "rounds": 3, "machine": {"cpus": 2, "loadavg_start": [0.5, 0, 0]},
+           "tokens_equal": True,
+           "levels": [{"concurrency": 1, "overhead_ms": 4.09, "service_tpot_ms_median": 4.91,
+                       "inprocess_ms_per_token": 0.82}]}
+    setting, figure, command = table.row(res, "tpot")
+    assert "on 2 rank actors" in setting and "48 tokens x 3 rounds" in setting
+    assert "**4.09 ms**" in figure and "4.91 against 0.82 ms" in figure
+    assert command == "python benchmarks/tp_service_tpot.py --tp 2"
+    with pytest.raises(ValueError):
+        table.row({**res, "tokens_equal": False}, "tpot")
