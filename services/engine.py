@@ -1,16 +1,18 @@
 """The target engine deployment: the target, continuous batching, one step loop.
 
 A background thread owns the core `Engine` and runs draft -> verify -> commit steps while any
-request is active; requests join between steps and leave when finished or cancelled. Each
-request's events go back to its caller (the router) through an asyncio queue, streamed over a
-Serve handle: one message per step per request with all the tokens that step gave it (or,
-when the router has fallen behind, one message with every step it has not read yet). The
-loop never waits on a stream: it hands a step's events to the replica's event loop in one
-call and goes on; Ray's metrics are flushed from another thread (`_flush_metrics`), and the
-loop times itself (`LoopTimes`: the step, its own host time, the hand-off), reported by
-`stats()`. The target runs in this process (`LocalRunner`, target_placement "engine", the
-default at tp_size 1) or on tp_size rank actors (`ShardedRunner`, "ranks"); the drafter is the
-draft worker over gRPC (`ResilientDrafter`: plain decoding while the worker is away) or, for
+request is active; requests join between steps and leave when finished or cancelled. The same
+thread builds the target and the drafter first: this replica runs torch on no other thread
+(`__init__`). A request arrives as a Serve streaming call (`generate`) whose one item names
+this replica's event server; each step's events (all the tokens the step gave each request)
+go to each router as one frame on its connection (`services/event_channel.py`), and a router
+that has fallen behind reads every step it has not read yet as one message. The loop never
+waits on a router: it hands a step's events to the replica's event loop in one call and goes
+on; Ray's metrics are flushed from another thread (`_flush_metrics`), and the loop times
+itself (`LoopTimes`: the step, its own host time, the hand-off), reported by `stats()`.
+The target runs in this process (`LocalRunner`, target_placement "engine", the default at
+tp_size 1) or on tp_size rank actors (`ShardedRunner`, "ranks"); the drafter is the draft
+worker over gRPC (`ResilientDrafter`: plain decoding while the worker is away) or, for
 single-GPU set-ups, in this process.
 
 Faults (docs/failures.md): the step loop never dies. A failed step ends the requests it was

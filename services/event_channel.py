@@ -14,9 +14,10 @@ router's, measured at 8 streams; Ray's own advice for token streams is to batch 
 Frames: an 8-byte little-endian length, then the payload. A router opens its connection by
 sending its id (a random hex string, never unpickled); the engine only writes pickles to the
 routers, and a router reads only from the addresses the engine named through Serve. Events
-for a router that has not connected yet wait (its first request's reply names the address),
-and are dropped once the router has no request left. A connection that ends fails every
-request on it with UNAVAILABLE, as a dead replica's calls do.
+for a router that has not connected yet wait for it (its first request's reply names the
+address; a short request can end before the router has connected), and are dropped once the
+router has had no request for `PENDING_TTL_S`. A connection that ends fails every request on
+it with UNAVAILABLE, as a dead replica's calls do.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections import defaultdict
 log = logging.getLogger(__name__)
 HEADER = struct.Struct("<Q")
 MAX_HELLO = 256  # bytes of a router id
+PENDING_TTL_S = 60.0  # how long events wait for a router with no request left to connect
 LOST = {"error": "UNAVAILABLE", "message": "the engine replica failed; retry the request",
         "finished": True}
 
@@ -56,7 +58,8 @@ class EventServer:
     """The engine replica's end: started on the event loop that runs `generate`; `send` is
     called on that loop."""
 
-    def __init__(self):
+    def __init__(self, pending_ttl_s: float = PENDING_TTL_S):
+        self.pending_ttl_s = pending_ttl_s
         self.address: tuple[str, int] | None = None
         self.writers: dict[str, asyncio.StreamWriter] = {}
         self.pending: dict[str, list[bytes]] = defaultdict(list)  # before the router connects
@@ -101,9 +104,16 @@ class EventServer:
         self.active[router] += 1
 
     def closed(self, router: str) -> None:
+        """(On the event loop.) A request of `router` has ended: once it has none left, its
+        waiting events are dropped after pending_ttl_s unless it has connected by then."""
         self.active[router] -= 1
         if self.active[router] <= 0:
             del self.active[router]
+            if router in self.pending:
+                asyncio.get_running_loop().call_later(self.pending_ttl_s, self._expire, router)
+
+    def _expire(self, router: str) -> None:
+        if router not in self.active:
             self.pending.pop(router, None)  # a router that never connected
 
     def send(self, router: str, items: list[tuple[str, dict]]) -> None:
@@ -114,8 +124,7 @@ class EventServer:
         self.bytes += len(data)
         writer = self.writers.get(router)
         if writer is None or writer.is_closing():
-            if router in self.active:
-                self.pending[router].append(data)
+            self.pending[router].append(data)  # (sent only for requests still open)
             return
         writer.write(data)
 

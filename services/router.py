@@ -72,19 +72,24 @@ def to_request_error(e: BaseException) -> RequestError:
     return RequestError(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}; see the log)")
 
 
-async def _watch(gen, box: asyncio.Queue) -> None:
-    """The engine call's end: nothing when the request finished, an error event when the
-    call failed (the engine replica died: its events connection may not have said so yet)."""
+async def _watch(gen, box: asyncio.Queue, grace_s: float = 30.0) -> None:
+    """The engine call's end: an error event when the call failed (the engine replica died:
+    its events connection may not have said so yet); when it ended, its last event was sent,
+    so one that has not come within grace_s never will: an error event too (the request
+    cancels this task when it ends first)."""
     from ray.serve.exceptions import RequestCancelledError
 
     try:
         async for _ in gen:
             pass
+        await asyncio.sleep(grace_s)
+        err = RequestError(grpc.StatusCode.UNAVAILABLE,
+                           "the engine ended the stream early; retry the request")
     except (asyncio.CancelledError, RequestCancelledError):  # the request ended here first
         return
     except Exception as e:
         err = to_request_error(e)
-        box.put_nowait({"error": err.code.name, "message": err.message, "finished": True})
+    box.put_nowait({"error": err.code.name, "message": err.message, "finished": True})
 
 
 def set_status(grpc_context, e: RequestError) -> None:

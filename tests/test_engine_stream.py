@@ -102,17 +102,38 @@ def test_a_lost_engine_connection_fails_its_requests_with_unavailable():
     run(main())
 
 
-def test_pending_events_of_a_router_that_never_connects_are_dropped_with_its_requests():
+def test_a_request_that_ends_before_its_router_connects_still_reaches_it():
+    """A short request (one step, or refused) can end before the router has read its reply
+    and connected: its events wait for the router."""
     async def main():
         server = EventServer()
+        address = await server.start("127.0.0.1")
+        server.opened("late")
+        server.send("late", [("s1", event([9], True))])
+        server.closed("late")  # the engine's call for it has ended
+        client = EventClient("late")
+        box = client.open("s1")
+        await client.attach("s1", address)
+        assert (await _next(box))["token_ids"] == [9]
+        server.server.close()
+
+    run(main())
+
+
+def test_events_of_a_router_that_never_connects_are_dropped_after_a_while():
+    async def main():
+        server = EventServer(pending_ttl_s=0.05)
         await server.start("127.0.0.1")
         server.opened("gone")
         server.send("gone", [("s1", event([1]))])
-        assert len(server.pending["gone"]) == 1
         server.closed("gone")
+        assert len(server.pending["gone"]) == 1
+        await asyncio.sleep(0.2)
         assert "gone" not in server.pending and "gone" not in server.active
-        server.send("gone", [("s1", event([2]))])  # after its last request: not kept
-        assert "gone" not in server.pending
+        server.opened("back")  # a router with a request open keeps its events meanwhile
+        server.send("back", [("s2", event([2]))])
+        await asyncio.sleep(0.2)
+        assert len(server.pending["back"]) == 1
         server.server.close()
 
     run(main())
@@ -140,3 +161,34 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_router_fails_a_request_whose_engine_call_ended_without_its_last_event():
+    """services.router._watch: the engine's call ends only after the request's last event was
+    sent, so if that event never comes the client gets UNAVAILABLE, not a hang; a call that
+    fails (a dead replica) gives its status at once; a request that ends first cancels it."""
+    from ray.exceptions import ActorDiedError
+
+    from services.router import _watch
+
+    async def ended():
+        yield {"events": ("127.0.0.1", 1)}
+
+    async def died():
+        yield {"events": ("127.0.0.1", 1)}
+        raise ActorDiedError()
+
+    async def main():
+        box = asyncio.Queue()
+        await _watch(ended(), box, grace_s=0.01)
+        late = box.get_nowait()
+        assert late["error"] == "UNAVAILABLE" and "ended the stream early" in late["message"]
+        await _watch(died(), box, grace_s=10)
+        assert box.get_nowait()["error"] == "UNAVAILABLE"
+        task = asyncio.ensure_future(_watch(ended(), box, grace_s=10))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert box.empty()
+
+    run(main())
