@@ -119,7 +119,7 @@ class Router:
         self.draining = False
         self.events = EventClient(uuid.uuid4().hex)  # the engine replicas' token events
         self.metrics = RouterMetrics()
-        # per streamed message: the engine's hand-off -> here (Ray's stream), and the work
+        # per streamed message: the engine's hand-off -> here (the events connection), the work
         # here (detokenizing, stop strings, the message); engine_stats() reports the sums
         self.times = {"router_messages": 0, "router_delivery_s": 0.0, "router_work_s": 0.0}
         self.api_keys = auth.load_keys(cfg.api_keys_file, cfg.api_keys_env)
@@ -189,13 +189,12 @@ class Router:
         seq_id = uuid.uuid4().hex
         label = request.request_id[:64] or seq_id
         text = TextStream(self.tokenizer, tuple(params["stop"]))
-        box = self.events.open(seq_id)  # before the engine can send
-        gen = self.engine.options(stream=True).generate.remote(seq_id, ids, params, mode,
-                                                               self.events.router_id)
-        watch = None
         self.metrics.prompt_tokens.inc(len(ids))
-        first = True
+        first, gen, watch = True, None, None
+        box = self.events.open(seq_id)  # before the engine can send
         try:
+            gen = self.engine.options(stream=True).generate.remote(seq_id, ids, params, mode,
+                                                                   self.events.router_id)
             try:
                 reply = await gen.__anext__()  # where this request's events come from
             except StopAsyncIteration:
@@ -239,7 +238,8 @@ class Router:
             self.events.close(seq_id)
             if watch is not None:
                 watch.cancel()
-            gen.cancel()  # no-op when finished; stops the engine's work when the client left
+            if gen is not None:  # no-op when finished; stops the engine's work when the
+                gen.cancel()  # client left
             self.admitted -= 1
 
     def _observe(self, first: bool, since: float, num_tokens: int) -> None:
