@@ -16,9 +16,13 @@ An explicit count always wins: `threads=N`, `EAGLE2_THREADS=N`, or `OMP_NUM_THRE
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import queue
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -249,3 +253,38 @@ class LoadFollower:
             return None
         self.count = count
         return count
+
+
+class TorchThread:
+    """One daemon thread that runs a process's torch work, calls in order. OpenMP gives each
+    thread that starts parallel work its own team of threads, and once a process holds more of
+    them than it has CPUs, libgomp lets idle ones spin only ~100 times before they sleep
+    (GOMP_SPINCOUNT no longer applies), so every parallel region wakes them: a target loaded on
+    one thread and stepped on another decoded at half speed on 2 cores (docs/cpu-backend.md
+    "CPU performance"). Load and step on one of these instead."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while True:
+            fn, args, future = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+                if not isinstance(e, Exception):
+                    raise  # (SystemExit, KeyboardInterrupt: the thread ends, as asked)
+
+    def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, args, future))
+        return future
+
+    def call(self, fn: Callable, *args):
+        """fn(*args) on this thread, after the calls before it; its result or its error."""
+        return self.submit(fn, *args).result()

@@ -24,7 +24,6 @@ otherwise), never a silently truncated stream; a dead rank group is rebuilt in p
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import queue
@@ -39,6 +38,7 @@ from eagle2.config import SamplingParams
 from eagle2.devices import pick_device, pick_dtype
 from eagle2.engine import Engine, Event, Request
 from eagle2.runner import LocalRunner
+from eagle2.threads import TorchThread
 from services.config import ServiceConfig
 from services.event_channel import EventServer
 from services.metrics import EngineMetrics
@@ -69,29 +69,14 @@ class TargetEngine:
         address = None
         if draft_worker is not None and cfg.draft_placement != "inprocess":
             address = await draft_worker.address.remote()  # (the drafter: `_make_drafter`)
-        # Every torch operation of this replica runs in one thread, the step loop's: it
-        # builds the target and the drafter, then loops. OpenMP gives each thread that starts
-        # parallel work its own team of threads, and once a process holds more of them than
-        # it has CPUs, libgomp lets its idle threads spin only ~100 times before they sleep
-        # (GOMP_SPINCOUNT no longer applies), so every parallel region wakes them from
-        # sleep: a target loaded on the event loop's thread and stepped on another decoded
-        # at half speed on 2 cores (docs/cpu-backend.md "CPU performance").
-        built: concurrent.futures.Future = concurrent.futures.Future()
-        self.thread = threading.Thread(target=self._run, args=(built, draft_worker, address),
-                                       name="engine-loop", daemon=True)
-        self.thread.start()
-        await asyncio.wrap_future(built)
+        # Every torch operation of this replica runs on one thread, the step loop's: it
+        # builds the target and the drafter, then loops (`TorchThread`: two OpenMP teams in
+        # one process halved the speed on 2 cores)
+        torch_thread = TorchThread("engine-loop")
+        self.thread = torch_thread.thread
+        await asyncio.wrap_future(torch_thread.submit(self._build, draft_worker, address))
+        torch_thread.submit(self._loop)
         threading.Thread(target=self._flush_metrics, name="engine-metrics", daemon=True).start()
-
-    def _run(self, built: concurrent.futures.Future, draft_worker, address) -> None:
-        """The step loop's thread: build (`_build`; its error goes to __init__), then loop."""
-        try:
-            self._build(draft_worker, address)
-        except BaseException as e:
-            built.set_exception(e)
-            return
-        built.set_result(None)
-        self._loop()
 
     def _build(self, draft_worker, address) -> None:
         cfg = self.cfg

@@ -43,6 +43,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from eagle2.devices import pick_device, pick_dtype
 from eagle2.runner import BLOCK_SIZE, LocalRunner
 from eagle2.target import embedded_model_dir
+from eagle2.threads import TorchThread
 from eagle2.tp import check_tp_size, init_tp
 from eagle2.tp_channel import DriverChannel, RankChannel, RankError, RankLost
 from eagle2.tree import HOST, to_device
@@ -67,6 +68,9 @@ class TPRank:
         self.device = pick_device()  # cuda:0 when Ray gave this actor a GPU
         self.busy_s = 0.0  # seconds inside the calls (deferred cache updates included)
         self.fault_in = 0  # fault tests: `run` calls until this rank raises (0: never)
+        # loading (`start`) and the step loop (`serve`) on one thread, whichever of the
+        # actor's threads Ray calls them on (`TorchThread`)
+        self.torch = TorchThread(f"rank-{rank}")
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: the rendezvous of the process group (rank 0)."""
@@ -77,6 +81,9 @@ class TPRank:
 
     def start(self, master_addr: str, master_port: int) -> dict:
         """Join the group, read this rank's shard of the target straight to the device."""
+        return self.torch.call(self._start, master_addr, master_port)
+
+    def _start(self, master_addr: str, master_port: int) -> dict:
         dtype = pick_dtype(self.dtype, self.device)
         _check_target(self.target_spec, self.tp_size)  # every rank fails alike, before joining
         init_tp(self.rank, self.tp_size, master_addr, master_port)
@@ -162,6 +169,9 @@ class TPRank:
         reply (rank 0, or every rank when every_rank), until the driver closes the channel.
         A step that raises is reported to the driver and ends the loop: the group is failed
         (its peers may wait in a collective) and the driver kills it."""
+        return self.torch.call(self._serve, host, port)
+
+    def _serve(self, host: str, port: int) -> str:
         channel = RankChannel(host, port, self.rank)
         try:
             while True:

@@ -305,3 +305,23 @@ def test_a_seeded_request_samples_the_same_after_a_thread_switch(tmp_path):
         assert run(current, prompts, params, TreeConfig(), seeds=[11, 12]) != quiet
     finally:
         torch.set_num_threads(before)
+
+
+def test_torch_thread_runs_calls_in_order_on_one_thread_and_returns_their_errors():
+    """`TorchThread`: loading and stepping on one OS thread (one OpenMP team), whoever calls."""
+    import threading
+
+    worker = thr.TorchThread("torch-test")
+    seen: list[tuple[int, int]] = []
+    futures = [worker.submit(lambda i=i: seen.append((i, threading.get_ident())) or i)
+               for i in range(5)]
+    assert [f.result(10) for f in futures] == list(range(5))
+    assert [i for i, _ in seen] == list(range(5))
+    assert {ident for _, ident in seen} == {worker.thread.ident} != {threading.get_ident()}
+    other = threading.Thread(target=lambda: seen.append((9, worker.call(threading.get_ident))))
+    other.start()
+    other.join(10)
+    assert seen[-1] == (9, worker.thread.ident)  # from another thread: still the same one
+    with pytest.raises(ZeroDivisionError):
+        worker.call(lambda: 1 / 0)
+    assert worker.call(lambda: "alive") == "alive" and worker.thread.is_alive()
