@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct("<Q")
 MAX_HELLO = 256  # bytes of a router id
 PENDING_TTL_S = 60.0  # how long events wait for a router with no request left to connect
+MAX_UNSENT = 64 << 20  # bytes a router may leave unread before its connection is closed
 LOST = {"error": "UNAVAILABLE", "message": "the engine replica failed; retry the request",
         "finished": True}
 
@@ -58,8 +59,8 @@ class EventServer:
     """The engine replica's end: started on the event loop that runs `generate`; `send` is
     called on that loop."""
 
-    def __init__(self, pending_ttl_s: float = PENDING_TTL_S):
-        self.pending_ttl_s = pending_ttl_s
+    def __init__(self, pending_ttl_s: float = PENDING_TTL_S, max_unsent: int = MAX_UNSENT):
+        self.pending_ttl_s, self.max_unsent = pending_ttl_s, max_unsent
         self.address: tuple[str, int] | None = None
         self.writers: dict[str, asyncio.StreamWriter] = {}
         self.pending: dict[str, list[bytes]] = defaultdict(list)  # before the router connects
@@ -125,6 +126,13 @@ class EventServer:
         writer = self.writers.get(router)
         if writer is None or writer.is_closing():
             self.pending[router].append(data)  # (sent only for requests still open)
+            return
+        if writer.transport.get_write_buffer_size() > self.max_unsent:
+            # a router that stopped reading: its requests fail (UNAVAILABLE) rather than this
+            # replica's memory filling up; the engine cancels them as their calls end
+            log.error("router %s left %d bytes of events unread: closing its connection",
+                      router[:12], writer.transport.get_write_buffer_size())
+            writer.transport.abort()
             return
         writer.write(data)
 

@@ -192,3 +192,27 @@ def test_the_router_fails_a_request_whose_engine_call_ended_without_its_last_eve
         assert box.empty()
 
     run(main())
+
+
+def test_a_router_that_stops_reading_is_cut_off_not_buffered_without_bound():
+    async def main():
+        server = EventServer(max_unsent=1 << 20)
+        host, port = await server.start("127.0.0.1")
+        _reader, writer = await asyncio.open_connection(host, port)
+        writer.transport.pause_reading()  # a router that never reads
+        writer.write(frame(b"stuck"))
+        server.opened("stuck")
+        while "stuck" not in server.writers:
+            await asyncio.sleep(0.01)
+        big = [("s", event(list(range(20_000))))]  # ~60 KB a frame
+        for _ in range(2_000):
+            server.send("stuck", big)
+            if "stuck" not in server.writers or server.writers["stuck"].is_closing():
+                break
+            await asyncio.sleep(0)
+        else:
+            raise AssertionError("the connection was never closed")
+        writer.close()
+        server.server.close()
+
+    run(main())
