@@ -192,6 +192,54 @@ def test_tp2_bf16_shards_run_fused_layers_and_speculation_equals_their_plain_dec
         runner.shutdown()
 
 
+def test_tp2_greedy_steps_gather_an_argmax_pair_a_row_never_the_logits(tiny, tiny_tp2,
+                                                                        tiny_expected):
+    """A shard's greedy verification takes the argmax through the vocabulary-parallel lm_head
+    (each rank's (max, index) per row: [tp, rows, 2] gathered) in one collective a step, not
+    the [rows, V / tp] logits of every rank; the tokens stay the unsharded target's."""
+    import ray
+
+    def _count_lm_head_calls(_rank):  # (in a rank actor; nested: Ray sends it by value)
+        import eagle2.tp as tp
+
+        head = tp.VocabParallelLMHead
+        calls = tp.__dict__.setdefault("_test_calls", {"logits": 0, "greedy": 0})
+        if not hasattr(head, "_test_saved"):
+            head._test_saved = (head.forward, head.greedy_tokens)
+            forward, greedy = head._test_saved
+
+            def counted_forward(self, x):
+                calls["logits"] += 1
+                return forward(self, x)
+
+            def counted_greedy(self, x):
+                calls["greedy"] += 1
+                return greedy(self, x)
+
+            head.forward, head.greedy_tokens = counted_forward, counted_greedy
+        return dict(calls)
+
+    def _restore_lm_head(_rank):
+        import eagle2.tp as tp
+
+        head = tp.VocabParallelLMHead
+        head.forward, head.greedy_tokens = head._test_saved
+        del head._test_saved
+        del tp._test_calls
+
+    ray.get([a.__ray_call__.remote(_count_lm_head_calls) for a in tiny_tp2.actors])
+    try:
+        steps = tiny_tp2.traffic["steps"]
+        prompts, expected = tiny_expected
+        got, _ = generate(make_engine(tiny_tp2, tiny[0]), prompts, TINY_TREES["eagle2"])
+        assert got == expected
+        calls = ray.get(tiny_tp2.actors[0].__ray_call__.remote(_count_lm_head_calls))
+        assert calls["logits"] == 0 and calls["greedy"] > 0
+        assert calls["greedy"] <= tiny_tp2.traffic["steps"] - steps  # one a runner call
+    finally:
+        ray.get([a.__ray_call__.remote(_restore_lm_head) for a in tiny_tp2.actors])
+
+
 def tensors_in(obj) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
