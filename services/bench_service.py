@@ -50,7 +50,8 @@ STAT_SCALARS = ("draft_s", "verify_s", "prefill_s", "other_s", "steps",
                 "draft_bytes_out", "draft_bytes_in", "rank_wait_s", "rank_busy_s")
 TRAFFIC = ("rank_bytes_out", "rank_bytes_in", "draft_bytes_out", "draft_bytes_in")
 LOOP_SCALARS = ("loop_steps", "loop_step_s", "loop_host_s", "loop_dispatch_s",
-                "router_messages", "router_delivery_s", "router_work_s")
+                "router_messages", "router_delivery_s", "router_work_s",
+                "event_frames", "event_messages", "event_bytes")
 
 
 def add_arguments(p) -> None:
@@ -159,10 +160,14 @@ def engine_summary(delta: dict, tokens: int) -> dict:
         "loop_step_ms_per_step": _ms(delta.get("loop_step_s"), loop_steps),
         "loop_host_ms_per_step": _ms(delta.get("loop_host_s"), loop_steps),
         "loop_dispatch_ms_per_step": _ms(delta.get("loop_dispatch_s"), loop_steps),
-        # the router: engine handing a step's tokens -> the router holding them (Ray's
-        # stream), and the router's own work per message (detokenize, stop strings, message)
+        # the router: engine handing a step's tokens -> the router holding them (the events
+        # connection), and its own work per message (detokenize, stop strings, message)
         "router_delivery_ms_per_message": _ms(delta.get("router_delivery_s"), messages),
         "router_work_ms_per_message": _ms(delta.get("router_work_s"), messages),
+        # the engine -> routers frames (services/event_channel.py): requests' events a frame
+        # (the streams a router had in one step) and frames a step (routers)
+        "events_per_frame": ratio(delta.get("event_messages"), delta.get("event_frames")),
+        "frames_per_step": ratio(delta.get("event_frames"), loop_steps),
     }
     per = {f"{k}_per_step": round(delta[k] / steps) if steps and delta.get(k) is not None
            else None for k in TRAFFIC}
