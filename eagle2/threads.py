@@ -270,7 +270,10 @@ class TorchThread:
 
     def _work(self) -> None:
         while True:
-            fn, args, future = self._calls.get()
+            call = self._calls.get()
+            if call is None:  # `close`
+                return
+            fn, args, future = call
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -288,3 +291,8 @@ class TorchThread:
     def call(self, fn: Callable, *args):
         """fn(*args) on this thread, after the calls before it; its result or its error."""
         return self.submit(fn, *args).result()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """End the thread once the calls before this one have run."""
+        self._calls.put(None)
+        self.thread.join(timeout_s)

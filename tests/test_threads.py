@@ -325,3 +325,5 @@ def test_torch_thread_runs_calls_in_order_on_one_thread_and_returns_their_errors
     with pytest.raises(ZeroDivisionError):
         worker.call(lambda: 1 / 0)
     assert worker.call(lambda: "alive") == "alive" and worker.thread.is_alive()
+    worker.close(10)
+    assert not worker.thread.is_alive()
