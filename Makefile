@@ -25,10 +25,10 @@ generate: $(STAMP)
 	$(BIN)/eagle2 generate "Write a haiku about speculative decoding."
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q --durations=25
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check eagle2 services tests
