@@ -166,15 +166,14 @@ class LocalRunner:
         prices them so: `CostModel.greedy`): the backend's (`GreedyArgmax`), or a
         tensor-parallel shard's vocabulary-parallel lm_head, whose ranks then gather one
         (max, index) pair a row instead of their [rows, V / tp] logits."""
-        return (self.target.backend.greedy_head is not None
-                or getattr(self.target.lm_head, "greedy_tokens", None) is not None)
+        return self.target.backend.greedy_head is not None or self.target.vocab_parallel
 
     @property
     def greedy_first_rows(self) -> int:
         """Rows the first round of a greedy verification's argmax takes (`GreedyArgmax.
         first_rows`, `verify.verify_greedy_lazily`; the cost model prices them so). On a
         shard every node in one round: each round is a collective of all the ranks."""
-        if getattr(self.target.lm_head, "greedy_tokens", None) is not None:
+        if self.target.vocab_parallel:
             return 1 << 30
         return getattr(self.target.backend.greedy_head, "first_rows", 0)
 

@@ -195,10 +195,15 @@ class TargetModel:
         """[..., H] -> [...]: the argmax of `logits(features)` (ties: the lowest index), without
         the logits where the lm_head can (a vocabulary-parallel shard's, `eagle2.tp`) or the
         backend can (`Backend.greedy_tokens`)."""
-        sharded = getattr(self.lm_head, "greedy_tokens", None)
-        if sharded is not None:
-            return sharded(features)
+        if self.vocab_parallel:
+            return self.lm_head.greedy_tokens(features)
         return self.backend.greedy_tokens(self, features)
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """A tensor-parallel shard's lm_head (`eagle2.tp.VocabParallelLMHead`): its
+        `greedy_tokens` gathers one (max, index) pair a row over the ranks."""
+        return hasattr(self.lm_head, "greedy_tokens")
 
 
 def target_num_layers(spec: str | None) -> int:

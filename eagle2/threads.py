@@ -261,7 +261,8 @@ class TorchThread:
     them than it has CPUs, libgomp lets idle ones spin only ~100 times before they sleep
     (GOMP_SPINCOUNT no longer applies), so every parallel region wakes them: a target loaded on
     one thread and stepped on another decoded at half speed on 2 cores (docs/cpu-backend.md
-    "CPU performance"). Load and step on one of these instead."""
+    "CPU performance"). Load and step on one of these instead. (Not a ThreadPoolExecutor:
+    its threads are joined at interpreter exit, and a step loop never returns.)"""
 
     def __init__(self, name: str):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()

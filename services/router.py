@@ -31,7 +31,7 @@ from eagle2.target import embedded_model_dir
 from eagle2.text import TextStream, encode_prompt
 from services import auth, convert
 from services.config import ServiceConfig
-from services.event_channel import EventClient, merge
+from services.event_channel import LOST, EventClient, merge
 from services.metrics import RouterMetrics
 from services.protos import MalformedRequest, eagle2_pb2
 
@@ -65,11 +65,15 @@ def to_request_error(e: BaseException) -> RequestError:
     if isinstance(e, (RayActorError, ActorDiedError, ActorUnavailableError,
                       DeploymentUnavailableError, ReplicaUnavailableError)):
         log.warning("engine replica unavailable: %s", type(e).__name__)
-        return RequestError(grpc.StatusCode.UNAVAILABLE,
-                            "the engine replica failed; retry the request")
+        return RequestError(grpc.StatusCode.UNAVAILABLE, LOST["message"])
     ref = uuid.uuid4().hex[:12]
     log.error("request failed (ref %s)", ref, exc_info=e)
     return RequestError(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}; see the log)")
+
+
+def ended_early() -> RequestError:
+    return RequestError(grpc.StatusCode.UNAVAILABLE,
+                        "the engine ended the stream early; retry the request")
 
 
 async def _watch(gen, box: asyncio.Queue, grace_s: float = 30.0) -> None:
@@ -83,8 +87,7 @@ async def _watch(gen, box: asyncio.Queue, grace_s: float = 30.0) -> None:
         async for _ in gen:
             pass
         await asyncio.sleep(grace_s)
-        err = RequestError(grpc.StatusCode.UNAVAILABLE,
-                           "the engine ended the stream early; retry the request")
+        err = ended_early()
     except (asyncio.CancelledError, RequestCancelledError):  # the request ended here first
         return
     except Exception as e:
@@ -198,8 +201,7 @@ class Router:
             try:
                 reply = await gen.__anext__()  # where this request's events come from
             except StopAsyncIteration:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE,  # never a truncated OK stream
-                                   "the engine ended the stream early; retry the request") from None
+                raise ended_early() from None  # never a truncated OK stream
             await self.events.attach(seq_id, reply["events"])
             watch = asyncio.ensure_future(_watch(gen, box))
             while True:

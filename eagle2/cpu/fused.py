@@ -100,14 +100,8 @@ class FusedLayer:
                    norm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                    norm.variance_epsilon, mlp.act_fn, is_silu(mlp.act_fn), reduce)
 
-    def o_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """The o product, summed over the ranks of a shard."""
-        out = self.o(x)
-        return out if self.reduce is None else self.reduce(out)
-
-    def down_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """The down product, summed over the ranks of a shard."""
-        out = self.down(x)
+    def summed(self, out: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product (o or down), summed over the ranks of a shard."""
         return out if self.reduce is None else self.reduce(out)
 
     def weights(self) -> list[torch.Tensor]:
@@ -206,9 +200,9 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
     q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]  # [B, Hq, N, Dh], [B, KVH, N, Dh]
     v = qkv[:, num_q_heads + num_kv:]
     out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
-    x = x + lw.o_sum(out.transpose(1, 2).reshape(num_b, num_n, -1))
+    x = x + lw.summed(lw.o(out.transpose(1, 2).reshape(num_b, num_n, -1)))
     gate, up = lw.gate_up(_rms_norm(x, lw.post_norm, lw.eps)).chunk(2, dim=-1)
-    return x + lw.down_sum(lw.act(gate) * up)
+    return x + lw.summed(lw.down(lw.act(gate) * up))
 
 
 def one_native_kernel(linears: tuple[BlockedWeight, ...], rows: int) -> int | None:
@@ -242,11 +236,11 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
                            layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
     out = ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
                         q.shape[-1] ** -0.5, key_blocks, valid)  # [B, N, Hq Dh]
-    x, h = ops.add_rms_norm(x, lw.o_sum(out), lw.post_norm, lw.eps)
+    x, h = ops.add_rms_norm(x, lw.summed(lw.o(out)), lw.post_norm, lw.eps)
     if lw.silu:
-        return x + lw.down_sum(ops.silu_mul(lw.gate_up(h)))
+        return x + lw.summed(lw.down(ops.silu_mul(lw.gate_up(h))))
     gate, up = lw.gate_up(h).chunk(2, dim=-1)
-    return x + lw.down_sum(lw.act(gate) * up)
+    return x + lw.summed(lw.down(lw.act(gate) * up))
 
 
 def native_head_layer(ops: ModuleType, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor,
