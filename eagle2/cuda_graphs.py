@@ -14,7 +14,10 @@ launch, but only for fixed shapes and with no host synchronisation inside. So:
   dense [Bb, 1, Nb, S] mask, RoPE's cos and sin) on the device alone: the committed lengths
   are read on the device, RoPE from a table made beforehand, and every shape is the
   bucket's; the host reads the slots and lengths once before the step to pick S (outside any
-  captured region). The layers are `attention.decoder_layer` as in the torch backend, with
+  captured region). Over a paged cache (docs/kv-cache.md "CUDA graphs over the paged cache")
+  writes and reads go through the block tables, which stay on the device and are updated in
+  place between steps, and the scratch slot's table is all the null block.
+  The layers are `attention.decoder_layer` as in the torch backend, with
   SDPA over that mask (also where the eager steps attend through FlexAttention); the
   lm_head and the verification run after the replay, eagerly;
 - `GraphCache` captures one graph per bucket lazily (on a side stream after warm-up calls
@@ -115,8 +118,10 @@ def padded_step_inputs(cache: KVCache, step: PaddedStep, rope: tuple[torch.Tenso
     mask = prefix[:, None, :].expand(num_b, num_n, keys).clone()  # [Bb, Nb, S]
     mask.scatter_(2, scratch[:, None, :].expand(num_b, num_n, num_t), tree_mask)
     cos, sin = rope[0][step.positions], rope[1][step.positions]  # [Bb, Nb, Dh]
+    # a paged cache: the layers write through the block tables (the scratch slot's are all
+    # the null block) and read each row's first S entries gathered through them
     return StepInputs(slots, scratch[:, num_t - num_n:], mask[:, None], cos, sin, contiguous,
-                      None, None, base, tree_mask)
+                      None, None, base, tree_mask, gather_len=keys if cache.paged else 0)
 
 
 def padded_forward(target: TargetModel, cache: KVCache, step: PaddedStep,
@@ -216,11 +221,11 @@ class GraphedRunner(LocalRunner):
     $EAGLE2_CUDA_GRAPHS is "on"). `counts` says how steps ran: "graph" (replayed), "padded"
     (eagerly, padded), "eager" (the target's own).
 
-    The cache stays slotted (paged CUDA graphs: not done yet, docs/kv-cache.md): num_blocks
-    is refused; kv_cache_memory sizes the slots as `LocalRunner`'s slotted cache
-    (`runner.cache_layout`), the scratch slot among them."""
-
-    can_page = False
+    The cache is paged as `LocalRunner`'s (num_blocks or kv_cache_memory, docs/kv-cache.md
+    "Paged cache"): the block tables live on the device, where `set_blocks` writes them in
+    place before a step, so a captured graph reads each replay's tables; the scratch slot's
+    table is all the null block, so padded rows write nowhere a real row reads. A target
+    that cannot page keeps the slots kv_cache_memory holds, the scratch slot among them."""
 
     def __init__(self, target: TargetModel, num_slots: int, max_len: int,
                  num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
@@ -228,13 +233,12 @@ class GraphedRunner(LocalRunner):
                  graphs: bool | None = None, strict: bool | None = None):
         if target.backend.name == "cpu":
             padded_wanted("on", target.device, target.backend)  # raises: the CPU backend
-        if num_blocks is not None:
-            raise ValueError("the CUDA-graph runner keeps a slotted cache: give kv_cache_memory "
-                             "(its slots), or EAGLE2_CUDA_GRAPHS=off for a paged cache")
-        if kv_cache_memory is not None:
+        if kv_cache_memory is not None and not target.pages:
             num_slots = max(cache_layout(target, num_slots + 1, max_len, kv_cache_memory,
                                          pages=False).num_slots - 1, 1)
-        super().__init__(target, num_slots + 1, max_len)
+            kv_cache_memory = None
+        super().__init__(target, num_slots + 1, max_len, num_blocks=num_blocks,
+                         block_size=block_size, kv_cache_memory=kv_cache_memory)
         self.num_slots = num_slots
         self.scratch_slot = num_slots  # padded rows' slot: committed length 0 for good
         self.buckets = buckets or Buckets()
@@ -317,14 +321,16 @@ def runner_class(device: torch.device, cuda_graphs: bool | str | None = None
 
 
 def make_runner(target: TargetModel, num_slots: int, max_len: int,
-                cuda_graphs: bool | str | None = None) -> LocalRunner:
+                cuda_graphs: bool | str | None = None, num_blocks: int | None = None,
+                block_size: int = BLOCK_SIZE) -> LocalRunner:
     """The serving engine's runner for a target in this process: `GraphedRunner` where
     `padded_wanted` says so (cuda_graphs None: $EAGLE2_CUDA_GRAPHS, else "auto": CUDA
-    targets of the torch backends), else `LocalRunner`."""
+    targets of the torch backends), else `LocalRunner`; paged over num_blocks blocks where
+    given (and the target pages), else slotted."""
     if padded_wanted(cuda_graphs, target.device, target.backend):
-        return GraphedRunner(target, num_slots, max_len,
+        return GraphedRunner(target, num_slots, max_len, num_blocks, block_size,
                              strict=graphs_choice(cuda_graphs) == "on")
-    return LocalRunner(target, num_slots, max_len)
+    return LocalRunner(target, num_slots, max_len, num_blocks, block_size)
 
 
 class GraphedLevels:

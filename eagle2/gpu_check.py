@@ -118,15 +118,19 @@ def random_eagle3_head(target, dtype: torch.dtype, device: str, draft_vocab: int
 
 def make_engine(target, head, max_batch: int, max_context: int, cuda_graphs: bool = False):
     """cuda_graphs: the target's steps and the head's tree levels through CUDA graphs per
-    bucket (`eagle2.cuda_graphs`), else eager."""
+    bucket (`eagle2.cuda_graphs`), else eager. The target's cache is paged as the service's
+    (blocks for max_batch whole contexts: no preemption)."""
     from eagle2.cuda_graphs import make_runner
     from eagle2.drafter import Drafter
     from eagle2.engine import Engine
+    from eagle2.runner import BLOCK_SIZE
 
     target.set_feature_layers(head.feature_layers(target.num_layers))  # EAGLE-3: 3 layers
     drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
                       max_len=max_context, cuda_graphs=cuda_graphs)
-    runner = make_runner(target, max_batch, max_context + Engine.tree_margin, cuda_graphs)
+    max_len = max_context + Engine.tree_margin
+    runner = make_runner(target, max_batch, max_len, cuda_graphs,
+                         num_blocks=max_batch * -(-max_len // BLOCK_SIZE))
     return Engine(runner, drafter, max_batch=max_batch, max_context=max_context)
 
 

@@ -77,11 +77,11 @@ class ServiceConfig(BaseModel):
     # The target's cache (docs/kv-cache.md "In the service"). max_running: the most requests
     # a step runs (the runner's cache slots); the rest wait, max_queued_requests counting them.
     # A target whose attention pages (SDPA, FlexAttention, the CPU's fp32 exact attention;
-    # tensor-parallel ranks) keeps its K/V in blocks of block_size entries shared by the
-    # running requests: a request starts when blocks for its prompt are free, the newest is
-    # preempted (and recomputed later) when they run out, and with prefix_caching a prompt
-    # reuses the blocks of its longest cached prefix. A slotted one (the CPU's native bf16
-    # attention, the CUDA-graph runner) keeps max_context entries a slot and only as many
+    # the CUDA-graph runner; tensor-parallel ranks) keeps its K/V in blocks of block_size
+    # entries shared by the running requests: a request starts when blocks for its prompt
+    # are free, the newest is preempted (and recomputed later) when they run out, and with
+    # prefix_caching a prompt reuses the blocks of its longest cached prefix. A slotted one
+    # (the CPU's native bf16 attention) keeps max_context entries a slot and only as many
     # slots as kv_cache_memory holds (at most max_running, at least one; the engine logs it).
     max_running: int = Field(64, ge=1, le=1024)
     # Deprecated: the older name of max_running (existing configs); it sets max_running where

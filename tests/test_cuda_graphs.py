@@ -185,6 +185,63 @@ def test_padded_forward_equals_unpadded_and_keeps_the_real_rows_cache(num_b):
     assert padded.counts == {"padded": 9}
 
 
+def paged_pair(target, num_slots: int, max_len: int, gen: torch.Generator,
+               lengths: torch.Tensor, block_size: int = 16, **kw):
+    """An unpadded and a padded runner over paged caches holding the same random K/V, with
+    the same shuffled blocks for each real slot (all it can hold) and lengths."""
+    per_slot = -(-max_len // block_size)
+    num_blocks = num_slots * per_slot + 3
+    plain = LocalRunner(target, num_slots, max_len, num_blocks=num_blocks,
+                        block_size=block_size)
+    padded = GraphedRunner(target, num_slots, max_len, num_blocks=num_blocks,
+                           block_size=block_size, **kw)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    for s in range(num_slots):
+        for r in (plain, padded):
+            r.set_blocks(s, order[s * per_slot:(s + 1) * per_slot])
+    for kv_p, kv_g in ((plain.cache.k, padded.cache.k), (plain.cache.v, padded.cache.v)):
+        kv_g.copy_(torch.randn(kv_g.shape, generator=gen))
+        kv_p.copy_(kv_g)
+    plain.cache.lengths.copy_(lengths)
+    padded.lengths.copy_(lengths)
+    return plain, padded
+
+
+@pytest.mark.parametrize("num_b", [1, 3])
+def test_padded_forward_over_a_paged_cache_equals_unpadded(num_b):
+    """As above over paged caches (shuffled blocks): the same outputs, the real rows' committed
+    entries untouched and their trees' K/V written through the tables, other slots untouched,
+    the scratch slot's table null (its padded rows write only the null block)."""
+    target = torch_target(seed=7)
+    num_slots, max_len = 5, 96
+    gen = torch.Generator().manual_seed(10 + num_b)
+    for num_n in range(1, 10, 2):
+        lengths = torch.randint(0, 60, (num_slots,), generator=gen)
+        plain, padded = paged_pair(target, num_slots, max_len, gen, lengths,
+                                   buckets=Buckets(min_keys=16))
+        slots = torch.arange(num_b) if num_n % 4 == 1 else \
+            torch.randperm(num_slots, generator=gen)[:num_b]
+        tokens, positions, mask = random_step(gen, lengths, slots, num_n, target.vocab_size)
+        want = plain.target_forward(tokens, positions, mask, slots)
+        got = padded.target_forward(tokens, positions, mask, slots)
+        torch.testing.assert_close(got.hidden, want.hidden, atol=ATOL, rtol=ATOL)
+        assert padded.counts == {"padded": 1}
+        assert (padded.cache.block_tables[num_slots] == padded.cache.null_block).all()
+        for layer in range(target.num_layers):
+            every = torch.arange(num_slots)
+            kp, vp = plain.cache.gather(layer, every, max_len)
+            kg, vg = padded.cache.gather(layer, every, max_len)
+            for s in range(num_slots):
+                base = int(lengths[s])
+                end = base + num_n if s in slots.tolist() else max_len
+                assert torch.equal(kg[s, :, :base], kp[s, :, :base])
+                assert torch.equal(vg[s, :, :base], vp[s, :, :base])
+                torch.testing.assert_close(kg[s, :, base:end], kp[s, :, base:end],
+                                           atol=ATOL, rtol=ATOL)
+                torch.testing.assert_close(vg[s, :, base:end], vp[s, :, base:end],
+                                           atol=ATOL, rtol=ATOL)
+
+
 def test_real_outputs_are_bitwise_the_same_whatever_the_padding_holds():
     """In one bucket the real rows' outputs and K/V are bitwise independent of the padding:
     its tokens and positions, the scratch slot, other slots and the scratch past the trees."""
@@ -435,3 +492,33 @@ def test_graphs_replay_equals_eager_on_cuda():
     engine = make_engine(target, GraphedRunner, levels=True)
     assert run(engine, prompts, GREEDY, TREES["eagle2"]) == vanilla
     assert engine.runner.counts["graph"] > 0 and engine.drafter.levels.counts["graph"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_paged_graphs_replay_with_each_steps_block_tables_on_cuda():
+    """One graph of a bucket replayed over other block tables and lengths each time (the
+    tables are read where they live): equal to the unpadded paged forward every time."""
+    target = torch_target(seed=8)
+    target.hf.to("cuda")
+    target = type(target)(target.hf, None, "tiny-cuda")
+    target.backend = Backend()
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(0, 60, (4,), generator=gen)
+    plain, graphed = paged_pair(target, 4, 96, gen, lengths, strict=True)
+    assert graphed.graphs is not None
+    per_slot = plain.cache.block_tables.shape[1]
+    for _ in range(3):
+        order = torch.randperm(plain.paged[0], generator=gen).tolist()
+        lengths = torch.randint(0, 60, (4,), generator=gen)
+        for r in (plain, graphed):
+            for s in range(4):
+                r.set_blocks(s, order[s * per_slot:(s + 1) * per_slot])
+            r.lengths.copy_(lengths)
+        slots = torch.arange(3)
+        tokens, positions, mask = random_step(gen, lengths, slots, 5, target.vocab_size)
+        args = [t.to("cuda") for t in (tokens, positions, mask, slots)]
+        want = plain.target_forward(*args)
+        got = graphed.target_forward(*args)
+        torch.testing.assert_close(got.hidden, want.hidden, atol=1e-4, rtol=1e-4)
+    assert graphed.graphs.counts["captured"] == 1 and graphed.graphs.counts["replayed"] == 3

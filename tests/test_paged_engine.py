@@ -8,7 +8,9 @@ import pytest
 import torch
 from conftest import random_prompts, run, tiny_target
 
+from eagle2.backend import Backend
 from eagle2.config import SamplingParams, TreeConfig
+from eagle2.cuda_graphs import GraphedRunner
 from eagle2.drafter import Drafter
 from eagle2.engine import Engine, Request
 from eagle2.head import new_head
@@ -23,14 +25,15 @@ TREES = {
 
 
 def paged_engine(target, num_blocks: int | None, max_running: int = 8, max_context: int = 256,
-                 prefix_caching: bool = True, block_size: int = 16) -> Engine:
-    """num_blocks None: the slotted cache."""
+                 prefix_caching: bool = True, block_size: int = 16,
+                 runner_cls: type[LocalRunner] = LocalRunner) -> Engine:
+    """num_blocks None: the slotted cache. runner_cls: `GraphedRunner` for padded steps."""
     target.set_feature_layers(None)
     head = new_head(target.config, seed=0)
     drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_running,
                       max_len=max_context)
-    runner = LocalRunner(target, max_running, max_context + Engine.tree_margin, num_blocks,
-                         block_size)
+    runner = runner_cls(target, max_running, max_context + Engine.tree_margin, num_blocks,
+                        block_size)
     assert (runner.paged is not None) == (num_blocks is not None)
     return Engine(runner, drafter, max_running=max_running, max_context=max_context,
                   prefix_caching=prefix_caching)
@@ -67,6 +70,32 @@ def test_small_block_pool_preempts_and_keeps_every_output():
     assert run(small, prompts, params, tree) == roomy
     assert small.stats.preemptions > 0
     assert small.paging.blocks.num_free == 18
+
+
+def test_padded_cuda_graph_steps_page_preempt_and_cache_prefixes():
+    """The CUDA-graph runner's padded steps (eager here: the same step a graph replays) over a
+    paged cache: with room, prefix-cache hits; with a pool too small, preemptions; every
+    output plain decoding's, every block back in the pool."""
+    target = tiny_target(vocab=48, seed=36)
+    target.backend = Backend()  # the torch backend: what padded steps serve
+    prompts = shared_prefix_prompts(4, 48, 40, seed=8) + random_prompts(4, 48, seed=9)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    vanilla = run(paged_engine(target, None, max_context=128), prompts, params,
+                  TREES["vanilla"])
+    for num_blocks in (400, 18):
+        engine = paged_engine(target, num_blocks, max_context=128, runner_cls=GraphedRunner)
+        assert engine.runner.paged == (num_blocks, 16) and engine.paging is not None
+        # the first request alone: its prompt's blocks are cached when the others arrive
+        got = run(engine, prompts[:1], params, TREES["eagle2"])
+        assert got + run(engine, prompts[1:], params, TREES["eagle2"]) == vanilla, num_blocks
+        assert engine.runner.counts["padded"] > 0
+        assert engine.paging.blocks.num_free == num_blocks
+        if num_blocks == 400:
+            assert engine.stats.prefix_hit_tokens > 0 and engine.stats.preemptions == 0
+        else:
+            assert engine.stats.preemptions > 0
+    # the scratch slot (padded rows) never holds a block
+    assert (engine.runner.cache.block_tables[-1] == engine.runner.cache.null_block).all()
 
 
 def test_preempted_sampled_vanilla_requests_keep_their_samples():

@@ -100,18 +100,19 @@ def test_a_slotted_runner_runs_the_slots_it_holds(monkeypatch):
     assert runner.capacity["kv_blocks"] is None and runner.capacity["block_size"] is None
 
 
-def test_the_cuda_graph_runner_sizes_its_slotted_cache_and_refuses_blocks():
+def test_the_cuda_graph_runner_pages_a_memory_budget():
+    """The CUDA-graph runner keeps max_running slots (and its padded rows' scratch slot) over
+    the blocks the budget holds, as `LocalRunner` does."""
     from eagle2.backend import Backend
     from eagle2.cuda_graphs import GraphedRunner
 
     target = tiny_target(seed=44)
     target.backend = Backend()  # the torch backend's (the CPU backend's is refused)
-    slot = 512 * 258 + 8
-    runner = GraphedRunner(target, 8, 258, kv_cache_memory=5 * slot, graphs=False)
-    assert runner.capacity["num_slots"] == 4  # 5 slots, one the padded rows' scratch
-    assert runner.paged is None
-    with pytest.raises(ValueError, match="slotted"):
-        GraphedRunner(target, 8, 258, num_blocks=40, graphs=False)
+    per_block = target.kv_bytes_per_token() * 32
+    runner = GraphedRunner(target, 8, 258, kv_cache_memory=20 * per_block, graphs=False)
+    assert runner.paged == (19, 32)  # the null block out of 20
+    assert runner.capacity["num_slots"] == 8 and runner.cache.lengths.shape[0] == 9
+    assert GraphedRunner(target, 8, 258, num_blocks=40, graphs=False).paged == (40, 32)
 
 
 def test_tensor_parallel_ranks_run_the_slots_and_blocks_every_rank_holds():
