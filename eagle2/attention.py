@@ -320,25 +320,64 @@ class RopeTable:
         return table
 
 
+@dataclass
+class Parts:
+    """Several groups of new tokens in one forward (`TargetModel.forward_parts`: e.g. the
+    running requests' trees and a prompt chunk, docs/kv-cache.md "Chunked prefill beside
+    decoding"). The layers see x [1, T, H], every group's tokens flattened one after another,
+    so their projections and MLP are one matrix product over all T tokens; attention runs per
+    group, over its own `StepInputs` (its slots, tree mask, positions)."""
+
+    inputs: list[StepInputs]
+    shapes: list[tuple[int, int]]  # (B, N) of each group
+
+    def split(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """[1, T, D] -> each group's [B, N, D] (views)."""
+        sizes = [b * n for b, n in self.shapes]
+        return [g.view(b, n, -1) for g, (b, n) in zip(t[0].split(sizes), self.shapes,
+                                                      strict=True)]
+
+    @staticmethod
+    def join(groups: list[torch.Tensor]) -> torch.Tensor:
+        """Each group's [B, N, D] -> [1, T, D]."""
+        return torch.cat([g.reshape(-1, g.shape[-1]) for g in groups])[None]
+
+    def attend(self, qkv: list[torch.Tensor], attend_one: Callable) -> torch.Tensor:
+        """attend_one(group's q, k, v ... [B, N, *], its StepInputs) -> [B, N, D] for every
+        group (qkv: tensors [1, T, *] split per group), joined: [1, T, D]."""
+        return self.join([attend_one(*group[:-1], group[-1]) for group in
+                          zip(*(self.split(t) for t in qkv), self.inputs, strict=True)])
+
+
 def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache: KVCache,
-                  inp: StepInputs, head_dim: int, skip_input_norm: bool = False) -> torch.Tensor:
-    """One Llama decoder layer on x [B, N, H] that writes its K/V into the cache. Where the
-    layer's projections were merged (`eagle2.tp.merge_projections`: `qkv_proj`, `gate_up_proj`)
-    q|k|v and gate|up are one matrix product each."""
+                  inp: StepInputs | Parts, head_dim: int,
+                  skip_input_norm: bool = False) -> torch.Tensor:
+    """One Llama decoder layer on x [B, N, H] (or a `Parts` forward's [1, T, H]) that writes
+    its K/V into the cache. Where the layer's projections were merged
+    (`eagle2.tp.merge_projections`: `qkv_proj`, `gate_up_proj`) q|k|v and gate|up are one
+    matrix product each."""
     attn = layer.self_attn
     h = x if skip_input_norm else layer.input_layernorm(x)
-    num_b, num_n, _ = h.shape
     merged = getattr(attn, "qkv_proj", None)
     if merged is not None:  # [B, N, (Hq + 2 KVH) Dh] -> q, k, v
         q, k, v = merged(h).split(attn.qkv_sizes, dim=-1)
     else:
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    q = q.view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, Hq, N, Dh]
-    k = k.view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, KVH, N, Dh]
-    v = v.view(num_b, num_n, -1, head_dim).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, inp.cos, inp.sin)
-    out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(num_b, num_n, -1))
+
+    def attend_one(q, k, v, inp: StepInputs) -> torch.Tensor:  # [B, N, Hq Dh]
+        num_b, num_n, _ = q.shape
+        q = q.view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, Hq, N, Dh]
+        k = k.view(num_b, num_n, -1, head_dim).transpose(1, 2)  # [B, KVH, N, Dh]
+        v = v.view(num_b, num_n, -1, head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, inp.cos, inp.sin)
+        out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
+        return out.transpose(1, 2).reshape(num_b, num_n, -1)
+
+    if isinstance(inp, Parts):
+        out = inp.attend([q, k, v], attend_one)
+    else:
+        out = attend_one(q, k, v, inp)
+    x = x + attn.o_proj(out)
     mlp, h = layer.mlp, layer.post_attention_layernorm(x)
     gate_up = getattr(mlp, "gate_up_proj", None)
     if gate_up is None:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from eagle2.attention import KVCache, StepInputs, decoder_layer, step_inputs
+from eagle2.attention import KVCache, Parts, StepInputs, decoder_layer, step_inputs
 
 if TYPE_CHECKING:
     from eagle2.target import TargetModel
@@ -33,10 +33,29 @@ class TargetOutput:
     # the residual stream at the inputs of `feature_layers` concatenated, F = 3H (EAGLE-3)
 
 
-def module_layers(target: TargetModel, x: torch.Tensor, cache: KVCache, inp: StepInputs
+class StepPart(NamedTuple):
+    """One group of new tokens of a `TargetModel.forward_parts` forward: tokens, positions
+    [B, N], tree_mask [B, N, N], slots [B], as `TargetModel.forward` takes them."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    tree_mask: torch.Tensor
+    slots: torch.Tensor
+
+
+def split_output(out: TargetOutput, parts: Parts) -> list[TargetOutput]:
+    """A `Parts` forward's output ([1, T, ...]) -> each group's ([B, N, ...])."""
+    hidden = parts.split(out.hidden)
+    if out.features is out.hidden:
+        return [TargetOutput(h, h) for h in hidden]
+    return [TargetOutput(h, f) for h, f in zip(hidden, parts.split(out.features), strict=True)]
+
+
+def module_layers(target: TargetModel, x: torch.Tensor, cache: KVCache, inp: StepInputs | Parts
                   ) -> TargetOutput:
     """The target's decoder layers (HF modules, `attention.decoder_layer`) on its embeddings x
-    [B, N, H] and the final norm, keeping the inputs of `target.feature_layers`."""
+    [B, N, H] (a `Parts` forward's [1, T, H]) and the final norm, keeping the inputs of
+    `target.feature_layers`."""
     keep = target.feature_layers or ()
     kept: dict[int, torch.Tensor] = {}
     for i in range(target.num_layers):
@@ -79,6 +98,21 @@ class Backend:
         (here SDPA over a dense mask)."""
         x = target.embed(tokens)  # [B, N, H]
         inp = self.forward_inputs(target, cache, slots, tree_mask, positions, x)
+        return self.layers(target, x, cache, inp)
+
+    def forward_parts(self, target: TargetModel, parts: list[StepPart],
+                      cache: KVCache) -> list[TargetOutput]:
+        """`TargetModel.forward_parts`: the groups' tokens as one [1, T] batch through the
+        layers' projections and MLP, each group's attention over its own inputs."""
+        xs = [target.embed(p.tokens) for p in parts]
+        inp = Parts([self.forward_inputs(target, cache, p.slots, p.tree_mask, p.positions, x)
+                     for p, x in zip(parts, xs, strict=True)],
+                    [tuple(p.tokens.shape) for p in parts])
+        return split_output(self.layers(target, inp.join(xs), cache, inp), inp)
+
+    def layers(self, target: TargetModel, x: torch.Tensor, cache: KVCache,
+               inp: StepInputs | Parts) -> TargetOutput:
+        """The layer stack and the final norm on the embeddings x (`module_layers` here)."""
         return module_layers(target, x, cache, inp)
 
     def forward_inputs(self, target: TargetModel, cache: KVCache, slots: torch.Tensor,

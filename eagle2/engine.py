@@ -48,7 +48,7 @@ from eagle2.lookup import (
 )
 from eagle2.ngram import NgramStore
 from eagle2.paging import Paging
-from eagle2.runner import TargetRunner
+from eagle2.runner import PromptChunk, TargetRunner
 from eagle2.tree import HOST, DraftTree, prune_tree, root_only, to_device, tree_from_rows
 from eagle2.verify import TokenLogprobs, Verified
 
@@ -131,6 +131,8 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     prefill_tokens: int = 0
     preemptions: int = 0
+    # steps whose verification forward also read a prompt chunk (`Engine.mix_chunks`)
+    mixed_steps: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -245,6 +247,9 @@ class Engine:
         # each step's chunk beside the running requests' step (`_prefill_chunk`)
         self.prefill_chunk = 256
         self.chunking: _Chunked | None = None
+        # the chunk rides in the running requests' verification forward (one pass over the
+        # weights for both) where the runner can (`mixed_step`); False: a forward of its own
+        self.mix_chunks = True
         self._admitted = 0  # requests admitted so far (`_Seq.order`)
         self.stats = EngineStats()
         self._costs = costs
@@ -379,7 +384,10 @@ class Engine:
                 return self._prefill()
             if how == "chunk":
                 self._start_chunking()
-        chunked = self._prefill_chunk() if self.chunking is not None else []
+        # a prompt chunk rides in this step's verification forward where it can, else it
+        # runs now in a forward of its own
+        mixed = bool(self.seqs) and self._mixes_chunk()
+        chunked = self._prefill_chunk() if self.chunking is not None and not mixed else []
         if not self.seqs:
             return chunked
         t0 = time.perf_counter()
@@ -402,16 +410,21 @@ class Engine:
         if self.paging is not None:
             tree = self._reserve(tree)
             if not self.seqs:  # all preempted beside a chunked prefill's blocks
-                return chunked
+                return chunked + (self._prefill_chunk() if mixed else [])
         t1 = time.perf_counter()
         context = self._context()
-        verified, features = self._verify(tree)
+        chunk = self._next_chunk() if mixed else None
+        verified, features, prompt = self._verify(tree, chunk)
         self._count_lookup(tree, verified)
         t2 = time.perf_counter()
-        self._observe(tree, context, drafted_s, t2 - t1)
+        if not mixed:  # (a mixed step's time is not its tree's: the cost model learns none)
+            self._observe(tree, context, drafted_s, t2 - t1)
         events = self._advance(verified, features)
+        if mixed:
+            events += self._chunk_done(*prompt)
+            self.stats.mixed_steps += 1
         t3 = time.perf_counter()
-        if auto and greedy:
+        if auto and greedy and not mixed:
             committed = sum(map(len, verified.tokens))
             self.realized.setdefault(num_b, RealizedRates()).observe(drafted, committed, t3 - t0)
             if not drafted:
@@ -909,16 +922,19 @@ class Engine:
         inverse[torch.tensor(order, device=HOST)] = torch.arange(len(order), device=HOST)
         return tree.select(inverse)
 
-    def _verify(self, tree: DraftTree) -> tuple[Verified, torch.Tensor]:
-        """One target forward over all trees and acceptance, where the logits are (the runner).
-        -> (Verified, accepted nodes' features [B, A, H])."""
+    def _verify(self, tree: DraftTree, chunk: PromptChunk | None = None):
+        """One target forward over all trees (and a prompt chunk: `LocalRunner.mixed_step`)
+        and acceptance, where the logits are (the runner). -> (Verified, accepted nodes'
+        features [B, A, H], the chunk's `prefill_step` result or None)."""
         dev = self.runner.device
         num_b = tree.batch_size
         slots = torch.arange(num_b, device=dev)
         positions = self.runner.lengths[:num_b, None] + to_device(tree.depths, dev)
         self.stats.batch_sizes.append(num_b)
-        return self.runner.verify_step(tree, positions, slots, [s.req.params for s in self.seqs],
-                                       [s.generator for s in self.seqs])
+        params, gens = [s.req.params for s in self.seqs], [s.generator for s in self.seqs]
+        if chunk is not None:
+            return self.runner.mixed_step(tree, positions, slots, params, gens, chunk)
+        return (*self.runner.verify_step(tree, positions, slots, params, gens), None)
 
     def _advance(self, verified: Verified, features: torch.Tensor) -> list[Event]:
         """Commit the accepted paths; their features [B, A, H] feed the next draft."""
@@ -1137,21 +1153,45 @@ class Engine:
         self.chunking = _Chunked(req, resumed, tokens, cached, cached, row, gen)
 
     def _prefill_chunk(self) -> list[Event]:
-        """The next chunk (at most `prefill_chunk` tokens) of the chunked prefill: a causal
-        [1, C, C] mask after the entries written so far. The last chunk's request joins the
-        running ones (the row after theirs) and gets its first token."""
+        """The next chunk of the chunked prefill in a forward of its own (`_next_chunk`,
+        `_chunk_done`)."""
         t0 = time.perf_counter()
+        chunk = self._next_chunk()
+        events = self._chunk_done(*self.runner.prefill_step(
+            chunk.tokens, chunk.positions, chunk.mask, chunk.slots, chunk.last_idx,
+            chunk.params, chunk.generators))
+        self.stats.prefill_s += time.perf_counter() - t0
+        return events
+
+    def _mixes_chunk(self) -> bool:
+        """Whether this step's prompt chunk rides in its verification forward
+        (`mix_chunks` and a runner with `mixed_step`) rather than in a forward of its own."""
+        return self.mix_chunks and self.chunking is not None and \
+            getattr(self.runner, "mixed_step", None) is not None
+
+    def _next_chunk(self) -> PromptChunk:
+        """The chunked prefill's next chunk (at most `prefill_chunk` tokens): a causal
+        [1, C, C] mask after the entries written so far, in the top row."""
+        ch, dev = self.chunking, self.runner.device
+        num = min(self.prefill_chunk, len(ch.tokens) - ch.done)
+        final = ch.done + num == len(ch.tokens) and ch.resumed is None  # a new request's
+        # last chunk samples its first token; the others' take greedy parameters
+        return PromptChunk(
+            torch.tensor([ch.tokens[ch.done:ch.done + num]], device=dev),
+            ch.done + torch.arange(num, device=dev)[None],
+            causal_mask(torch.tensor([num], device=dev), num), torch.tensor([ch.row], device=dev),
+            torch.tensor([num - 1], device=dev), [ch.req.params if final else SamplingParams()],
+            [ch.generator if final else None])
+
+    def _chunk_done(self, features: torch.Tensor, first: list[int],
+                    first_lp: list[TokenLogprobs | None] | None) -> list[Event]:
+        """The chunk's entries are written (its `prefill_step` result): the length advances;
+        with the last chunk its request joins the running ones (the row after theirs) and
+        gets its first token."""
         ch, dev = self.chunking, self.runner.device
         num = min(self.prefill_chunk, len(ch.tokens) - ch.done)
         last = ch.done + num == len(ch.tokens)
-        final = last and ch.resumed is None  # only a new request's last chunk samples
         slots = torch.tensor([ch.row], device=dev)
-        features, first, first_lp = self.runner.prefill_step(
-            torch.tensor([ch.tokens[ch.done:ch.done + num]], device=dev),
-            ch.done + torch.arange(num, device=dev)[None],
-            causal_mask(torch.tensor([num], device=dev), num), slots,
-            torch.tensor([num - 1], device=dev), [ch.req.params if final else SamplingParams()],
-            [ch.generator if final else None])
         ch.feats.append(to_device(features, dev)[0, :num])
         ch.done += num
         self.runner.set_lengths(slots, torch.tensor([ch.done], device=dev))
@@ -1170,7 +1210,6 @@ class Engine:
             events = [event] if event is not None else []
             self._drop_finished(events)
             self._rate, self._depths_used, self._sizes_used = 0.0, [], []
-        self.stats.prefill_s += time.perf_counter() - t0
         return events
 
     def _clear_row(self, row: int) -> None:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from eagle2.backend import TargetOutput
+from eagle2.backend import StepPart, TargetOutput
 from eagle2.config import SamplingParams
 from eagle2.target import TargetModel
 from eagle2.tree import DraftTree, to_device
@@ -60,6 +60,11 @@ class TargetRunner(Protocol):
         """Prompt forward. -> (features [B, S, H], the first new token of each request, its
         TokenLogprobs where the request asks (None: none asks))."""
         ...
+
+    # Optional: `mixed_step(tree, positions, slots, params, generators, chunk: PromptChunk)`,
+    # `verify_step` with a prompt chunk read in the same forward (-> its Verified, accepted
+    # features and the chunk's `prefill_step` result); the engine runs chunks in a forward of
+    # their own where a runner has none.
 
     def commit(self, slots: torch.Tensor, node_idx: torch.Tensor, kept: torch.Tensor) -> None: ...
 
@@ -224,28 +229,50 @@ class LocalRunner:
         (the cost grid times steps so: `budget.time_grid`)."""
         dev = self.device
         tree = to_device(tree, dev)  # from the engine's HOST: greedy acceptance on the device
+        out = self.target_forward(tree.tokens, positions.to(dev), tree.tree_mask, slots.to(dev))
+        return self._verified(tree, out, params, generators, logits)
+
+    def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
+        out = self.target_forward(tokens, positions, mask, slots)
+        return self._first(out, last_idx, params, generators)
+
+    def mixed_step(self, tree, positions, slots, params, generators, chunk: PromptChunk):
+        """`verify_step` and `prefill_step(chunk)` in one forward (`TargetModel.forward_parts`:
+        the projections and MLP over both groups' tokens at once, attention per group), run
+        unpadded. -> (Verified, accepted features, the chunk's `prefill_step` result)."""
+        dev = self.device
+        tree = to_device(tree, dev)
+        trees, prompt = self.target.forward_parts(
+            [StepPart(tree.tokens, positions.to(dev), tree.tree_mask, slots.to(dev)),
+             StepPart(chunk.tokens, chunk.positions, chunk.mask, chunk.slots)], self.cache)
+        verified, feats = self._verified(tree, trees, params, generators)
+        return verified, feats, self._first(prompt, chunk.last_idx, chunk.params,
+                                            chunk.generators)
+
+    def _verified(self, tree: DraftTree, out: TargetOutput, params, generators,
+                  logits: bool = False) -> tuple[Verified, torch.Tensor]:
+        """Acceptance of the trees from their forward's output (where the logits are).
+        -> (Verified, accepted features [B, A, H])."""
         if not logits and self._greedy_only(params):
-            out = self.target_forward(tree.tokens, positions.to(dev), tree.tree_mask,
-                                      slots.to(dev))
             hidden = out.hidden
             verified = verify_greedy_lazily(
                 tree, lambda rows, nodes: self.target.greedy_tokens(hidden[rows, nodes]),
                 self.greedy_first_rows)
             return verified, accepted_features(out.features, verified.nodes)
-        features, logits = self.forward(tree.tokens, positions.to(dev), tree.tree_mask,
-                                        slots.to(dev))  # [B, N, V]
+        logits = self.target.logits(out.hidden)  # [B, N, V]
         verified = with_logprobs(verify_batch(tree, logits, params, generators), logits, params)
-        return verified, accepted_features(features, verified.nodes)
+        return verified, accepted_features(out.features, verified.nodes)
 
-    def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
+    def _first(self, out: TargetOutput, last_idx, params, generators
+               ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs | None] | None]:
+        """A prompt forward's first tokens at last_idx [B] (`prefill_step`'s result)."""
+        rows = torch.arange(out.hidden.shape[0], device=out.hidden.device)
         if self._greedy_only(params):
-            out = self.target_forward(tokens, positions, mask, slots)
-            rows = torch.arange(out.hidden.shape[0], device=out.hidden.device)
             return (out.features,
                     self.target.greedy_tokens(out.hidden[rows, last_idx]).tolist(), None)
-        features, last_logits = self.forward(tokens, positions, mask, slots, last_idx)  # [B, V]
+        last_logits = self.target.logits(out.hidden[rows, last_idx])  # [B, V]
         first = first_tokens(last_logits, params, generators)
-        return features, first, first_logprobs(last_logits, first, params)
+        return out.features, first, first_logprobs(last_logits, first, params)
 
     def commit(self, slots, node_idx, kept) -> None:
         self.cache.commit(slots, node_idx, kept)
@@ -256,6 +283,20 @@ class LocalRunner:
     def set_lengths(self, slots, values) -> None:
         dev = self.cache.lengths.device
         self.cache.lengths[slots.to(dev)] = values.to(dev)
+
+
+@dataclass
+class PromptChunk:
+    """A chunk of a prompt that rides in a verification step's forward
+    (`LocalRunner.mixed_step`), with what `prefill_step` takes for it."""
+
+    tokens: torch.Tensor  # [1, C]
+    positions: torch.Tensor  # [1, C]
+    mask: torch.Tensor  # [1, C, C] causal
+    slots: torch.Tensor  # [1]
+    last_idx: torch.Tensor  # [1]: C - 1
+    params: list[SamplingParams]
+    generators: list  # [torch.Generator | None] (a tensor-parallel rank's: their states)
 
 
 @dataclass(frozen=True)

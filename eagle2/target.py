@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from eagle2.attention import KVCache, RopeTable
-from eagle2.backend import TargetOutput
+from eagle2.backend import StepPart, TargetOutput
 from eagle2.devices import backend_for, pick_device, pick_dtype
 from eagle2.machine import cache_root
 
@@ -184,6 +184,15 @@ class TargetModel:
         land at cache positions lengths[b] + i (uncommitted until `cache.commit`).
         """
         return self.backend.forward(self, tokens, positions, tree_mask, cache, slots)
+
+    @torch.inference_mode()
+    def forward_parts(self, parts: list[StepPart], cache: KVCache) -> list[TargetOutput]:
+        """One forward over several groups of new tokens (each as `forward` takes them, in
+        slots no other group uses: e.g. the running requests' trees and a prompt chunk): the
+        layers' projections and MLP run once over all the groups' tokens, attention per
+        group. -> each group's output, as its own `forward` would give it (bitwise on a
+        backend whose kernels do not depend on the rows around a token: `Backend.exact`)."""
+        return self.backend.forward_parts(self, parts, cache)
 
     @torch.inference_mode()
     def logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -124,6 +125,22 @@ class TPRank:
         if self.rank != 0:
             return None
         return to_device(feats, HOST), first, logprobs, _states(gens)
+
+    def mixed_step(self, tree, positions, slots, params, gen_states, chunk):
+        """`verify_step` with a prompt chunk in its forward (`LocalRunner.mixed_step`; the
+        chunk's generators as states). Rank 0: (Verified, accepted features, generator
+        states, the chunk's features, first tokens, TokenLogprobs, generator states)."""
+        dev = self.runner.device
+        tree, positions, slots = to_device((tree, positions, slots), dev)
+        gens, chunk_gens = _generators(gen_states), _generators(chunk.generators)
+        chunk = replace(chunk, generators=chunk_gens,
+                        **{f: to_device(getattr(chunk, f), dev) for f in CHUNK_TENSORS})
+        verified, feats, (c_feats, first, logprobs) = self.runner.mixed_step(
+            tree, positions, slots, params, gens, chunk)
+        if self.rank != 0:
+            return None
+        return (verified, to_device(feats, HOST), _states(gens), to_device(c_feats, HOST),
+                first, logprobs, _states(chunk_gens))
 
     def commit(self, slots, node_idx, kept) -> None:
         self.runner.commit(*to_device((slots, node_idx, kept), self.runner.device))
@@ -298,6 +315,19 @@ class ShardedRunner:
                                                    slots, last_idx, params, _states(sampled))[0]
         _restore(generators, states)
         return feats, first, logprobs
+
+    def mixed_step(self, tree, positions, slots, params, generators, chunk):
+        """`LocalRunner.mixed_step` on every rank: the prompt chunk in the verification's
+        forward (one message, one pass over each rank's weights)."""
+        sampled = [None if p.greedy else g for p, g in zip(params, generators, strict=True)]
+        chunk_sampled = [None if p.greedy else g
+                         for p, g in zip(chunk.params, chunk.generators, strict=True)]
+        wire = replace(chunk, generators=_states(chunk_sampled))
+        verified, feats, states, c_feats, first, logprobs, c_states = self._all(
+            "mixed_step", tree, positions, slots, params, _states(sampled), wire)[0]
+        _restore(generators, states)
+        _restore(chunk.generators, c_states)
+        return verified, feats, (c_feats, first, logprobs)
 
     # Cache updates return nothing, so they wait for the next call (the next forward) and run
     # first in it, in the order made; that call raises their errors.
@@ -511,6 +541,9 @@ def tensor_from_wire(wire: tuple) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     # a copy: the array may be a read-only view of Ray's buffer, and the rank writes in place
     return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
+
+
+CHUNK_TENSORS = ("tokens", "positions", "mask", "slots", "last_idx")  # a PromptChunk's
 
 
 def _states(generators: list) -> list:

@@ -640,7 +640,7 @@ def test_a_slow_phase_of_the_machine_spoils_no_cell():
     engine = make_engine(target, 0, max_batch=2, max_context=64)
     runner = engine.runner
     calls = [0]
-    real = runner.forward
+    real = runner.target_forward  # (what every step's forward goes through)
 
     def slow_phase(*args, **kwargs):
         calls[0] += 1
@@ -648,7 +648,7 @@ def test_a_slow_phase_of_the_machine_spoils_no_cell():
             _time.sleep(0.03)
         return real(*args, **kwargs)
 
-    runner.forward = slow_phase
+    runner.target_forward = slow_phase
     grid = time_grid(runner, (1, 2), (1, 2, 4), prefix=8, passes=4)
     assert calls[0] == 4 * (1 + 6)  # each sweep: an untimed call first (kept key blocks)
     assert max(max(row) for row in grid) < 0.03  # no cell kept a slow sample

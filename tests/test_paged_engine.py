@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts, run, tiny_target
+from test_lossless_greedy import bf16_target, needs_exact_bf16
 
 from eagle2.backend import Backend
 from eagle2.config import SamplingParams, TreeConfig
@@ -15,6 +16,7 @@ from eagle2.drafter import Drafter
 from eagle2.engine import Engine, Request
 from eagle2.head import new_head
 from eagle2.runner import LocalRunner
+from eagle2.target import TargetModel
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 TREES = {
@@ -170,18 +172,55 @@ def _late_long_prompt(engine: Engine) -> tuple[dict[str, list[int]], list[set[st
     return out, log, len(log)
 
 
+@pytest.mark.parametrize("mix", [True, False], ids=["mixed", "own-forward"])
 @pytest.mark.parametrize("num_blocks", [None, 200], ids=["slotted", "paged"])
-def test_long_prompt_is_prefilled_in_chunks_while_others_decode(num_blocks):
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode(num_blocks, mix):
+    """Chunks in the running requests' verification forward (mix) or in one of their own:
+    the outputs of a whole prefill either way."""
     target = tiny_target(vocab=48, seed=36)
     whole = paged_engine(target, num_blocks, max_context=384)
     whole.prefill_chunk = 10**6  # the prompt in one prefill step
     expected, _, steps = _late_long_prompt(whole)
     assert steps == 1
     chunked = paged_engine(target, num_blocks, max_context=384)
-    chunked.prefill_chunk = 48
+    chunked.prefill_chunk, chunked.mix_chunks = 48, mix
     got, log, steps = _late_long_prompt(chunked)
     assert got == expected
     assert steps == 5  # 200 tokens in chunks of 48
+    assert chunked.stats.mixed_steps == (5 if mix else 0)
     # every step of its prefill, each running stream got tokens
     assert all({"s0", "s1", "s2"} <= ids for ids in log)
     assert chunked.stats.prefill_tokens == whole.stats.prefill_tokens
+
+
+@needs_exact_bf16
+def test_mixed_chunks_are_bitwise_their_own_forwards_in_bf16():
+    """bf16 with the CPU's exact kernels: prompts read in the trees' forward give the running
+    requests and the chunked ones the same tokens as chunks read alone (every
+    feature bitwise), a seeded sampled newcomer (vanilla) among them. (The native operators
+    keep a slotted cache.)"""
+    target = TargetModel(bf16_target(37).hf, name="tiny-bf16-37").fuse()
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    late = {2: ("long", tuple(i % 48 for i in range(7, 207)), GREEDY, TREES["eagle2"]),
+            4: ("sampled", tuple(i % 48 for i in range(3, 140)), sampled, TREES["vanilla"]),
+            6: ("tail", tuple(i % 47 for i in range(5, 90)), GREEDY, TREES["chain"])}
+    runs = {}
+    for mix in (True, False):
+        engine = paged_engine(target, None, max_context=384)
+        engine.prefill_chunk, engine.mix_chunks = 32, mix
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(random_prompts(3, 48, seed=8)):
+            engine.add(Request(f"s{i}", tuple(p), SamplingParams(max_tokens=120,
+                                                                 ignore_eos=True),
+                               TREES["eagle2"]))
+        step = 0
+        while engine.has_work() or step <= max(late):
+            if step in late:
+                engine.add(Request(*late[step]))
+            for e in engine.step():
+                out.setdefault(e.seq_id, []).extend(e.token_ids)
+            step += 1
+        runs[mix] = (out, engine.stats.accepted, engine.stats.prefill_tokens)
+        assert len(out) == 6 and len(out["sampled"]) == 20
+        assert (engine.stats.mixed_steps >= 12) == mix  # 200 + 137 + 85 tokens by 32
+    assert runs[True] == runs[False]

@@ -272,6 +272,36 @@ def test_tp2_sampling_equals_unsharded_and_no_logits_leave_the_ranks(tiny, tiny_
     assert tiny_tp2.traffic["bytes_in"] > before.get("bytes_in", 0)
 
 
+def test_tp2_prompt_chunks_ride_in_the_verification_forward(tiny, tiny_tp2):
+    """A long prompt arriving while two requests decode is read 8 tokens a step inside their
+    verification forward on every rank (one message a step); its first token is sampled
+    (seeded) with the generator state sent with the chunk; every token equals in-process."""
+
+    def late_long_prompt(runner) -> tuple[dict[str, list[int]], int]:
+        engine = make_engine(runner, tiny[0])
+        engine.prefill_chunk = 8
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(random_prompts(2, 32, seed=11)):
+            engine.add(Request(f"s{i}", tuple(p), SamplingParams(max_tokens=24, ignore_eos=True),
+                               TINY_TREES["eagle2"]))
+        step = 0
+        while engine.has_work():
+            if step == 1:
+                engine.add(Request("long", tuple(i % 32 for i in range(5, 45)),
+                                   SamplingParams(temperature=0.9, seed=7, max_tokens=6,
+                                                  ignore_eos=True), TINY_TREES["vanilla"]))
+            for ev in engine.step():
+                out.setdefault(ev.seq_id, []).extend(ev.token_ids)
+            step += 1
+        return out, engine.stats.mixed_steps
+
+    local = LocalRunner(tiny[0], MAX_BATCH, MAX_CONTEXT + Engine.tree_margin)
+    expected, local_mixed = late_long_prompt(local)
+    got, mixed = late_long_prompt(tiny_tp2)
+    assert got == expected and len(got["long"]) == 6
+    assert mixed == local_mixed == 5  # 40 tokens in chunks of 8
+
+
 def test_tp2_with_an_eagle3_head_equals_unsharded_greedy(ray_cluster, tiny, tiny_expected):
     """The ranks return the inputs of the head's three layers as features ([.., 3H])."""
     from eagle2.eagle3 import new_eagle3_head

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eagle2.attention import KVCache, decoder_layer, step_inputs
+from eagle2.attention import KVCache, Parts, StepInputs, decoder_layer, step_inputs
 from eagle2.backend import Backend, TargetOutput
 from eagle2.cpu.attention import canonical_window, with_key_blocks
 from eagle2.cpu.fused import FusedLayer, LayerStack, can_fuse, fused_layer
@@ -149,18 +149,27 @@ class CpuBackend(Backend):
             with_key_blocks(cache, value_tiles=native.amx_ready())
         return cache
 
-    def forward(self, target: TargetModel, tokens: torch.Tensor, positions: torch.Tensor,
-                tree_mask: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> TargetOutput:
-        x = target.embed(tokens)  # [B, N, H]
-        # exact bf16 attention: the fused CPU operations' own kernel, else canonical_attention
+    def forward_inputs(self, target: TargetModel, cache: KVCache, slots: torch.Tensor,
+                       tree_mask: torch.Tensor, positions: torch.Tensor,
+                       x: torch.Tensor) -> StepInputs:
+        """Exact bf16 attention: the fused CPU operations' own kernel (no dense mask), else
+        `canonical_attention`."""
         native = self.native_attention
-        inp = step_inputs(cache, slots, tree_mask, positions, target.rope, x,
-                          exact_window=canonical_window if self.exact and native is None
-                          else None, dense_mask=native is None)
+        return step_inputs(cache, slots, tree_mask, positions, target.rope, x,
+                           exact_window=canonical_window if self.exact and native is None
+                           else None, dense_mask=native is None)
+
+    def layers(self, target: TargetModel, x: torch.Tensor, cache: KVCache,
+               inp: StepInputs | Parts) -> TargetOutput:
+        """The fused layers (the native operators' where built) and the final norm on the
+        embeddings x [B, N, H]; a `Parts` forward's [1, T, H] goes layer by layer, never
+        through the native stack, whose operator attends one group."""
+        native = self.native_attention
         keep = target.feature_layers or ()
         kept: dict[int, torch.Tensor] = {}
         num_heads, num_layers = target.local_heads(), target.num_layers  # (a shard's own)
-        stack = self.layer_stack if native is not None else None
+        stack = self.layer_stack if native is not None and isinstance(inp, StepInputs) \
+            else None
         i = 0
         while i < num_layers:
             if i in keep:

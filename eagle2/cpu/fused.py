@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle2.attention import KVCache, StepInputs, cached_attention
+from eagle2.attention import KVCache, Parts, StepInputs, cached_attention
 from eagle2.cpu.kernels import AMX, FMA, BlockedWeight, BlockPlan, PackedLinear
 
 # a bf16 CPU layer whose linears all take the FMA kernel (or all the AMX one) at this row count
@@ -192,15 +192,20 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
     CPU operations (`eagle2.cpu.native.cpu_ops()`), for a bf16 CPU target with exact attention."""
     if ops is not None:
         return _native_layer(ops, lw, layer_idx, x, cache, inp, num_q_heads)
-    num_b, num_n, _ = x.shape
     num_kv = cache.k.shape[2]
+
+    def attend_one(qkv: torch.Tensor, inp: StepInputs) -> torch.Tensor:  # -> [B, N, Hq Dh]
+        num_b, num_n, _ = qkv.shape
+        qkv = qkv.view(num_b, num_n, num_q_heads + 2 * num_kv, head_dim).transpose(1, 2)
+        qk = _rotate(qkv[:, : num_q_heads + num_kv], inp.cos[:, None], inp.sin[:, None])
+        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]  # [B, Hq, N, Dh], [B, KVH, N, Dh]
+        v = qkv[:, num_q_heads + num_kv:]
+        out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
+        return out.transpose(1, 2).reshape(num_b, num_n, -1)
+
     qkv = lw.qkv(_rms_norm(x, lw.input_norm, lw.eps))  # [B, N, (Hq + 2 KVH) Dh]
-    qkv = qkv.view(num_b, num_n, num_q_heads + 2 * num_kv, head_dim).transpose(1, 2)
-    qk = _rotate(qkv[:, : num_q_heads + num_kv], inp.cos[:, None], inp.sin[:, None])
-    q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]  # [B, Hq, N, Dh], [B, KVH, N, Dh]
-    v = qkv[:, num_q_heads + num_kv:]
-    out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
-    x = x + lw.summed(lw.o(out.transpose(1, 2).reshape(num_b, num_n, -1)))
+    out = inp.attend([qkv], attend_one) if isinstance(inp, Parts) else attend_one(qkv, inp)
+    x = x + lw.summed(lw.o(out))
     gate, up = lw.gate_up(_rms_norm(x, lw.post_norm, lw.eps)).chunk(2, dim=-1)
     return x + lw.summed(lw.down(lw.act(gate) * up))
 
@@ -220,22 +225,28 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
     """`fused_layer` with the per-row work and the exact attention in `eagle2.cpu.native` calls
     (bf16 CPU): norm -> qkv -> RoPE + K/V writes -> attention -> o -> residual add + norm ->
     MLP."""
-    assert inp.base is not None and inp.tree_mask is not None
     layer_k, layer_v, key_blocks, valid = cache.layer_views(layer_idx)
     rows = x.numel() // x.shape[-1]
     linears = lw.linears
     kernel = one_native_kernel(linears, rows)
-    if lw.silu and NATIVE_LAYER and kernel is not None and lw.reduce is None:
+    if lw.silu and NATIVE_LAYER and kernel is not None and lw.reduce is None \
+            and isinstance(inp, StepInputs):
         # the same calls in one operator (`decoder_layer`: bitwise this function's result)
+        assert inp.base is not None and inp.tree_mask is not None
         return ops.decoder_layer(
             x, lw.input_norm, lw.post_norm, lw.eps, *lw.fma_arguments, inp.cos, inp.sin,
             num_q_heads, layer_k.shape[1], layer_k, layer_v, inp.slots, inp.write_pos, inp.base,
             inp.tree_mask, layer_k.shape[-1] ** -0.5, key_blocks, valid, kernel == AMX)
+
+    def attend_one(qkv: torch.Tensor, inp: StepInputs) -> torch.Tensor:  # -> [B, N, Hq Dh]
+        assert inp.base is not None and inp.tree_mask is not None
+        q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
+                               layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
+        return ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
+                             q.shape[-1] ** -0.5, key_blocks, valid)
+
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
-    q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
-                           layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
-    out = ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
-                        q.shape[-1] ** -0.5, key_blocks, valid)  # [B, N, Hq Dh]
+    out = inp.attend([qkv], attend_one) if isinstance(inp, Parts) else attend_one(qkv, inp)
     x, h = ops.add_rms_norm(x, lw.summed(lw.o(out)), lw.post_norm, lw.eps)
     if lw.silu:
         return x + lw.summed(lw.down(ops.silu_mul(lw.gate_up(h))))
