@@ -230,7 +230,7 @@ class LocalRunner:
         dev = self.device
         tree = to_device(tree, dev)  # from the engine's HOST: greedy acceptance on the device
         out = self.target_forward(tree.tokens, positions.to(dev), tree.tree_mask, slots.to(dev))
-        return self._verified(tree, out, params, generators, logits)
+        return self.verified(tree, out, params, generators, logits)
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
         out = self.target_forward(tokens, positions, mask, slots)
@@ -245,13 +245,14 @@ class LocalRunner:
         trees, prompt = self.target.forward_parts(
             [StepPart(tree.tokens, positions.to(dev), tree.tree_mask, slots.to(dev)),
              StepPart(chunk.tokens, chunk.positions, chunk.mask, chunk.slots)], self.cache)
-        verified, feats = self._verified(tree, trees, params, generators)
+        verified, feats = self.verified(tree, trees, params, generators)
         return verified, feats, self._first(prompt, chunk.last_idx, chunk.params,
                                             chunk.generators)
 
-    def _verified(self, tree: DraftTree, out: TargetOutput, params, generators,
-                  logits: bool = False) -> tuple[Verified, torch.Tensor]:
-        """Acceptance of the trees from their forward's output (where the logits are).
+    def verified(self, tree: DraftTree, out: TargetOutput, params, generators,
+                 logits: bool = False) -> tuple[Verified, torch.Tensor]:
+        """Acceptance of the trees from their forward's output (where the logits are): what
+        every verification here goes through (`eagle2.bench.calibrate` observes it).
         -> (Verified, accepted features [B, A, H])."""
         if not logits and self._greedy_only(params):
             hidden = out.hidden

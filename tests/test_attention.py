@@ -229,3 +229,67 @@ def test_the_layer_views_of_a_cache_follow_its_tensors():
     assert bool(cache.layer_views(2)[0].eq(1).all())
     plain = KVCache.allocate(2, 1, 1, 16, 8, torch.float32, "cpu")
     assert plain.layer_views(1)[2:] == (None, None)
+
+
+# --- several groups in one forward (`TargetModel.forward_parts`) ---------------------------------
+
+def _parts_backend(kind: str):
+    """A tiny target on one backend: fp32 CPU, torch SDPA, FlexAttention (eager), or bf16 with
+    the CPU's exact kernels (fused, the native operators where built)."""
+    from eagle2.backend import Backend
+    from eagle2.flex import FlexBackend
+
+    if kind == "bf16-exact":
+        return _bf16_target(seed=41).fuse()
+    target = tiny_target(seed=40)
+    if kind != "cpu-fp32":
+        target.backend = Backend() if kind == "sdpa" else FlexBackend(compiled=False)
+    return target
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["slotted", "paged"])
+@pytest.mark.parametrize("kind", ["cpu-fp32", "sdpa", "flex", "bf16-exact"])
+def test_forward_parts_equals_each_groups_own_forward(kind, paged):
+    """Trees of two requests and a prompt chunk of a third in one forward: each group's
+    features and K/V are its own forward's (bitwise with the exact bf16 kernels)."""
+    from eagle2.backend import StepPart
+
+    if kind == "bf16-exact" and not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("needs the CPU's exact bf16 kernels")
+    target = _parts_backend(kind)
+    if paged and not target.pages:
+        pytest.skip("the native operators keep a slotted cache")
+    gen = torch.Generator().manual_seed(3)
+
+    def cache_with_history():
+        cache = (target.allocate_paged_cache(3, 40, 16, 128) if paged
+                 else target.allocate_cache(3, 128))
+        if paged:
+            order = torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist()
+            for s in range(3):
+                cache.set_blocks(s, order[8 * s:8 * s + 8])
+        for s, prompt in enumerate(([5, 9, 2, 7, 1, 3, 3, 8, 6], [4, 4, 1], list(range(30)))):
+            n = len(prompt)
+            target.forward(torch.tensor([prompt]), torch.arange(n)[None],
+                           causal_mask(torch.tensor([n]), n), cache, torch.tensor([s]))
+            cache.lengths[s] = n
+        return cache
+
+    tree = sample_tree()
+    trees = StepPart(tree.tokens.expand(2, -1), None, tree.tree_mask.expand(2, -1, -1),
+                     torch.arange(2))
+    chunk_tokens = torch.randint(0, 64, (1, 20), generator=gen)
+    chunk = StepPart(chunk_tokens, 30 + torch.arange(20)[None],
+                     causal_mask(torch.tensor([20]), 20), torch.tensor([2]))
+    alone, parts = cache_with_history(), cache_with_history()
+    trees = trees._replace(positions=alone.lengths[:2, None] + tree.depths)
+    want = [target.forward(p.tokens, p.positions, p.tree_mask, alone, p.slots)
+            for p in (trees, chunk)]
+    got = target.forward_parts([trees, chunk], parts)
+    same = torch.equal if kind == "bf16-exact" else (
+        lambda a, b: torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5) or True)
+    for w, g in zip(want, got, strict=True):
+        assert g.features.shape == w.features.shape
+        assert same(g.features, w.features)
+    for kv_a, kv_p in ((alone.k, parts.k), (alone.v, parts.v)):
+        assert same(kv_p, kv_a)

@@ -112,3 +112,18 @@ def test_blocks_from_a_memory_budget():
         num_blocks_for(target, per_token * 32, 32)
     with pytest.raises(ValueError, match="CUDA"):
         num_blocks_for(target, 0.5, 32)  # a fraction of free memory: GPUs only
+
+
+def test_paged_flex_attention_equals_slotted():
+    """FlexAttention (what CUDA targets attend with outside CUDA graphs; eager here) over the
+    gathered blocks: the slotted cache's results."""
+    from eagle2.flex import FlexBackend
+
+    target = tiny_target(seed=23)
+    target.backend = FlexBackend(compiled=False)
+    slotted, paged = _caches(target)
+    prompts = [list(range(1, 40)), [7, 3, 11]]
+    tree = sample_tree()
+    _same(_run(target, slotted, prompts, tree), _run(target, paged, prompts, tree))
+    for slot in range(2):
+        assert torch.equal(_committed(paged, slot), _committed(slotted, slot))

@@ -124,22 +124,16 @@ def run(args) -> int:
 
 
 def _observe_verification(runner, observe) -> None:
-    """Call observe(tree, logits [B, N, V]) after each verification of an in-process runner
-    (its verify_step runs its own forward, whose logits are caught on the way)."""
-    forward, verify_step = runner.forward, runner.verify_step
-    caught = {}
+    """Call observe(tree, logits [B, N, V]) at each verification of an in-process runner
+    (`LocalRunner.verified`, which every step's acceptance goes through, the logits computed
+    from its forward's output here whether or not the step needs them)."""
+    verified = runner.verified
 
-    def forward_and_catch(*args, **kwargs):
-        features, logits = forward(*args, **kwargs)
-        caught["logits"] = logits
-        return features, logits
+    def verified_and_observe(tree, out, *args, **kwargs):
+        observe(tree, runner.target.logits(out.hidden))
+        return verified(tree, out, *args, **kwargs)
 
-    def verify_and_observe(tree, *args, **kwargs):
-        out = verify_step(tree, *args, **kwargs)
-        observe(tree, caught.pop("logits"))
-        return out
-
-    runner.forward, runner.verify_step = forward_and_catch, verify_and_observe
+    runner.verified = verified_and_observe
 
 
 def fit_and_check(rec: Recorder, bins: int) -> dict:
