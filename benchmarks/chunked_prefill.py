@@ -1,7 +1,8 @@
 # ruff: noqa: I001  (eagle2 before torch: passive OpenMP waiting)
 """A long prompt arriving while streams decode, in process: its chunks read inside the running
-requests' verification forward (`Engine.mix_chunks`, one pass over the weights a step) against
+requests' verification forward (`Engine.mix_prompts`, one pass over the weights a step) against
 chunks in a forward of their own, the two alternating over several rounds in one process.
+(The streams start together in a prefill of their own either way: the engine is idle.)
 
 Each round: `--streams` MT-bench questions decode (greedy, the default tree); once every one
 has its first token, a `--long-tokens` prompt (MT-bench questions joined) arrives; reported per
@@ -54,7 +55,7 @@ def one_round(engine, short: list[list[int]], long: list[int], max_tokens: int,
     from eagle2.config import SamplingParams, TreeConfig
     from eagle2.engine import Request
 
-    engine.mix_chunks = mix
+    engine.mix_prompts = mix
     greedy = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     times: dict[str, list[tuple[float, int]]] = {}
     out: dict[str, list[int]] = {}

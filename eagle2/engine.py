@@ -48,7 +48,7 @@ from eagle2.lookup import (
 )
 from eagle2.ngram import NgramStore
 from eagle2.paging import Paging
-from eagle2.runner import PromptChunk, TargetRunner
+from eagle2.runner import PromptBatch, TargetRunner
 from eagle2.tree import HOST, DraftTree, prune_tree, root_only, to_device, tree_from_rows
 from eagle2.verify import TokenLogprobs, Verified
 
@@ -131,7 +131,8 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     prefill_tokens: int = 0
     preemptions: int = 0
-    # steps whose verification forward also read a prompt chunk (`Engine.mix_chunks`)
+    # steps whose verification forward also read prompts: newcomers', a chunk
+    # (`Engine.mix_prompts`)
     mixed_steps: int = 0
 
     @property
@@ -247,9 +248,10 @@ class Engine:
         # each step's chunk beside the running requests' step (`_prefill_chunk`)
         self.prefill_chunk = 256
         self.chunking: _Chunked | None = None
-        # the chunk rides in the running requests' verification forward (one pass over the
-        # weights for both) where the runner can (`mixed_step`); False: a forward of its own
-        self.mix_chunks = True
+        # newcomers' prompts and the chunk ride in the running requests' verification forward
+        # (one pass over the weights for all) where the runner can (`mixed_step`); False: a
+        # prefill is a step of its own, a chunk a forward of its own
+        self.mix_prompts = True
         self._admitted = 0  # requests admitted so far (`_Seq.order`)
         self.stats = EngineStats()
         self._costs = costs
@@ -377,17 +379,18 @@ class Engine:
         """Admit waiting requests (prefill) or run one draft-verify-commit step for all."""
         if self.threads is not None:
             self._follow_load()
-        if (self.waiting or self.preempted) and len(self.seqs) < self._rows() \
-                and self._admissible():
+        # newcomers and a long prompt's chunk ride in the running requests' verification
+        # forward where the runner can (`_mixing`); else a prefill is a step of its own and a
+        # chunk runs now in a forward of its own
+        mixing = bool(self.seqs) and self._mixing()
+        if self._can_admit():
             how = self._admission()
-            if how == "prefill":
+            if how == "prefill" and not mixing:
                 return self._prefill()
             if how == "chunk":
                 self._start_chunking()
-        # a prompt chunk rides in this step's verification forward where it can, else it
-        # runs now in a forward of its own
-        mixed = bool(self.seqs) and self._mixes_chunk()
-        chunked = self._prefill_chunk() if self.chunking is not None and not mixed else []
+        mixed_chunk = mixing and self.chunking is not None
+        chunked = self._prefill_chunk() if self.chunking is not None and not mixed_chunk else []
         if not self.seqs:
             return chunked
         t0 = time.perf_counter()
@@ -410,19 +413,27 @@ class Engine:
         if self.paging is not None:
             tree = self._reserve(tree)
             if not self.seqs:  # all preempted beside a chunked prefill's blocks
-                return chunked + (self._prefill_chunk() if mixed else [])
+                return chunked + (self._prefill_chunk() if mixed_chunk else [])
         t1 = time.perf_counter()
         context = self._context()
-        chunk = self._next_chunk() if mixed else None
-        verified, features, prompt = self._verify(tree, chunk)
+        # newcomers start in this forward (their blocks taken after the trees'), the chunk too
+        batch = self._admit() if mixing and self._can_admit() \
+            and self._admission() == "prefill" else []
+        prompts = ([self._prefill_inputs(batch)] if batch else []) + \
+            ([self._next_chunk()] if mixed_chunk else [])
+        verified, features, read = self._verify(tree, prompts)
         self._count_lookup(tree, verified)
         t2 = time.perf_counter()
-        if not mixed:  # (a mixed step's time is not its tree's: the cost model learns none)
+        mixed = bool(prompts)
+        if not mixed:  # (a mixed step's time is not its trees': the cost model learns none)
             self._observe(tree, context, drafted_s, t2 - t1)
-        events = self._advance(verified, features)
-        if mixed:
-            events += self._chunk_done(*prompt)
-            self.stats.mixed_steps += 1
+        events = self._advance(verified, features, drop=False)
+        if batch:  # the newcomers' rows follow the running ones
+            events += self._prefill_done(batch, prompts[0], read[0])
+        if mixed_chunk:
+            events += self._chunk_done(*read[-1])
+        self._drop_finished(events)
+        self.stats.mixed_steps += mixed
         t3 = time.perf_counter()
         if auto and greedy and not mixed:
             committed = sum(map(len, verified.tokens))
@@ -922,22 +933,24 @@ class Engine:
         inverse[torch.tensor(order, device=HOST)] = torch.arange(len(order), device=HOST)
         return tree.select(inverse)
 
-    def _verify(self, tree: DraftTree, chunk: PromptChunk | None = None):
-        """One target forward over all trees (and a prompt chunk: `LocalRunner.mixed_step`)
-        and acceptance, where the logits are (the runner). -> (Verified, accepted nodes'
-        features [B, A, H], the chunk's `prefill_step` result or None)."""
+    def _verify(self, tree: DraftTree, prompts: list[PromptBatch]):
+        """One target forward over all trees (and prompts: `LocalRunner.mixed_step`) and
+        acceptance, where the logits are (the runner). -> (Verified, accepted nodes' features
+        [B, A, H], each prompt batch's `prefill_step` result)."""
         dev = self.runner.device
         num_b = tree.batch_size
         slots = torch.arange(num_b, device=dev)
         positions = self.runner.lengths[:num_b, None] + to_device(tree.depths, dev)
         self.stats.batch_sizes.append(num_b)
         params, gens = [s.req.params for s in self.seqs], [s.generator for s in self.seqs]
-        if chunk is not None:
-            return self.runner.mixed_step(tree, positions, slots, params, gens, chunk)
-        return (*self.runner.verify_step(tree, positions, slots, params, gens), None)
+        if prompts:
+            return self.runner.mixed_step(tree, positions, slots, params, gens, prompts)
+        return (*self.runner.verify_step(tree, positions, slots, params, gens), [])
 
-    def _advance(self, verified: Verified, features: torch.Tensor) -> list[Event]:
-        """Commit the accepted paths; their features [B, A, H] feed the next draft."""
+    def _advance(self, verified: Verified, features: torch.Tensor,
+                 drop: bool = True) -> list[Event]:
+        """Commit the accepted paths; their features [B, A, H] feed the next draft. drop:
+        finished requests leave their rows now (else the caller drops them)."""
         dev = self.runner.device
         features = to_device(features, dev)  # from the runner (rank 0's copy: the driver's)
         width = max(len(n) for n in verified.nodes)
@@ -981,7 +994,8 @@ class Engine:
             for s, length in zip(self.seqs, self.runner.lengths[: len(self.seqs)].tolist(),
                                  strict=True):
                 self.paging.commit(s.req.seq_id, length, s.tokens)
-        self._drop_finished(events)
+        if drop:
+            self._drop_finished(events)
         return events
 
     def _emit(self, s: _Seq, new_tokens: list[int],
@@ -1156,27 +1170,36 @@ class Engine:
         """The next chunk of the chunked prefill in a forward of its own (`_next_chunk`,
         `_chunk_done`)."""
         t0 = time.perf_counter()
-        chunk = self._next_chunk()
-        events = self._chunk_done(*self.runner.prefill_step(
-            chunk.tokens, chunk.positions, chunk.mask, chunk.slots, chunk.last_idx,
-            chunk.params, chunk.generators))
+        events = self._chunk_done(*self._read(self._next_chunk()))
+        self._drop_finished(events)
         self.stats.prefill_s += time.perf_counter() - t0
         return events
 
-    def _mixes_chunk(self) -> bool:
-        """Whether this step's prompt chunk rides in its verification forward
-        (`mix_chunks` and a runner with `mixed_step`) rather than in a forward of its own."""
-        return self.mix_chunks and self.chunking is not None and \
-            getattr(self.runner, "mixed_step", None) is not None
+    def _read(self, prompts: PromptBatch):
+        """A prompt batch's forward of its own (`TargetRunner.prefill_step`)."""
+        return self.runner.prefill_step(prompts.tokens, prompts.positions, prompts.mask,
+                                        prompts.slots, prompts.last_idx, prompts.params,
+                                        prompts.generators)
 
-    def _next_chunk(self) -> PromptChunk:
+    def _mixing(self) -> bool:
+        """Whether prompts (newcomers, a chunk) ride in the running requests' verification
+        forward (`mix_prompts` and a runner with `mixed_step`) rather than in a forward of
+        their own."""
+        return self.mix_prompts and getattr(self.runner, "mixed_step", None) is not None
+
+    def _can_admit(self) -> bool:
+        """Whether a candidate waits, a row is free for it and it fits (`_admissible`)."""
+        return bool(self.waiting or self.preempted) and len(self.seqs) < self._rows() \
+            and self._admissible()
+
+    def _next_chunk(self) -> PromptBatch:
         """The chunked prefill's next chunk (at most `prefill_chunk` tokens): a causal
         [1, C, C] mask after the entries written so far, in the top row."""
         ch, dev = self.chunking, self.runner.device
         num = min(self.prefill_chunk, len(ch.tokens) - ch.done)
         final = ch.done + num == len(ch.tokens) and ch.resumed is None  # a new request's
         # last chunk samples its first token; the others' take greedy parameters
-        return PromptChunk(
+        return PromptBatch(
             torch.tensor([ch.tokens[ch.done:ch.done + num]], device=dev),
             ch.done + torch.arange(num, device=dev)[None],
             causal_mask(torch.tensor([num], device=dev), num), torch.tensor([ch.row], device=dev),
@@ -1187,7 +1210,7 @@ class Engine:
                     first_lp: list[TokenLogprobs | None] | None) -> list[Event]:
         """The chunk's entries are written (its `prefill_step` result): the length advances;
         with the last chunk its request joins the running ones (the row after theirs) and
-        gets its first token."""
+        gets its first token (the caller drops it if that ends it)."""
         ch, dev = self.chunking, self.runner.device
         num = min(self.prefill_chunk, len(ch.tokens) - ch.done)
         last = ch.done + num == len(ch.tokens)
@@ -1208,7 +1231,6 @@ class Engine:
             event = self._start(ch.req, ch.resumed, ch.tokens, ch.start, torch.cat(ch.feats),
                                 first[0], ch.generator, first_lp[0] if first_lp else None)
             events = [event] if event is not None else []
-            self._drop_finished(events)
             self._rate, self._depths_used, self._sizes_used = 0.0, [], []
         return events
 
@@ -1241,10 +1263,30 @@ class Engine:
     # ----- prefill ----------------------------------------------------------------------------
     def _prefill(self) -> list[Event]:
         """Admitted requests' tokens past their cached prefixes, right-padded into one
-        causal batch; new requests get their first token, resumed ones continue."""
+        causal batch, in a step of its own; new requests get their first token, resumed ones
+        continue."""
         t0 = time.perf_counter()
         idle = not self.seqs
         batch = self._admit()
+        prompts = self._prefill_inputs(batch)
+        events = self._prefill_done(batch, prompts, self._read(prompts))
+        self._drop_finished(events)
+        # the gates go with the batch they learnt at when the engine was idle and a newcomer
+        # samples, so a seeded request that runs alone samples the same whatever ran before it
+        # (its trees, so its sample, depend on them). Greedy newcomers keep them: a gate that
+        # learnt speculation does not pay at a batch size would otherwise probe every new
+        # batch of requests (at batch 2 on an AVX2 CPU ~1-2% of their decoding)
+        if idle and not all(r.params.greedy for r, _, _, _ in batch):
+            self.gates.clear()
+            self._last_gate = None
+        self.stats.prefill_s += time.perf_counter() - t0
+        return events
+
+    def _prefill_inputs(self, batch: list[tuple[Request, _Seq | None, list[int], int]]
+                        ) -> PromptBatch:
+        """The admitted requests' (`_admit`) tokens past their cached prefixes, right-padded
+        into one causal batch in the rows after the running ones (their lengths set to the
+        cached prefixes)."""
         dev = self.runner.device
         cached = torch.tensor([c for _, _, _, c in batch], device=dev)
         lengths = torch.tensor([len(t) - c for _, _, t, c in batch], device=dev)  # computed
@@ -1255,38 +1297,35 @@ class Engine:
         first = len(self.seqs)
         slots = torch.arange(first, first + len(batch), device=dev)
         self.runner.set_lengths(slots, cached)
-        positions = cached[:, None] + torch.arange(width, device=dev)
         # a resumed request's next token is known: greedy params take no sample from its
         # generator (its output continues as it would have)
-        params = [SamplingParams() if s is not None else r.params for r, s, _, _ in batch]
-        gens = [None if s is not None else _generator(r.params) for r, s, _, _ in batch]
-        features, first, first_lp = self.runner.prefill_step(
-            tokens, positions, causal_mask(lengths, width), slots, lengths - 1, params,
-            gens)  # features [B, S, H]
-        features = to_device(features, dev)
-        self.runner.set_lengths(slots, cached + lengths)
+        return PromptBatch(
+            tokens, cached[:, None] + torch.arange(width, device=dev),
+            causal_mask(lengths, width), slots, lengths - 1,
+            [SamplingParams() if s is not None else r.params for r, s, _, _ in batch],
+            [None if s is not None else _generator(r.params) for r, s, _, _ in batch])
+
+    def _prefill_done(self, batch: list[tuple[Request, _Seq | None, list[int], int]],
+                      prompts: PromptBatch, read) -> list[Event]:
+        """The admitted requests' prompts are written (`read`: their `prefill_step` result):
+        they join the running ones (the caller drops those it ends); new ones get their first
+        token."""
+        features, first, first_lp = read
+        features = to_device(features, self.runner.device)
+        lengths = prompts.last_idx + 1
+        self.runner.set_lengths(prompts.slots, prompts.positions[:, 0] + lengths)
         self.stats.prefill_tokens += int(lengths.sum())
         if self.paging is not None:  # the prompts' full blocks are shareable from now on
             for r, _, toks, _ in batch:
                 self.paging.commit(r.seq_id, len(toks), lambda toks=toks: toks)
         events = []
         for b, ((r, resumed, toks, c), tok) in enumerate(zip(batch, first, strict=True)):
-            event = self._start(r, resumed, toks, c, features[b, :len(toks) - c], tok, gens[b],
-                                first_lp[b] if first_lp else None)
+            event = self._start(r, resumed, toks, c, features[b, :len(toks) - c], tok,
+                                prompts.generators[b], first_lp[b] if first_lp else None)
             if event is not None:
                 events.append(event)
-        self._drop_finished(events)
         # what earlier steps learnt goes with the batch they ran: the rate, depths and sizes
-        # always; the gates too when the engine was idle and a newcomer samples, so a seeded
-        # request that runs alone samples the same whatever ran before it (its trees, so its
-        # sample, depend on them). Greedy newcomers keep them: a gate that learnt speculation
-        # does not pay at a batch size would otherwise probe every new batch of requests
-        # (at batch 2 on an AVX2 CPU ~1-2% of their decoding)
         self._rate, self._depths_used, self._sizes_used = 0.0, [], []
-        if idle and not all(r.params.greedy for r, _, _, _ in batch):
-            self.gates.clear()
-            self._last_gate = None
-        self.stats.prefill_s += time.perf_counter() - t0
         return events
 
 

@@ -61,10 +61,10 @@ class TargetRunner(Protocol):
         TokenLogprobs where the request asks (None: none asks))."""
         ...
 
-    # Optional: `mixed_step(tree, positions, slots, params, generators, chunk: PromptChunk)`,
-    # `verify_step` with a prompt chunk read in the same forward (-> its Verified, accepted
-    # features and the chunk's `prefill_step` result); the engine runs chunks in a forward of
-    # their own where a runner has none.
+    # Optional: `mixed_step(tree, positions, slots, params, generators, prompts:
+    # list[PromptBatch])`, `verify_step` with prompt batches read in the same forward (-> its
+    # Verified, accepted features and each batch's `prefill_step` result); the engine reads
+    # prompts in forwards of their own where a runner has none.
 
     def commit(self, slots: torch.Tensor, node_idx: torch.Tensor, kept: torch.Tensor) -> None: ...
 
@@ -236,18 +236,20 @@ class LocalRunner:
         out = self.target_forward(tokens, positions, mask, slots)
         return self._first(out, last_idx, params, generators)
 
-    def mixed_step(self, tree, positions, slots, params, generators, chunk: PromptChunk):
-        """`verify_step` and `prefill_step(chunk)` in one forward (`TargetModel.forward_parts`:
-        the projections and MLP over both groups' tokens at once, attention per group), run
-        unpadded. -> (Verified, accepted features, the chunk's `prefill_step` result)."""
+    def mixed_step(self, tree, positions, slots, params, generators,
+                   prompts: list[PromptBatch]):
+        """`verify_step` and a `prefill_step` for each prompt batch in one forward
+        (`TargetModel.forward_parts`: the projections and MLP over every group's tokens at
+        once, attention per group), run unpadded. -> (Verified, accepted features, each
+        batch's `prefill_step` result)."""
         dev = self.device
         tree = to_device(tree, dev)
-        trees, prompt = self.target.forward_parts(
-            [StepPart(tree.tokens, positions.to(dev), tree.tree_mask, slots.to(dev)),
-             StepPart(chunk.tokens, chunk.positions, chunk.mask, chunk.slots)], self.cache)
+        trees, *read = self.target.forward_parts(
+            [StepPart(tree.tokens, positions.to(dev), tree.tree_mask, slots.to(dev))]
+            + [StepPart(p.tokens, p.positions, p.mask, p.slots) for p in prompts], self.cache)
         verified, feats = self.verified(tree, trees, params, generators)
-        return verified, feats, self._first(prompt, chunk.last_idx, chunk.params,
-                                            chunk.generators)
+        return verified, feats, [self._first(out, p.last_idx, p.params, p.generators)
+                                 for out, p in zip(read, prompts, strict=True)]
 
     def verified(self, tree: DraftTree, out: TargetOutput, params, generators,
                  logits: bool = False) -> tuple[Verified, torch.Tensor]:
@@ -287,15 +289,16 @@ class LocalRunner:
 
 
 @dataclass
-class PromptChunk:
-    """A chunk of a prompt that rides in a verification step's forward
-    (`LocalRunner.mixed_step`), with what `prefill_step` takes for it."""
+class PromptBatch:
+    """Prompts (newcomers' right-padded, or a long one's chunk) read after their rows'
+    committed entries, as `prefill_step` takes them: in a forward of their own, or in a
+    verification step's (`LocalRunner.mixed_step`)."""
 
-    tokens: torch.Tensor  # [1, C]
-    positions: torch.Tensor  # [1, C]
-    mask: torch.Tensor  # [1, C, C] causal
-    slots: torch.Tensor  # [1]
-    last_idx: torch.Tensor  # [1]: C - 1
+    tokens: torch.Tensor  # [B, W]
+    positions: torch.Tensor  # [B, W]
+    mask: torch.Tensor  # [B, W, W] causal
+    slots: torch.Tensor  # [B]
+    last_idx: torch.Tensor  # [B]: each prompt's last token
     params: list[SamplingParams]
     generators: list  # [torch.Generator | None] (a tensor-parallel rank's: their states)
 

@@ -126,21 +126,23 @@ class TPRank:
             return None
         return to_device(feats, HOST), first, logprobs, _states(gens)
 
-    def mixed_step(self, tree, positions, slots, params, gen_states, chunk):
-        """`verify_step` with a prompt chunk in its forward (`LocalRunner.mixed_step`; the
-        chunk's generators as states). Rank 0: (Verified, accepted features, generator
-        states, the chunk's features, first tokens, TokenLogprobs, generator states)."""
+    def mixed_step(self, tree, positions, slots, params, gen_states, prompts):
+        """`verify_step` with prompt batches in its forward (`LocalRunner.mixed_step`; their
+        generators as states). Rank 0: (Verified, accepted features, generator states, and
+        per batch its features, first tokens, TokenLogprobs and generator states)."""
         dev = self.runner.device
         tree, positions, slots = to_device((tree, positions, slots), dev)
-        gens, chunk_gens = _generators(gen_states), _generators(chunk.generators)
-        chunk = replace(chunk, generators=chunk_gens,
-                        **{f: to_device(getattr(chunk, f), dev) for f in CHUNK_TENSORS})
-        verified, feats, (c_feats, first, logprobs) = self.runner.mixed_step(
-            tree, positions, slots, params, gens, chunk)
+        gens = _generators(gen_states)
+        prompts = [replace(p, generators=_generators(p.generators),
+                           **{f: to_device(getattr(p, f), dev) for f in PROMPT_TENSORS})
+                   for p in prompts]
+        verified, feats, read = self.runner.mixed_step(tree, positions, slots, params, gens,
+                                                       prompts)
         if self.rank != 0:
             return None
-        return (verified, to_device(feats, HOST), _states(gens), to_device(c_feats, HOST),
-                first, logprobs, _states(chunk_gens))
+        return verified, to_device(feats, HOST), _states(gens), [
+            (to_device(f, HOST), first, logprobs, _states(p.generators))
+            for (f, first, logprobs), p in zip(read, prompts, strict=True)]
 
     def commit(self, slots, node_idx, kept) -> None:
         self.runner.commit(*to_device((slots, node_idx, kept), self.runner.device))
@@ -303,31 +305,30 @@ class ShardedRunner:
         return self._all("forward", tokens, positions, tree_mask, slots, logit_index)[0]
 
     def verify_step(self, tree, positions, slots, params, generators, logits=False):
-        sampled = [None if p.greedy else g for p, g in zip(params, generators, strict=True)]
         verified, feats, states = self._all("verify_step", tree, positions, slots, params,
-                                            _states(sampled), logits)[0]
+                                            _states(_sampled(params, generators)), logits)[0]
         _restore(generators, states)
         return verified, feats
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
-        sampled = [None if p.greedy else g for p, g in zip(params, generators, strict=True)]
         feats, first, logprobs, states = self._all("prefill_step", tokens, positions, mask,
-                                                   slots, last_idx, params, _states(sampled))[0]
+                                                   slots, last_idx, params,
+                                                   _states(_sampled(params, generators)))[0]
         _restore(generators, states)
         return feats, first, logprobs
 
-    def mixed_step(self, tree, positions, slots, params, generators, chunk):
-        """`LocalRunner.mixed_step` on every rank: the prompt chunk in the verification's
+    def mixed_step(self, tree, positions, slots, params, generators, prompts):
+        """`LocalRunner.mixed_step` on every rank: the prompt batches in the verification's
         forward (one message, one pass over each rank's weights)."""
-        sampled = [None if p.greedy else g for p, g in zip(params, generators, strict=True)]
-        chunk_sampled = [None if p.greedy else g
-                         for p, g in zip(chunk.params, chunk.generators, strict=True)]
-        wire = replace(chunk, generators=_states(chunk_sampled))
-        verified, feats, states, c_feats, first, logprobs, c_states = self._all(
-            "mixed_step", tree, positions, slots, params, _states(sampled), wire)[0]
+        wire = [replace(p, generators=_states(_sampled(p.params, p.generators)))
+                for p in prompts]
+        verified, feats, states, read = self._all(
+            "mixed_step", tree, positions, slots, params,
+            _states(_sampled(params, generators)), wire)[0]
         _restore(generators, states)
-        _restore(chunk.generators, c_states)
-        return verified, feats, (c_feats, first, logprobs)
+        for p, (*_, p_states) in zip(prompts, read, strict=True):
+            _restore(p.generators, p_states)
+        return verified, feats, [r[:3] for r in read]
 
     # Cache updates return nothing, so they wait for the next call (the next forward) and run
     # first in it, in the order made; that call raises their errors.
@@ -543,7 +544,12 @@ def tensor_from_wire(wire: tuple) -> torch.Tensor:
     return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
 
 
-CHUNK_TENSORS = ("tokens", "positions", "mask", "slots", "last_idx")  # a PromptChunk's
+PROMPT_TENSORS = ("tokens", "positions", "mask", "slots", "last_idx")  # a PromptBatch's
+
+
+def _sampled(params: list, generators: list) -> list:
+    """The generators of the sampled rows (None for greedy ones: nothing to carry)."""
+    return [None if p.greedy else g for p, g in zip(params, generators, strict=True)]
 
 
 def _states(generators: list) -> list:

@@ -414,6 +414,7 @@ def test_engine_with_padded_steps_equals_plain_decoding(torch_heads):
     assert run(engine, prompts, GREEDY, TreeConfig("vanilla")) == vanilla
     assert engine.runner.counts["padded"] > 0 and engine.runner.counts["eager"] == 0
     small = Buckets(batch=(1, 2), nodes=(1, 2, 4, 8, 16), min_keys=32)
+    padded_small = mixed = 0
     for name, tree in TREES.items():
         unpadded = run(make_engine(target, LocalRunner), prompts, GREEDY, tree)
         assert unpadded == vanilla, name
@@ -421,10 +422,14 @@ def test_engine_with_padded_steps_equals_plain_decoding(torch_heads):
             engine = make_engine(target, GraphedRunner, buckets=buckets, levels=levels)
             assert run(engine, prompts, GREEDY, tree) == vanilla, (name, buckets, levels)
             counts = engine.runner.counts
-            assert counts["padded"] > 0
+            mixed += engine.stats.mixed_steps  # newcomers read in a tree step: unpadded
             if buckets is small:  # batch 3, prompts of 17+ tokens, 26-node trees: eager
                 assert counts["eager"] > 0
                 assert engine.drafter.levels.counts["padded"] > 0
+                padded_small += counts["padded"]
+            else:
+                assert counts["padded"] > 0
+    assert padded_small > 0 and mixed > 0
 
 
 def test_padded_levels_draft_the_unpadded_trees(torch_heads):

@@ -183,7 +183,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(num_blocks, mix)
     expected, _, steps = _late_long_prompt(whole)
     assert steps == 1
     chunked = paged_engine(target, num_blocks, max_context=384)
-    chunked.prefill_chunk, chunked.mix_chunks = 48, mix
+    chunked.prefill_chunk, chunked.mix_prompts = 48, mix
     got, log, steps = _late_long_prompt(chunked)
     assert got == expected
     assert steps == 5  # 200 tokens in chunks of 48
@@ -207,7 +207,7 @@ def test_mixed_chunks_are_bitwise_their_own_forwards_in_bf16():
     runs = {}
     for mix in (True, False):
         engine = paged_engine(target, None, max_context=384)
-        engine.prefill_chunk, engine.mix_chunks = 32, mix
+        engine.prefill_chunk, engine.mix_prompts = 32, mix
         out: dict[str, list[int]] = {}
         for i, p in enumerate(random_prompts(3, 48, seed=8)):
             engine.add(Request(f"s{i}", tuple(p), SamplingParams(max_tokens=120,
@@ -223,4 +223,46 @@ def test_mixed_chunks_are_bitwise_their_own_forwards_in_bf16():
         runs[mix] = (out, engine.stats.accepted, engine.stats.prefill_tokens)
         assert len(out) == 6 and len(out["sampled"]) == 20
         assert (engine.stats.mixed_steps >= 12) == mix  # 200 + 137 + 85 tokens by 32
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("num_blocks", [None, 400, 18], ids=["slotted", "paged", "preempting"])
+def test_newcomers_are_read_in_the_running_requests_forward(num_blocks):
+    """Requests arriving while others decode are prefilled inside their verification forward:
+    no step leaves a running request without tokens (with `mix_prompts` off, each arrival
+    takes a prefill step of its own in which nobody decodes), and every output, a seeded
+    sampled newcomer's included, is the one of prefill steps of their own (with a pool too
+    small for all: preemptions, and resumed requests recomputed in tree steps too)."""
+    target = tiny_target(vocab=48, seed=38)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True)
+    prompts = random_prompts(7, 48, seed=12, lo=5, hi=30)
+    runs = {}
+    for mix in (True, False):
+        engine = paged_engine(target, num_blocks, max_context=128)
+        engine.mix_prompts = mix
+        out: dict[str, list[int]] = {}
+        stalls = 0
+        for step in range(400):
+            if step < 7:  # one arrival a step
+                params = sampled if step == 3 else SamplingParams(max_tokens=70,
+                                                                  ignore_eos=True)
+                tree = TREES["vanilla"] if step == 3 else TREES["eagle2"]
+                engine.add(Request(f"r{step}", tuple(prompts[step]), params, tree))
+            running = {s.req.seq_id for s in engine.seqs}
+            events = engine.step()
+            stalls += bool(running - {e.seq_id for e in events if e.token_ids})
+            for e in events:
+                out.setdefault(e.seq_id, []).extend(e.token_ids)
+            if not engine.has_work():
+                break
+        runs[mix] = out
+        assert len(out) == 7 and len(out["r3"]) == 30
+        if mix:
+            assert engine.stats.mixed_steps > 0
+            if num_blocks != 18:  # (a preemption's resume may find no free row to mix into)
+                assert stalls == 0
+        else:
+            assert stalls > 0 and engine.stats.mixed_steps == 0
+        if num_blocks == 18:
+            assert engine.stats.preemptions > 0
     assert runs[True] == runs[False]

@@ -272,16 +272,17 @@ def test_tp2_sampling_equals_unsharded_and_no_logits_leave_the_ranks(tiny, tiny_
     assert tiny_tp2.traffic["bytes_in"] > before.get("bytes_in", 0)
 
 
-def test_tp2_prompt_chunks_ride_in_the_verification_forward(tiny, tiny_tp2):
-    """A long prompt arriving while two requests decode is read 8 tokens a step inside their
-    verification forward on every rank (one message a step); its first token is sampled
-    (seeded) with the generator state sent with the chunk; every token equals in-process."""
+def test_tp2_prompts_ride_in_the_verification_forward(tiny, tiny_tp2):
+    """A long prompt arriving while a request decodes is read 8 tokens a step inside its
+    verification forward on every rank (one message a step), and a short one arriving next is
+    prefilled in the same forwards (three groups); their first tokens are sampled (seeded)
+    with the generator states sent with them; every token equals in-process."""
 
     def late_long_prompt(runner) -> tuple[dict[str, list[int]], int]:
         engine = make_engine(runner, tiny[0])
         engine.prefill_chunk = 8
         out: dict[str, list[int]] = {}
-        for i, p in enumerate(random_prompts(2, 32, seed=11)):
+        for i, p in enumerate(random_prompts(1, 32, seed=11)):  # (rows: it, short, chunk)
             engine.add(Request(f"s{i}", tuple(p), SamplingParams(max_tokens=24, ignore_eos=True),
                                TINY_TREES["eagle2"]))
         step = 0
@@ -289,6 +290,10 @@ def test_tp2_prompt_chunks_ride_in_the_verification_forward(tiny, tiny_tp2):
             if step == 1:
                 engine.add(Request("long", tuple(i % 32 for i in range(5, 45)),
                                    SamplingParams(temperature=0.9, seed=7, max_tokens=6,
+                                                  ignore_eos=True), TINY_TREES["vanilla"]))
+            if step == 2:
+                engine.add(Request("short", (3, 1, 4, 1, 5),
+                                   SamplingParams(temperature=0.9, seed=8, max_tokens=4,
                                                   ignore_eos=True), TINY_TREES["vanilla"]))
             for ev in engine.step():
                 out.setdefault(ev.seq_id, []).extend(ev.token_ids)
@@ -298,8 +303,8 @@ def test_tp2_prompt_chunks_ride_in_the_verification_forward(tiny, tiny_tp2):
     local = LocalRunner(tiny[0], MAX_BATCH, MAX_CONTEXT + Engine.tree_margin)
     expected, local_mixed = late_long_prompt(local)
     got, mixed = late_long_prompt(tiny_tp2)
-    assert got == expected and len(got["long"]) == 6
-    assert mixed == local_mixed == 5  # 40 tokens in chunks of 8
+    assert got == expected and len(got["long"]) == 6 and len(got["short"]) == 4
+    assert mixed == local_mixed == 5  # 40 tokens in chunks of 8, the short one beside one
 
 
 def test_tp2_with_an_eagle3_head_equals_unsharded_greedy(ray_cluster, tiny, tiny_expected):
