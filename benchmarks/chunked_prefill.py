@@ -1,19 +1,23 @@
 # ruff: noqa: I001  (eagle2 before torch: passive OpenMP waiting)
-"""A long prompt arriving while streams decode, in process: its chunks read inside the running
-requests' verification forward (`Engine.mix_prompts`, one pass over the weights a step) against
-chunks in a forward of their own, the two alternating over several rounds in one process.
-(The streams start together in a prefill of their own either way: the engine is idle.)
+"""Prompts read inside the running requests' verification forward (`Engine.mix_prompts`: one
+pass over the weights a step) against prompts read in forwards of their own, in process, the
+two alternating over several rounds in one process. Two scenarios:
 
-Each round: `--streams` MT-bench questions decode (greedy, the default tree); once every one
-has its first token, a `--long-tokens` prompt (MT-bench questions joined) arrives; reported per
-variant: its time to first token, the streams' output tokens/s while it is read (from its
-arrival to its first token), their step-to-step gaps in that window (median, p99) against
-their median gap over the whole round, the engine's steps and mixed steps.
+- long: `--streams` MT-bench questions decode (greedy, the default tree; they start together,
+  in a prefill of their own either way: the engine is idle); once every one has its first
+  token, a `--long-tokens` prompt (MT-bench questions joined) arrives and is read in chunks of
+  `--prefill-chunk`. Reported: its time to first token, the streams' output tokens/s while it
+  is read (from its arrival to its first token), their step-to-step gaps in that window
+  (median, p99) against their median gap over the whole round, steps and mixed steps.
+- arrivals: a closed loop of `--concurrency` chat requests in flight over `--num-prompts`
+  MT-bench prompts (a new one arrives as one finishes, as `eagle2 bench-service`'s in-process
+  side; each asks for 0.5 .. 1.5 x `--arrival-tokens`, so they end apart): output tokens/s,
+  TTFT, TPOT and ITL (mean, median, p99), mixed steps.
 
     .venv/bin/python benchmarks/chunked_prefill.py --out benchmarks/results/chunked-prefill.json
 
-Prints and writes JSON (ratios mixed / own-forward); asserts nothing. Outputs of the two
-variants are compared (greedy: they must be equal).
+Prints and writes JSON (ratios mixed / own forward); asserts nothing. Greedy outputs of the two
+variants are compared (they must be equal).
 """
 
 from __future__ import annotations
@@ -101,49 +105,137 @@ def one_round(engine, short: list[list[int]], long: list[int], max_tokens: int,
             "outputs": [out[k] for k in sorted(out)]}
 
 
+def arrivals_round(llm, prompt_ids: list[list[int]], conc: int, max_tokens: int,
+                   mix: bool) -> dict:
+    """A closed loop of `conc` requests in flight (`services.bench_service.inprocess_level`'s,
+    each request asking for max_tokens x 0.5 .. 1.5 tokens by its index, so they end apart
+    and newcomers arrive while others decode), with or without mixing."""
+    from eagle2.config import SamplingParams
+    from services.bench_service import serving_metrics
+
+    engine = llm.engine
+    engine.mix_prompts = mix
+    before = engine.stats.mixed_steps, engine.stats.steps
+    todo = list(enumerate(prompt_ids))
+    recs: dict[str, dict] = {}
+    t_start = time.perf_counter()
+    while todo or engine.has_work():
+        while todo and len(engine.seqs) + len(engine.waiting) < conc:
+            i, ids = todo.pop(0)
+            n = max(1, max_tokens * (8 + (i * 5) % 17) // 16)  # 0.5 .. 1.5 x max_tokens
+            sid = f"arrival-{mix}-{len(recs)}"
+            engine.add(llm.request(ids, SamplingParams(max_tokens=n, ignore_eos=True),
+                                   llm.tree, sid))
+            recs[sid] = {"prompt": i, "token_ids": [], "ttft_s": None, "itl_s": [],
+                         "latency_s": None, "error": None, "t0": time.perf_counter()}
+        events = engine.step()
+        now = time.perf_counter()
+        for ev in events:
+            r = recs[ev.seq_id]
+            if ev.token_ids:
+                if r["ttft_s"] is None:
+                    r["ttft_s"] = now - r["t0"]
+                else:
+                    r["itl_s"].append(now - r["last"])
+                r["last"] = now
+                r["token_ids"].extend(ev.token_ids)
+            if ev.finished:
+                r["latency_s"] = r["last"] - r["t0"]
+    wall = time.perf_counter() - t_start
+    recs_sorted = sorted(recs.values(), key=lambda r: r["prompt"])
+    m = serving_metrics(recs_sorted, wall)
+    return {"mix": mix, "output_tokens_per_s": m["output_tokens_per_s"],
+            "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"], "itl_ms": m["itl_ms"],
+            "steps": engine.stats.steps - before[1],
+            "mixed_steps": engine.stats.mixed_steps - before[0],
+            "outputs": [r["token_ids"] for r in recs_sorted]}
+
+
+def summarize(rows: list[dict], keys: dict[str, tuple[str, ...]]) -> dict:
+    """Medians over the rounds of each variant; key -> path into a row ("ttft_ms.p99")."""
+    def get(row, path):
+        for part in path.split("."):
+            row = row[part]
+        return row
+
+    out = {}
+    for mix in (True, False):
+        mine = [r for r in rows if r["mix"] == mix]
+        out["mixed" if mix else "own_forward"] = {
+            k: round(statistics.median(get(r, k) for r in mine), 3) for k in keys["all"]}
+    m, o = out["mixed"], out["own_forward"]
+    out["ratios_mixed_over_own"] = {k: round(m[k] / o[k], 3) for k in keys["ratios"]}
+    return out
+
+
+def alternate(rounds: int, run) -> list[dict]:
+    """run(mix) for both variants each round, the order swapped every round."""
+    rows = []
+    for r in range(rounds):
+        for mix in ((True, False) if r % 2 == 0 else (False, True)):
+            row = run(mix, r)
+            print({k: v for k, v in row.items() if k != "outputs"}, flush=True)
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", choices=("long", "arrivals", "both"), default="both")
     p.add_argument("--dtype", default=None, help="default: the target's default on this device")
-    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--streams", type=int, default=8, help="long: streams decoding")
     p.add_argument("--long-tokens", type=int, default=2000)
-    p.add_argument("--max-tokens", type=int, default=160, help="each stream's")
+    p.add_argument("--max-tokens", type=int, default=160, help="long: each stream's")
     p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16, help="arrivals: requests in flight")
+    p.add_argument("--num-prompts", type=int, default=48, help="arrivals")
+    p.add_argument("--arrival-tokens", type=int, default=64,
+                   help="arrivals: a request's mean max_tokens")
     p.add_argument("--rounds", type=int, default=3, help="per variant, alternating")
     p.add_argument("--out", default="runs/chunked-prefill.json")
     args = p.parse_args()
+    load = os.getloadavg()  # before the model loads
 
     from eagle2.api import Eagle2
+    from eagle2.bench.prompts import load_suite
 
-    e = Eagle2.load(dtype=args.dtype, max_batch=args.streams + 1, max_context=2048 + 256)
+    e = Eagle2.load(dtype=args.dtype, max_batch=max(args.streams + 1, args.concurrency),
+                    max_context=2048 + 256)
     engine = e.engine
     engine.prefill_chunk = args.prefill_chunk
-    short, long = prompts(e.tokenizer, args.streams, args.long_tokens)
-    one_round(engine, short, long[:300], 16, True, "warm")  # costs measured, kernels warm
-    rows = []
-    for r in range(args.rounds):
-        for mix in ((True, False) if r % 2 == 0 else (False, True)):
-            row = one_round(engine, short, long, args.max_tokens, mix, f"r{r}{int(mix)}")
-            print({k: v for k, v in row.items() if k != "outputs"}, flush=True)
-            rows.append(row)
-    same = all(a["outputs"] == b["outputs"] for a in rows for b in rows)
-    summary = {}
-    for mix in (True, False):
-        mine = [r for r in rows if r["mix"] == mix]
-        summary["mixed" if mix else "own_forward"] = {
-            k: round(statistics.median(r[k] for r in mine), 3)
-            for k in ("long_ttft_s", "stream_tokens_per_s_in_window", "gap_window_median_ms",
-                      "gap_window_p99_ms", "gap_median_ms", "window_p99_over_median",
-                      "steps_to_first_token", "mixed_steps")}
-    m, o = summary["mixed"], summary["own_forward"]
-    summary["ratios_mixed_over_own"] = {
-        k: round(m[k] / o[k], 3) for k in ("long_ttft_s", "stream_tokens_per_s_in_window",
-                                           "gap_window_median_ms", "gap_window_p99_ms")}
-    report = {"config": {**vars(args), "long_prompt_tokens": len(long),
-                         "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                         "backend": e.engine.runner.info},
-              "outputs_equal": same, "summary": summary,
-              "rounds": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
-    print(json.dumps({"outputs_equal": same, **summary}, indent=1))
+    report: dict = {"config": {**vars(args), "threads": torch.get_num_threads(),
+                               "backend": engine.runner.info},
+                    "command": "benchmarks/chunked_prefill.py " + " ".join(sys.argv[1:]),
+                    "machine": {"cpus": os.cpu_count(), "loadavg_start": load}}
+    if args.scenario in ("long", "both"):
+        short, long = prompts(e.tokenizer, args.streams, args.long_tokens)
+        one_round(engine, short, long[:300], 16, True, "warm")  # costs measured, kernels warm
+        rows = alternate(args.rounds, lambda mix, r: one_round(
+            engine, short, long, args.max_tokens, mix, f"r{r}{int(mix)}"))
+        report["long"] = {
+            "long_prompt_tokens": len(long),
+            "outputs_equal": all(a["outputs"] == b["outputs"] for a in rows for b in rows),
+            **summarize(rows, {"all": (
+                "long_ttft_s", "stream_tokens_per_s_in_window", "gap_window_median_ms",
+                "gap_window_p99_ms", "gap_median_ms", "window_p99_over_median",
+                "steps_to_first_token", "mixed_steps"), "ratios": (
+                "long_ttft_s", "stream_tokens_per_s_in_window", "gap_window_median_ms",
+                "gap_window_p99_ms")}),
+            "rounds": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
+    if args.scenario in ("arrivals", "both"):
+        suite = load_suite("mt_bench", args.num_prompts)
+        ids = [e.encode(p.user_message) for p in suite]
+        arrivals_round(e, ids[:args.concurrency], args.concurrency, 8, True)  # warm
+        rows = alternate(args.rounds, lambda mix, r: arrivals_round(
+            e, ids, args.concurrency, args.arrival_tokens, mix))
+        metrics = ("output_tokens_per_s", "ttft_ms.median", "ttft_ms.p99", "tpot_ms.median",
+                   "tpot_ms.p99", "itl_ms.median", "itl_ms.p99")
+        report["arrivals"] = {
+            "outputs_equal": all(a["outputs"] == b["outputs"] for a in rows for b in rows),
+            **summarize(rows, {"all": (*metrics, "steps", "mixed_steps"), "ratios": metrics}),
+            "rounds": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
+    print(json.dumps({k: {kk: vv for kk, vv in report[k].items() if kk != "rounds"}
+                      for k in ("long", "arrivals") if k in report}, indent=1))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -27,7 +27,7 @@ AMX = "Intel Xeon with AMX, head v8"
 # (results file under RESULTS, what the row reads from it, where and with what it ran): one row
 # each. Kinds: "speedup" (eagle2 against plain decoding, same run), "hf" (eagle2 against HF
 # `generate`), "tau" (accepted tokens per target forward), "service" (`bench-service`),
-# "cache" (service_cache.py), "tpot" (tp_service_tpot.py).
+# "cache" (service_cache.py), "tpot" (tp_service_tpot.py), "prompts" (chunked_prefill.py).
 ROWS: list[tuple[str, str, str]] = [
     (S37 + "full.json", "speedup", AMX),
     (S37 + "hf.json", "hf", AMX),
@@ -56,6 +56,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("tpot-tp2-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread a rank"),
     ("service-cache-epyc-s40.json", "cache",
      "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 64 (the CPU default)"),
+    ("chunked-prefill-epyc-s42.json", "prompts",
+     "AMD EPYC with AVX512-BF16, head v8, bfloat16, two torch threads"),
 ]
 SUITES = {"mt_bench": "MT-bench", "humaneval": "HumanEval"}
 DEFAULT_HEAD = "eagle2/heads/smollm2-135m-instruct"
@@ -245,6 +247,34 @@ def tpot_row(res: dict) -> tuple[str, str, str]:
     return setting, figure + "; tokens equal in-process decoding's", "python " + res["command"]
 
 
+def prompts_row(res: dict) -> tuple[str, str, str]:
+    """benchmarks/chunked_prefill.py: prompts read in the trees' forward or in their own."""
+    c, lg, ar = res["config"], res["long"], res["arrivals"]
+    if not (lg["outputs_equal"] and ar["outputs_equal"]):
+        raise ValueError("a run whose greedy outputs differ with and without mixing is no figure")
+    lm, lo, am, ao = lg["mixed"], lg["own_forward"], ar["mixed"], ar["own_forward"]
+    setting = (f"in process, greedy, default tree: prompts read inside the running requests' "
+               f"verification forward against in forwards of their own (medians of "
+               f"{c['rounds']} alternating rounds): a {lg['long_prompt_tokens']}-token prompt "
+               f"arriving while {c['streams']} streams decode (chunks of {c['prefill_chunk']}); "
+               f"a closed loop of {c['concurrency']} chat requests in flight over "
+               f"{c['num_prompts']} MT-bench prompts x {c['arrival_tokens'] // 2}.."
+               f"{c['arrival_tokens'] * 3 // 2} tokens (ending apart)")
+    figure = (f"while the long prompt is read the streams get **"
+              f"{lg['ratios_mixed_over_own']['stream_tokens_per_s_in_window']:.2f}x** the "
+              f"tokens/s ({lm['stream_tokens_per_s_in_window']:.0f} against "
+              f"{lo['stream_tokens_per_s_in_window']:.0f}), gap p99 "
+              f"{lm['gap_window_p99_ms']:.0f} against {lo['gap_window_p99_ms']:.0f} ms, its "
+              f"first token after {lm['long_ttft_s']:.2f} against {lo['long_ttft_s']:.2f} s; "
+              f"closed loop: **{ar['ratios_mixed_over_own']['output_tokens_per_s']:.2f}x** "
+              f"the output tokens/s ({am['output_tokens_per_s']:.0f} against "
+              f"{ao['output_tokens_per_s']:.0f}), TPOT median {am['tpot_ms.median']:.1f} against "
+              f"{ao['tpot_ms.median']:.1f} ms, ITL p99 {am['itl_ms.p99']:.0f} against "
+              f"{ao['itl_ms.p99']:.0f} ms, TTFT median {am['ttft_ms.median']:.0f} against "
+              f"{ao['ttft_ms.median']:.0f} ms; outputs equal")
+    return setting, figure, "python " + res["command"].split(" --out")[0]
+
+
 def machine(res: dict) -> str:
     """What the run recorded of its machine: CPUs (threads), the target's dtype."""
     m = res["machine"]
@@ -262,6 +292,8 @@ def row(res: dict, kind: str) -> tuple[str, str, str]:
         return cache_row(res)
     if kind == "tpot":
         return tpot_row(res)
+    if kind == "prompts":
+        return prompts_row(res)
     return bench_setting(res), bench_figure(res, kind), bench_command(res)
 
 

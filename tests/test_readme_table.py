@@ -168,3 +168,24 @@ def test_a_tpot_row_reads_its_figures_and_refuses_differing_tokens(table):
     assert command == "python benchmarks/tp_service_tpot.py --tp 2"
     with pytest.raises(ValueError):
         table.row({**res, "tokens_equal": False}, "tpot")
+
+
+def test_a_prompts_row_reads_its_figures_and_refuses_differing_outputs(table):
+    side = {"stream_tokens_per_s_in_window": 100.0, "gap_window_p99_ms": 110.0,
+            "long_ttft_s": 2.5, "output_tokens_per_s": 200.0, "tpot_ms.median": 40.0,
+            "itl_ms.p99": 150.0, "ttft_ms.median": 900.0}
+    res = {"command": "benchmarks/chunked_prefill.py --rounds 3 --out x.json",
+           "machine": {"cpus": 2, "loadavg_start": [0.4, 0, 0]},
+           "config": {"rounds": 3, "streams": 8, "prefill_chunk": 64, "concurrency": 16,
+                      "num_prompts": 48, "arrival_tokens": 64},
+           "long": {"outputs_equal": True, "long_prompt_tokens": 2000, "mixed": side,
+                    "own_forward": {**side, "stream_tokens_per_s_in_window": 80.0},
+                    "ratios_mixed_over_own": {"stream_tokens_per_s_in_window": 1.25}},
+           "arrivals": {"outputs_equal": True, "mixed": side, "own_forward": side,
+                        "ratios_mixed_over_own": {"output_tokens_per_s": 1.0}}}
+    setting, figure, command = table.row(res, "prompts")
+    assert "2000-token prompt arriving while 8 streams" in setting
+    assert "**1.25x**" in figure and "(100 against 80)" in figure
+    assert command == "python benchmarks/chunked_prefill.py --rounds 3"
+    with pytest.raises(ValueError):
+        table.row({**res, "arrivals": {**res["arrivals"], "outputs_equal": False}}, "prompts")
