@@ -323,10 +323,10 @@ class RopeTable:
 @dataclass
 class Parts:
     """Several groups of new tokens in one forward (`TargetModel.forward_parts`: e.g. the
-    running requests' trees and a prompt chunk, docs/kv-cache.md "Chunked prefill beside
-    decoding"). The layers see x [1, T, H], every group's tokens flattened one after another,
+    running requests' trees and prompts, docs/kv-cache.md "Prompts ride in the verification
+    forward"). The layers see x [1, T, H], every group's tokens flattened one after another,
     so their projections and MLP are one matrix product over all T tokens; attention runs per
-    group, over its own `StepInputs` (its slots, tree mask, positions)."""
+    group, over its own `StepInputs` (its slots, tree mask, positions): `attend_groups`."""
 
     inputs: list[StepInputs]
     shapes: list[tuple[int, int]]  # (B, N) of each group
@@ -342,11 +342,17 @@ class Parts:
         """Each group's [B, N, D] -> [1, T, D]."""
         return torch.cat([g.reshape(-1, g.shape[-1]) for g in groups])[None]
 
-    def attend(self, qkv: list[torch.Tensor], attend_one: Callable) -> torch.Tensor:
-        """attend_one(group's q, k, v ... [B, N, *], its StepInputs) -> [B, N, D] for every
-        group (qkv: tensors [1, T, *] split per group), joined: [1, T, D]."""
-        return self.join([attend_one(*group[:-1], group[-1]) for group in
-                          zip(*(self.split(t) for t in qkv), self.inputs, strict=True)])
+
+
+def attend_groups(inp: StepInputs | Parts, tensors: list[torch.Tensor],
+                  attend_one: Callable) -> torch.Tensor:
+    """A layer's attention: attend_one(*tensors, inp) -> [B, N, D] for one group's tensors
+    [B, N, *] (e.g. its q, k, v); for a `Parts` forward, each group's slices of the tensors
+    [1, T, *] with its own inputs, joined: [1, T, D]."""
+    if not isinstance(inp, Parts):
+        return attend_one(*tensors, inp)
+    return inp.join([attend_one(*group[:-1], group[-1]) for group in
+                     zip(*(inp.split(t) for t in tensors), inp.inputs, strict=True)])
 
 
 def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache: KVCache,
@@ -373,11 +379,7 @@ def decoder_layer(layer: torch.nn.Module, layer_idx: int, x: torch.Tensor, cache
         out = cached_attention(q, k, v, cache, layer_idx, inp)  # [B, Hq, N, Dh]
         return out.transpose(1, 2).reshape(num_b, num_n, -1)
 
-    if isinstance(inp, Parts):
-        out = inp.attend([q, k, v], attend_one)
-    else:
-        out = attend_one(q, k, v, inp)
-    x = x + attn.o_proj(out)
+    x = x + attn.o_proj(attend_groups(inp, [q, k, v], attend_one))
     mlp, h = layer.mlp, layer.post_attention_layernorm(x)
     gate_up = getattr(mlp, "gate_up_proj", None)
     if gate_up is None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle2.attention import KVCache, Parts, StepInputs, cached_attention
+from eagle2.attention import KVCache, Parts, StepInputs, attend_groups, cached_attention
 from eagle2.cpu.kernels import AMX, FMA, BlockedWeight, BlockPlan, PackedLinear
 
 # a bf16 CPU layer whose linears all take the FMA kernel (or all the AMX one) at this row count
@@ -186,7 +186,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
-                inp: StepInputs, head_dim: int, num_q_heads: int,
+                inp: StepInputs | Parts, head_dim: int, num_q_heads: int,
                 ops: ModuleType | None = None) -> torch.Tensor:
     """One decoder layer on x [B, N, H] that writes its K/V into the cache. ops: the fused
     CPU operations (`eagle2.cpu.native.cpu_ops()`), for a bf16 CPU target with exact attention."""
@@ -204,8 +204,7 @@ def fused_layer(lw: FusedLayer, layer_idx: int, x: torch.Tensor, cache: KVCache,
         return out.transpose(1, 2).reshape(num_b, num_n, -1)
 
     qkv = lw.qkv(_rms_norm(x, lw.input_norm, lw.eps))  # [B, N, (Hq + 2 KVH) Dh]
-    out = inp.attend([qkv], attend_one) if isinstance(inp, Parts) else attend_one(qkv, inp)
-    x = x + lw.summed(lw.o(out))
+    x = x + lw.summed(lw.o(attend_groups(inp, [qkv], attend_one)))
     gate, up = lw.gate_up(_rms_norm(x, lw.post_norm, lw.eps)).chunk(2, dim=-1)
     return x + lw.summed(lw.down(lw.act(gate) * up))
 
@@ -221,7 +220,7 @@ def one_native_kernel(linears: tuple[BlockedWeight, ...], rows: int) -> int | No
 
 
 def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tensor,
-                  cache: KVCache, inp: StepInputs, num_q_heads: int) -> torch.Tensor:
+                  cache: KVCache, inp: StepInputs | Parts, num_q_heads: int) -> torch.Tensor:
     """`fused_layer` with the per-row work and the exact attention in `eagle2.cpu.native` calls
     (bf16 CPU): norm -> qkv -> RoPE + K/V writes -> attention -> o -> residual add + norm ->
     MLP."""
@@ -246,8 +245,8 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
                              q.shape[-1] ** -0.5, key_blocks, valid)
 
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
-    out = inp.attend([qkv], attend_one) if isinstance(inp, Parts) else attend_one(qkv, inp)
-    x, h = ops.add_rms_norm(x, lw.summed(lw.o(out)), lw.post_norm, lw.eps)
+    x, h = ops.add_rms_norm(x, lw.summed(lw.o(attend_groups(inp, [qkv], attend_one))),
+                            lw.post_norm, lw.eps)
     if lw.silu:
         return x + lw.summed(lw.down(ops.silu_mul(lw.gate_up(h))))
     gate, up = lw.gate_up(h).chunk(2, dim=-1)
