@@ -45,17 +45,16 @@ ROWS: list[tuple[str, str, str]] = [
     ("ab-epyc-s38-a04a4cd.json", "speedup",
      "AMD EPYC with AVX512-BF16, head v8, the release before (a04a4cd), one core; the same "
      "160 outputs token for token as the row above"),
-    ("service-epyc-s41.json", "service",
-     "AMD EPYC with AVX512-BF16, head v8, two torch threads in the engine and in process, the "
-     "machine otherwise idle; tokens to the router one frame a step"),
-    ("service-epyc-s41-concurrency.json", "service",
+    ("service-epyc-s42-concurrency.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 26 bf16 slots "
      "of 1,024 + margin, so at most 26 run), two torch threads in the engine and in process "
-     "(the service's auto choice), the machine otherwise idle"),
+     "(the service's auto choice), newcomers read in the running step's forward, the machine "
+     "otherwise idle"),
     ("tpot-tp1-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread"),
     ("tpot-tp2-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread a rank"),
-    ("service-cache-epyc-s40.json", "cache",
-     "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 64 (the CPU default)"),
+    ("service-cache-epyc-s42.json", "cache",
+     "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 64 (the CPU default), chunks read in "
+     "the running step's forward"),
     ("chunked-prefill-epyc-s42.json", "prompts",
      "AMD EPYC with AVX512-BF16, head v8, bfloat16, two torch threads"),
 ]
