@@ -102,9 +102,11 @@ class ServiceConfig(BaseModel):
     # While requests run, a longer prompt is read this many tokens a step beside their step
     # (chunked prefill, docs/kv-cache.md): smaller keeps their inter-token latency steadier,
     # larger reads the prompt in fewer steps. None: 64 on CPUs, 512 on GPUs. On 2 CPU cores
-    # (fp32, 8 streams decoding, a 2,346-token prompt arriving): 256 -> the streams' p99
-    # inter-token latency 8.3x their median, the prompt's first token after 13.3 s; 64 -> 2.5x,
-    # 20.6 s (benchmarks/service_cache.py, benchmarks/results/service-cache-epyc-s40.json).
+    # (fp32, 8 streams decoding, a 2,346-token prompt arriving; chunks in their own forward,
+    # git show 1f130e1:benchmarks/results/service-cache-epyc-s40.json): 256 -> the streams'
+    # p99 inter-token latency 8.3x their median, the prompt's first token after 13.3 s;
+    # 64 -> 2.5x, 20.6 s. Read in the running step's forward, 64 -> 2.47x, 15.3 s
+    # (benchmarks/service_cache.py, benchmarks/results/service-cache-epyc-s42.json).
     prefill_chunk: int | None = Field(None, ge=16, le=8192)
     max_context: int = Field(2048, ge=64)
     default_max_tokens: int = Field(256, ge=1)
