@@ -107,48 +107,23 @@ def one_round(engine, short: list[list[int]], long: list[int], max_tokens: int,
 
 def arrivals_round(llm, prompt_ids: list[list[int]], conc: int, max_tokens: int,
                    mix: bool) -> dict:
-    """A closed loop of `conc` requests in flight (`services.bench_service.inprocess_level`'s,
-    each request asking for max_tokens x 0.5 .. 1.5 tokens by its index, so they end apart
-    and newcomers arrive while others decode), with or without mixing."""
-    from eagle2.config import SamplingParams
-    from services.bench_service import serving_metrics
+    """A closed loop of `conc` requests in flight (`services.bench_service.inprocess_level`;
+    each request asks for max_tokens x 0.5 .. 1.5 tokens by its index, so they end apart and
+    newcomers arrive while others decode), with or without mixing."""
+    from services.bench_service import inprocess_level, serving_metrics
 
     engine = llm.engine
     engine.mix_prompts = mix
     before = engine.stats.mixed_steps, engine.stats.steps
-    todo = list(enumerate(prompt_ids))
-    recs: dict[str, dict] = {}
-    t_start = time.perf_counter()
-    while todo or engine.has_work():
-        while todo and len(engine.seqs) + len(engine.waiting) < conc:
-            i, ids = todo.pop(0)
-            n = max(1, max_tokens * (8 + (i * 5) % 17) // 16)  # 0.5 .. 1.5 x max_tokens
-            sid = f"arrival-{mix}-{len(recs)}"
-            engine.add(llm.request(ids, SamplingParams(max_tokens=n, ignore_eos=True),
-                                   llm.tree, sid))
-            recs[sid] = {"prompt": i, "token_ids": [], "ttft_s": None, "itl_s": [],
-                         "latency_s": None, "error": None, "t0": time.perf_counter()}
-        events = engine.step()
-        now = time.perf_counter()
-        for ev in events:
-            r = recs[ev.seq_id]
-            if ev.token_ids:
-                if r["ttft_s"] is None:
-                    r["ttft_s"] = now - r["t0"]
-                else:
-                    r["itl_s"].append(now - r["last"])
-                r["last"] = now
-                r["token_ids"].extend(ev.token_ids)
-            if ev.finished:
-                r["latency_s"] = r["last"] - r["t0"]
-    wall = time.perf_counter() - t_start
-    recs_sorted = sorted(recs.values(), key=lambda r: r["prompt"])
-    m = serving_metrics(recs_sorted, wall)
+    recs, wall = inprocess_level(llm, prompt_ids, conc,
+                                 lambda i: max(1, max_tokens * (8 + (i * 5) % 17) // 16),
+                                 llm.tree.mode)
+    m = serving_metrics(recs, wall)
     return {"mix": mix, "output_tokens_per_s": m["output_tokens_per_s"],
             "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"], "itl_ms": m["itl_ms"],
             "steps": engine.stats.steps - before[1],
             "mixed_steps": engine.stats.mixed_steps - before[0],
-            "outputs": [r["token_ids"] for r in recs_sorted]}
+            "outputs": [r["token_ids"] for r in recs]}
 
 
 def summarize(rows: list[dict], keys: dict[str, tuple[str, ...]]) -> dict:

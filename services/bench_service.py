@@ -42,6 +42,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -264,14 +265,15 @@ async def _service_level(base_url: str, prompts: list[str], conc: int, max_token
 
 
 # ----- the in-process side ----------------------------------------------------------------------
-def inprocess_level(llm, prompt_ids: list[list[int]], conc: int, max_tokens: int,
-                    mode: str) -> tuple[list[dict], float]:
-    """Closed loop of `conc` requests in flight on the in-process engine, timed per event."""
+def inprocess_level(llm, prompt_ids: list[list[int]], conc: int,
+                    max_tokens: int | Callable[[int], int], mode: str
+                    ) -> tuple[list[dict], float]:
+    """Closed loop of `conc` requests in flight on the in-process engine, timed per event.
+    max_tokens: every request's, or a function of its prompt's index."""
     from dataclasses import replace
 
     from eagle2.config import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tree = replace(llm.tree, mode=mode)
     engine, todo = llm.engine, list(enumerate(prompt_ids))
     recs: dict[str, dict] = {}
@@ -280,7 +282,9 @@ def inprocess_level(llm, prompt_ids: list[list[int]], conc: int, max_tokens: int
         while todo and len(engine.seqs) + len(engine.waiting) < conc:
             i, ids = todo.pop(0)
             sid = f"bench-{uuid.uuid4().hex[:8]}-{i}"
-            engine.add(llm.request(ids, params, tree, sid))
+            n = max_tokens(i) if callable(max_tokens) else max_tokens
+            engine.add(llm.request(ids, SamplingParams(max_tokens=n, ignore_eos=True), tree,
+                                   sid))
             recs[sid] = {"prompt": i, "token_ids": [], "ttft_s": None, "itl_s": [],
                          "latency_s": None, "error": None, "t0": time.perf_counter()}
         events = engine.step()
