@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import signal
 import sys
@@ -10,6 +12,8 @@ import threading
 
 import eagle2
 from services.protos import SERVICER_FUNCTIONS
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p) -> None:
@@ -85,15 +89,28 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
     if not ray.is_initialized():
         # logical CPUs: rank actors, the draft worker and the replicas share real cores
         extra = {} if metrics_port is None else {"_metrics_export_port": metrics_port}
-        ray.init(address=address, num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size,
-                 include_dashboard=False,
-                 **extra,
-                 runtime_env={"env_vars": {**serve_env(), "TOKENIZERS_PARALLELISM": "false",
-                                               # idle OpenMP threads must not spin on cores
-                                               # the next process in the step needs
-                                               "OMP_WAIT_POLICY": "PASSIVE",
-                                               # but catch a layer's next parallel region
-                                               "GOMP_SPINCOUNT": eagle2.SPIN_COUNT}})
+        init = functools.partial(
+            ray.init, address=address, num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size,
+            include_dashboard=False, **extra,
+            runtime_env={"env_vars": {**serve_env(), "TOKENIZERS_PARALLELISM": "false",
+                                      # idle OpenMP threads must not spin on cores the next
+                                      # process in the step needs
+                                      "OMP_WAIT_POLICY": "PASSIVE",
+                                      # but catch a layer's next parallel region
+                                      "GOMP_SPINCOUNT": eagle2.SPIN_COUNT}})
+        before = {p.pid for p in descendants()}
+        try:
+            init()
+        except Exception as e:  # a new local cluster whose raylet registered too late
+            if address not in (None, "local") or "timed out during startup" not in str(e):
+                raise
+            # Ray waits 30 s for its raylet; on a loaded machine (2 cores, a cluster just
+            # stopped) it once took longer (the test suite, 1 run in 2). The failed node's
+            # processes go (Ray leaves them running), then a new node starts.
+            log.warning("Ray's local node did not start in time (%s); starting it again", e)
+            ray.shutdown()
+            reap([p for p in descendants() if p.pid not in before], grace_s=0.0)
+            init()
     serve.start(grpc_options=gRPCOptions(port=cfg.grpc_port,
                                          grpc_servicer_functions=SERVICER_FUNCTIONS),
                 http_options={"host": "127.0.0.1", "port": http_port})

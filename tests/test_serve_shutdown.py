@@ -104,3 +104,38 @@ def test_ctrl_c_stops_everything_within_30_s(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_local_ray_node_that_starts_too_late_is_reaped_and_started_again(monkeypatch):
+    """`cli_serve.start`: Ray's "node timed out during startup" (its raylet registered after
+    30 s; once on the 2-core test machine) -> what that node started is killed and a new one
+    starts; another error, or a cluster at an address, is raised as it is."""
+    import ray
+
+    from services import cli_serve
+
+    calls, children = [], []
+
+    def init(**kwargs):
+        calls.append(kwargs["address"])
+        if len(calls) == 1:  # the failed node's process, left running as Ray leaves it
+            children.append(subprocess.Popen([sys.executable, "-c", "import time; "
+                                              "time.sleep(60)"]))
+            raise Exception("The current node timed out during startup. This could happen "
+                            "because some of the raylet failed to startup")
+        raise KeyboardInterrupt  # the second start: stop here (nothing else to run)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        cli_serve.start({}, address="local")
+    assert calls == ["local", "local"]
+    assert children[0].wait(timeout=10) != 0  # killed, not left sleeping
+    calls.clear()
+    with pytest.raises(Exception, match="timed out during startup"):
+        cli_serve.start({}, address="ray://head:10001")  # someone else's cluster: as it is
+    assert calls == ["ray://head:10001"]
+    assert children[-1].poll() is None  # not reaped: not a node this process started
+    children[-1].kill()
+    children[-1].wait(timeout=10)
