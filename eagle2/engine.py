@@ -241,8 +241,9 @@ class Engine:
         self.paging = (Paging(runner, max_context + self.tree_margin, prefix_caching)
                        if getattr(runner, "paged", None) else None)
         self.preempted: list[_Seq] = []  # to resume (recomputed), oldest admitted first
-        # a prefill batch's padded tokens (requests x the longest) stay within this, so its
-        # [B, W, W] mask stays bounded (one request always goes)
+        # the tokens a prefill runs through the layers stay within this (one request always
+        # goes): right-padded, requests x the longest, which also bounds its [B, W, W] mask;
+        # one group a prompt (`_varlen`), their sum
         self.prefill_budget = 8192
         # while requests run, a prompt longer than this is prefilled this many tokens a step,
         # each step's chunk beside the running requests' step (`_prefill_chunk`)
@@ -419,8 +420,8 @@ class Engine:
         # newcomers start in this forward (their blocks taken after the trees'), the chunk too
         batch = self._admit() if mixing and self._can_admit() \
             and self._admission() == "prefill" else []
-        prompts = ([self._prefill_inputs(batch)] if batch else []) + \
-            ([self._next_chunk()] if mixed_chunk else [])
+        newcomers = self._prefill_inputs(batch) if batch else []
+        prompts = newcomers + ([self._next_chunk()] if mixed_chunk else [])
         verified, features, read = self._verify(tree, prompts)
         self._count_lookup(tree, verified)
         t2 = time.perf_counter()
@@ -429,7 +430,7 @@ class Engine:
             self._observe(tree, context, drafted_s, t2 - t1)
         events = self._advance(verified, features, drop=False)
         if batch:  # the newcomers' rows follow the running ones
-            events += self._prefill_done(batch, prompts[0], read[0])
+            events += self._prefill_done(batch, newcomers, read[:len(newcomers)])
         if mixed_chunk:
             events += self._chunk_done(*read[-1])
         self._drop_finished(events)
@@ -1103,12 +1104,13 @@ class Engine:
         """The candidates that start now (rows free, and blocks where paged), taken off their
         queues: (request, the preempted _Seq or None, tokens to prefill, how many of them
         are cached)."""
-        out, widest = [], 0
+        out, widest, total, varlen = [], 0, 0, self._varlen()
         for c in self._candidates():
             rows = len(self.seqs) + len(out)
             tokens = self._prefill_tokens(c)
-            widest = max(widest, len(tokens))
-            if rows >= self._rows() or (out and widest * (len(out) + 1) > self.prefill_budget) \
+            widest, total = max(widest, len(tokens)), total + len(tokens)
+            cost = total if varlen else widest * (len(out) + 1)  # tokens through the layers
+            if rows >= self._rows() or (out and cost > self.prefill_budget) \
                     or (out and self._long(c)):  # a long one is chunked on its own
                 break
             resumed = c if isinstance(c, _Seq) else None
@@ -1262,14 +1264,15 @@ class Engine:
 
     # ----- prefill ----------------------------------------------------------------------------
     def _prefill(self) -> list[Event]:
-        """Admitted requests' tokens past their cached prefixes, right-padded into one
-        causal batch, in a step of its own; new requests get their first token, resumed ones
-        continue."""
+        """Admitted requests' tokens past their cached prefixes in a step of its own
+        (`_prefill_inputs`); new requests get their first token, resumed ones continue."""
         t0 = time.perf_counter()
         idle = not self.seqs
         batch = self._admit()
         prompts = self._prefill_inputs(batch)
-        events = self._prefill_done(batch, prompts, self._read(prompts))
+        reads = (self.runner.prefill_parts(prompts) if self._varlen()
+                 else [self._read(p) for p in prompts])
+        events = self._prefill_done(batch, prompts, reads)
         self._drop_finished(events)
         # the gates go with the batch they learnt at when the engine was idle and a newcomer
         # samples, so a seeded request that runs alone samples the same whatever ran before it
@@ -1282,46 +1285,62 @@ class Engine:
         self.stats.prefill_s += time.perf_counter() - t0
         return events
 
+    def _varlen(self) -> bool:
+        """Whether admitted prompts are read one group each in one forward (`_mixing` and a
+        runner with `prefill_parts`: no padding through the layers), else right-padded into
+        one batch."""
+        return self._mixing() and getattr(self.runner, "prefill_parts", None) is not None
+
     def _prefill_inputs(self, batch: list[tuple[Request, _Seq | None, list[int], int]]
-                        ) -> PromptBatch:
-        """The admitted requests' (`_admit`) tokens past their cached prefixes, right-padded
-        into one causal batch in the rows after the running ones (their lengths set to the
-        cached prefixes)."""
+                        ) -> list[PromptBatch]:
+        """The admitted requests' (`_admit`) tokens past their cached prefixes, causal, in the
+        rows after the running ones (their lengths set to the cached prefixes): one
+        `PromptBatch` each (`_varlen`), else right-padded into one."""
         dev = self.runner.device
-        cached = torch.tensor([c for _, _, _, c in batch], device=dev)
-        lengths = torch.tensor([len(t) - c for _, _, t, c in batch], device=dev)  # computed
-        width = int(lengths.max())
-        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=dev)
-        for b, (_, _, toks, c) in enumerate(batch):
-            tokens[b, : len(toks) - c] = torch.tensor(toks[c:], device=dev)
         first = len(self.seqs)
+        cached = torch.tensor([c for _, _, _, c in batch], device=dev)
         slots = torch.arange(first, first + len(batch), device=dev)
         self.runner.set_lengths(slots, cached)
         # a resumed request's next token is known: greedy params take no sample from its
         # generator (its output continues as it would have)
-        return PromptBatch(
-            tokens, cached[:, None] + torch.arange(width, device=dev),
-            causal_mask(lengths, width), slots, lengths - 1,
-            [SamplingParams() if s is not None else r.params for r, s, _, _ in batch],
-            [None if s is not None else _generator(r.params) for r, s, _, _ in batch])
+        params = [SamplingParams() if s is not None else r.params for r, s, _, _ in batch]
+        gens = [None if s is not None else _generator(r.params) for r, s, _, _ in batch]
+        groups = [list(range(len(batch)))]
+        if self._varlen():
+            groups = [[b] for b in range(len(batch))]
+        out = []
+        for rows in groups:
+            lengths = torch.tensor([len(batch[b][2]) - batch[b][3] for b in rows], device=dev)
+            width = int(lengths.max())
+            tokens = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+            for i, b in enumerate(rows):
+                _, _, toks, c = batch[b]
+                tokens[i, : len(toks) - c] = torch.tensor(toks[c:], device=dev)
+            out.append(PromptBatch(
+                tokens, cached[rows, None] + torch.arange(width, device=dev),
+                causal_mask(lengths, width), slots[rows], lengths - 1,
+                [params[b] for b in rows], [gens[b] for b in rows]))
+        return out
 
     def _prefill_done(self, batch: list[tuple[Request, _Seq | None, list[int], int]],
-                      prompts: PromptBatch, read) -> list[Event]:
-        """The admitted requests' prompts are written (`read`: their `prefill_step` result):
-        they join the running ones (the caller drops those it ends); new ones get their first
-        token."""
-        features, first, first_lp = read
-        features = to_device(features, self.runner.device)
-        lengths = prompts.last_idx + 1
-        self.runner.set_lengths(prompts.slots, prompts.positions[:, 0] + lengths)
-        self.stats.prefill_tokens += int(lengths.sum())
+                      prompts: list[PromptBatch], reads: list) -> list[Event]:
+        """The admitted requests' prompts are written (`reads`: each prompt batch's
+        `prefill_step` result, the batches holding the requests in order): they join the
+        running ones (the caller drops those it ends); new ones get their first token."""
+        dev, rows = self.runner.device, []
+        for p, (features, first, first_lp) in zip(prompts, reads, strict=True):
+            lengths = p.last_idx + 1
+            self.runner.set_lengths(p.slots, p.positions[:, 0] + lengths)
+            self.stats.prefill_tokens += int(lengths.sum())
+            features = to_device(features, dev)
+            rows += [(features[i], first[i], p.generators[i], first_lp[i] if first_lp else None)
+                     for i in range(len(first))]
         if self.paging is not None:  # the prompts' full blocks are shareable from now on
             for r, _, toks, _ in batch:
                 self.paging.commit(r.seq_id, len(toks), lambda toks=toks: toks)
         events = []
-        for b, ((r, resumed, toks, c), tok) in enumerate(zip(batch, first, strict=True)):
-            event = self._start(r, resumed, toks, c, features[b, :len(toks) - c], tok,
-                                prompts.generators[b], first_lp[b] if first_lp else None)
+        for (r, resumed, toks, c), (feats, tok, gen, lp) in zip(batch, rows, strict=True):
+            event = self._start(r, resumed, toks, c, feats[:len(toks) - c], tok, gen, lp)
             if event is not None:
                 events.append(event)
         # what earlier steps learnt goes with the batch they ran: the rate, depths and sizes

@@ -63,8 +63,9 @@ class TargetRunner(Protocol):
 
     # Optional: `mixed_step(tree, positions, slots, params, generators, prompts:
     # list[PromptBatch])`, `verify_step` with prompt batches read in the same forward (-> its
-    # Verified, accepted features and each batch's `prefill_step` result); the engine reads
-    # prompts in forwards of their own where a runner has none.
+    # Verified, accepted features and each batch's `prefill_step` result), and
+    # `prefill_parts(prompts)`, several prompt batches in one forward; the engine reads prompts
+    # right-padded in forwards of their own where a runner has none.
 
     def commit(self, slots: torch.Tensor, node_idx: torch.Tensor, kept: torch.Tensor) -> None: ...
 
@@ -234,7 +235,8 @@ class LocalRunner:
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
         out = self.target_forward(tokens, positions, mask, slots)
-        return self._first(out, last_idx, params, generators)
+        return self._firsts([out], [PromptBatch(tokens, positions, mask, slots, last_idx,
+                                                params, generators)])[0]
 
     def mixed_step(self, tree, positions, slots, params, generators,
                    prompts: list[PromptBatch]):
@@ -248,8 +250,15 @@ class LocalRunner:
             [StepPart(tree.tokens, positions.to(dev), tree.tree_mask, slots.to(dev))]
             + [StepPart(p.tokens, p.positions, p.mask, p.slots) for p in prompts], self.cache)
         verified, feats = self.verified(tree, trees, params, generators)
-        return verified, feats, [self._first(out, p.last_idx, p.params, p.generators)
-                                 for out, p in zip(read, prompts, strict=True)]
+        return verified, feats, self._firsts(read, prompts)
+
+    def prefill_parts(self, prompts: list[PromptBatch]):
+        """`prefill_step` for each prompt batch, all in one forward (`TargetModel.
+        forward_parts`: e.g. one batch a prompt, so no padding runs through the layers).
+        -> each batch's `prefill_step` result."""
+        read = self.target.forward_parts(
+            [StepPart(p.tokens, p.positions, p.mask, p.slots) for p in prompts], self.cache)
+        return self._firsts(read, prompts)
 
     def verified(self, tree: DraftTree, out: TargetOutput, params, generators,
                  logits: bool = False) -> tuple[Verified, torch.Tensor]:
@@ -266,16 +275,26 @@ class LocalRunner:
         verified = with_logprobs(verify_batch(tree, logits, params, generators), logits, params)
         return verified, accepted_features(out.features, verified.nodes)
 
-    def _first(self, out: TargetOutput, last_idx, params, generators
-               ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs | None] | None]:
-        """A prompt forward's first tokens at last_idx [B] (`prefill_step`'s result)."""
-        rows = torch.arange(out.hidden.shape[0], device=out.hidden.device)
+    def _firsts(self, outs: list[TargetOutput], prompts: list[PromptBatch]) -> list[tuple]:
+        """Prompt forwards' first tokens (each batch's rows at its last_idx), the lm_head (or
+        the greedy argmax) run once over all the batches' rows. -> each batch's
+        `prefill_step` result: (features, first tokens, TokenLogprobs or None)."""
+        lasts = torch.cat([o.hidden[torch.arange(o.hidden.shape[0], device=o.hidden.device),
+                                    p.last_idx] for o, p in zip(outs, prompts, strict=True)])
+        params = [x for p in prompts for x in p.params]
         if self._greedy_only(params):
-            return (out.features,
-                    self.target.greedy_tokens(out.hidden[rows, last_idx]).tolist(), None)
-        last_logits = self.target.logits(out.hidden[rows, last_idx])  # [B, V]
-        first = first_tokens(last_logits, params, generators)
-        return out.features, first, first_logprobs(last_logits, first, params)
+            first, logprobs = self.target.greedy_tokens(lasts).tolist(), None
+        else:
+            last_logits = self.target.logits(lasts)  # [rows, V]
+            first = first_tokens(last_logits, params, [g for p in prompts for g in p.generators])
+            logprobs = first_logprobs(last_logits, first, params)
+        out, start = [], 0
+        for o, p in zip(outs, prompts, strict=True):
+            end = start + len(p.params)
+            out.append((o.features, first[start:end],
+                        logprobs[start:end] if logprobs is not None else None))
+            start = end
+        return out
 
     def commit(self, slots, node_idx, kept) -> None:
         self.cache.commit(slots, node_idx, kept)

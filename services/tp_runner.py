@@ -130,19 +130,35 @@ class TPRank:
         """`verify_step` with prompt batches in its forward (`LocalRunner.mixed_step`; their
         generators as states). Rank 0: (Verified, accepted features, generator states, and
         per batch its features, first tokens, TokenLogprobs and generator states)."""
-        dev = self.runner.device
-        tree, positions, slots = to_device((tree, positions, slots), dev)
+        tree, positions, slots = to_device((tree, positions, slots), self.runner.device)
         gens = _generators(gen_states)
-        prompts = [replace(p, generators=_generators(p.generators),
-                           **{f: to_device(getattr(p, f), dev) for f in PROMPT_TENSORS})
-                   for p in prompts]
+        prompts = self._prompts_here(prompts)
         verified, feats, read = self.runner.mixed_step(tree, positions, slots, params, gens,
                                                        prompts)
         if self.rank != 0:
             return None
-        return verified, to_device(feats, HOST), _states(gens), [
-            (to_device(f, HOST), first, logprobs, _states(p.generators))
-            for (f, first, logprobs), p in zip(read, prompts, strict=True)]
+        return verified, to_device(feats, HOST), _states(gens), self._read_back(read, prompts)
+
+    def prefill_parts(self, prompts):
+        """`LocalRunner.prefill_parts` (generators as states). Rank 0: per batch its features,
+        first tokens, TokenLogprobs and generator states."""
+        prompts = self._prompts_here(prompts)
+        read = self.runner.prefill_parts(prompts)
+        return None if self.rank != 0 else self._read_back(read, prompts)
+
+    def _prompts_here(self, prompts: list) -> list:
+        """Prompt batches from the driver: tensors on this rank's device, generators rebuilt
+        from their states."""
+        dev = self.runner.device
+        return [replace(p, generators=_generators(p.generators),
+                        **{f: to_device(getattr(p, f), dev) for f in PROMPT_TENSORS})
+                for p in prompts]
+
+    @staticmethod
+    def _read_back(read: list, prompts: list) -> list:
+        """Each batch's prefill result for the driver: features on HOST, generator states."""
+        return [(to_device(f, HOST), first, logprobs, _states(p.generators))
+                for (f, first, logprobs), p in zip(read, prompts, strict=True)]
 
     def commit(self, slots, node_idx, kept) -> None:
         self.runner.commit(*to_device((slots, node_idx, kept), self.runner.device))
@@ -320,15 +336,15 @@ class ShardedRunner:
     def mixed_step(self, tree, positions, slots, params, generators, prompts):
         """`LocalRunner.mixed_step` on every rank: the prompt batches in the verification's
         forward (one message, one pass over each rank's weights)."""
-        wire = [replace(p, generators=_states(_sampled(p.params, p.generators)))
-                for p in prompts]
         verified, feats, states, read = self._all(
             "mixed_step", tree, positions, slots, params,
-            _states(_sampled(params, generators)), wire)[0]
+            _states(_sampled(params, generators)), _wire(prompts))[0]
         _restore(generators, states)
-        for p, (*_, p_states) in zip(prompts, read, strict=True):
-            _restore(p.generators, p_states)
-        return verified, feats, [r[:3] for r in read]
+        return verified, feats, _restored(prompts, read)
+
+    def prefill_parts(self, prompts):
+        """`LocalRunner.prefill_parts` on every rank (one message)."""
+        return _restored(prompts, self._all("prefill_parts", _wire(prompts))[0])
 
     # Cache updates return nothing, so they wait for the next call (the next forward) and run
     # first in it, in the order made; that call raises their errors.
@@ -545,6 +561,19 @@ def tensor_from_wire(wire: tuple) -> torch.Tensor:
 
 
 PROMPT_TENSORS = ("tokens", "positions", "mask", "slots", "last_idx")  # a PromptBatch's
+
+
+def _wire(prompts: list) -> list:
+    """Prompt batches for the ranks: their sampled rows' generators as states."""
+    return [replace(p, generators=_states(_sampled(p.params, p.generators))) for p in prompts]
+
+
+def _restored(prompts: list, read: list) -> list:
+    """Rank 0's per-batch prefill results: the batches' generators advanced as rank 0's,
+    -> (features, first tokens, TokenLogprobs) each."""
+    for p, (*_, states) in zip(prompts, read, strict=True):
+        _restore(p.generators, states)
+    return [r[:3] for r in read]
 
 
 def _sampled(params: list, generators: list) -> list:

@@ -266,3 +266,30 @@ def test_newcomers_are_read_in_the_running_requests_forward(num_blocks):
         if num_blocks == 18:
             assert engine.stats.preemptions > 0
     assert runs[True] == runs[False]
+
+
+def test_prompts_admitted_together_run_no_padding_through_the_layers():
+    """Prompts of 5, 40 and 12 tokens admitted together (an idle engine) are read one group
+    each in one forward: 57 tokens through the layers, not 3 x 40 right-padded (with
+    `mix_prompts` off); the same outputs."""
+    target = tiny_target(vocab=48, seed=39)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 48, (n,), generator=gen).tolist() for n in (5, 40, 12)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens: list[int] = []  # through the layers, per forward
+    forward, forward_parts = target.forward, target.forward_parts
+    target.forward = lambda t, *a, **k: tokens.append(t.numel()) or forward(t, *a, **k)
+    target.forward_parts = lambda parts, *a, **k: tokens.append(
+        sum(p.tokens.numel() for p in parts)) or forward_parts(parts, *a, **k)
+    outs, seen = {}, {}
+    try:
+        for mix in (True, False):
+            engine = paged_engine(target, 200)
+            engine.mix_prompts = mix
+            tokens.clear()
+            outs[mix] = run(engine, prompts, params, TREES["vanilla"])
+            seen[mix] = tokens[0]
+    finally:
+        del target.forward, target.forward_parts
+    assert outs[True] == outs[False]
+    assert seen == {True: 57, False: 120}
