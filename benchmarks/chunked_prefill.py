@@ -9,6 +9,8 @@ two alternating over several rounds in one process. Two scenarios:
   `--prefill-chunk`. Reported: its time to first token, the streams' output tokens/s while it
   is read (from its arrival to its first token), their step-to-step gaps in that window
   (median, p99) against their median gap over the whole round, steps and mixed steps.
+- burst: `--concurrency` chat prompts arriving together at an idle engine: the prefill step
+  that starts them, one group a prompt (no padding through the layers) against right-padded.
 - arrivals: a closed loop of `--concurrency` chat requests in flight over `--num-prompts`
   MT-bench prompts (a new one arrives as one finishes, as `eagle2 bench-service`'s in-process
   side; each asks for 0.5 .. 1.5 x `--arrival-tokens`, so they end apart): output tokens/s,
@@ -126,6 +128,26 @@ def arrivals_round(llm, prompt_ids: list[list[int]], conc: int, max_tokens: int,
             "outputs": [r["token_ids"] for r in recs]}
 
 
+def burst_round(llm, prompt_ids: list[list[int]], mix: bool) -> dict:
+    """Every prompt arriving at once at an idle engine: the one prefill step that starts them
+    (one group a prompt with mixing on, else right-padded into one batch), timed."""
+    from eagle2.config import SamplingParams
+
+    engine = llm.engine
+    engine.mix_prompts = mix
+    for i, ids in enumerate(prompt_ids):
+        engine.add(llm.request(ids, SamplingParams(max_tokens=1), llm.tree, f"burst-{mix}-{i}"))
+    t0 = time.perf_counter()
+    events = engine.step()
+    dt = time.perf_counter() - t0
+    while engine.has_work():
+        events += engine.step()
+    lengths = [len(ids) for ids in prompt_ids]
+    return {"mix": mix, "prefill_ms": round(1e3 * dt, 2), "prompt_tokens": sum(lengths),
+            "padded_tokens": len(lengths) * max(lengths),
+            "outputs": sorted((e.seq_id.split("-")[-1], e.token_ids) for e in events)}
+
+
 def summarize(rows: list[dict], keys: dict[str, tuple[str, ...]]) -> dict:
     """Medians over the rounds of each variant; key -> path into a row ("ttft_ms.p99")."""
     def get(row, path):
@@ -156,7 +178,7 @@ def alternate(rounds: int, run) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenario", choices=("long", "arrivals", "both"), default="both")
+    p.add_argument("--scenario", choices=("long", "arrivals", "burst", "all"), default="all")
     p.add_argument("--dtype", default=None, help="default: the target's default on this device")
     p.add_argument("--streams", type=int, default=8, help="long: streams decoding")
     p.add_argument("--long-tokens", type=int, default=2000)
@@ -182,7 +204,7 @@ def main() -> int:
                                "backend": engine.runner.info},
                     "command": "benchmarks/chunked_prefill.py " + " ".join(sys.argv[1:]),
                     "machine": {"cpus": os.cpu_count(), "loadavg_start": load}}
-    if args.scenario in ("long", "both"):
+    if args.scenario in ("long", "all"):
         short, long = prompts(e.tokenizer, args.streams, args.long_tokens)
         one_round(engine, short, long[:300], 16, True, "warm")  # costs measured, kernels warm
         rows = alternate(args.rounds, lambda mix, r: one_round(
@@ -197,9 +219,20 @@ def main() -> int:
                 "long_ttft_s", "stream_tokens_per_s_in_window", "gap_window_median_ms",
                 "gap_window_p99_ms")}),
             "rounds": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
-    if args.scenario in ("arrivals", "both"):
+    if args.scenario in ("arrivals", "burst", "all"):
         suite = load_suite("mt_bench", args.num_prompts)
         ids = [e.encode(p.user_message) for p in suite]
+    if args.scenario in ("burst", "all"):
+        burst_round(e, ids[:2], True)  # warm
+        rows = alternate(args.rounds, lambda mix, r: burst_round(e, ids[:args.concurrency],
+                                                                 mix))
+        report["burst"] = {
+            "prompts": args.concurrency, "prompt_tokens": rows[0]["prompt_tokens"],
+            "padded_tokens": rows[0]["padded_tokens"],
+            "outputs_equal": all(a["outputs"] == b["outputs"] for a in rows for b in rows),
+            **summarize(rows, {"all": ("prefill_ms",), "ratios": ("prefill_ms",)}),
+            "rounds": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
+    if args.scenario in ("arrivals", "all"):
         arrivals_round(e, ids[:args.concurrency], args.concurrency, 8, True)  # warm
         rows = alternate(args.rounds, lambda mix, r: arrivals_round(
             e, ids, args.concurrency, args.arrival_tokens, mix))
@@ -210,7 +243,7 @@ def main() -> int:
             **summarize(rows, {"all": (*metrics, "steps", "mixed_steps"), "ratios": metrics}),
             "rounds": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
     print(json.dumps({k: {kk: vv for kk, vv in report[k].items() if kk != "rounds"}
-                      for k in ("long", "arrivals") if k in report}, indent=1))
+                      for k in ("long", "arrivals", "burst") if k in report}, indent=1))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -248,8 +248,8 @@ def tpot_row(res: dict) -> tuple[str, str, str]:
 
 def prompts_row(res: dict) -> tuple[str, str, str]:
     """benchmarks/chunked_prefill.py: prompts read in the trees' forward or in their own."""
-    c, lg, ar = res["config"], res["long"], res["arrivals"]
-    if not (lg["outputs_equal"] and ar["outputs_equal"]):
+    c, lg, ar, bu = res["config"], res["long"], res["arrivals"], res["burst"]
+    if not (lg["outputs_equal"] and ar["outputs_equal"] and bu["outputs_equal"]):
         raise ValueError("a run whose greedy outputs differ with and without mixing is no figure")
     lm, lo, am, ao = lg["mixed"], lg["own_forward"], ar["mixed"], ar["own_forward"]
     setting = (f"in process, greedy, default tree: prompts read inside the running requests' "
@@ -258,7 +258,9 @@ def prompts_row(res: dict) -> tuple[str, str, str]:
                f"arriving while {c['streams']} streams decode (chunks of {c['prefill_chunk']}); "
                f"a closed loop of {c['concurrency']} chat requests in flight over "
                f"{c['num_prompts']} MT-bench prompts x {c['arrival_tokens'] // 2}.."
-               f"{c['arrival_tokens'] * 3 // 2} tokens (ending apart)")
+               f"{c['arrival_tokens'] * 3 // 2} tokens (ending apart); {bu['prompts']} prompts "
+               f"arriving together ({bu['prompt_tokens']} tokens, {bu['padded_tokens']} "
+               f"right-padded)")
     figure = (f"while the long prompt is read the streams get **"
               f"{lg['ratios_mixed_over_own']['stream_tokens_per_s_in_window']:.2f}x** the "
               f"tokens/s ({lm['stream_tokens_per_s_in_window']:.0f} against "
@@ -270,7 +272,10 @@ def prompts_row(res: dict) -> tuple[str, str, str]:
               f"{ao['output_tokens_per_s']:.0f}), TPOT median {am['tpot_ms.median']:.1f} against "
               f"{ao['tpot_ms.median']:.1f} ms, ITL p99 {am['itl_ms.p99']:.0f} against "
               f"{ao['itl_ms.p99']:.0f} ms, TTFT median {am['ttft_ms.median']:.0f} against "
-              f"{ao['ttft_ms.median']:.0f} ms; outputs equal")
+              f"{ao['ttft_ms.median']:.0f} ms; the burst's prefill "
+              f"**{bu['ratios_mixed_over_own']['prefill_ms']:.2f}x** the time "
+              f"({bu['mixed']['prefill_ms']:.0f} against {bu['own_forward']['prefill_ms']:.0f} "
+              f"ms); outputs equal")
     return setting, figure, "python " + res["command"].split(" --out")[0]
 
 

@@ -182,10 +182,15 @@ def test_a_prompts_row_reads_its_figures_and_refuses_differing_outputs(table):
                     "own_forward": {**side, "stream_tokens_per_s_in_window": 80.0},
                     "ratios_mixed_over_own": {"stream_tokens_per_s_in_window": 1.25}},
            "arrivals": {"outputs_equal": True, "mixed": side, "own_forward": side,
-                        "ratios_mixed_over_own": {"output_tokens_per_s": 1.0}}}
+                        "ratios_mixed_over_own": {"output_tokens_per_s": 1.0}},
+           "burst": {"outputs_equal": True, "prompts": 16, "prompt_tokens": 1319,
+                     "padded_tokens": 2208, "mixed": {"prefill_ms": 815.0},
+                     "own_forward": {"prefill_ms": 1292.0},
+                     "ratios_mixed_over_own": {"prefill_ms": 0.631}}}
     setting, figure, command = table.row(res, "prompts")
     assert "2000-token prompt arriving while 8 streams" in setting
     assert "**1.25x**" in figure and "(100 against 80)" in figure
+    assert "**0.63x** the time (815 against 1292 ms)" in figure
     assert command == "python benchmarks/chunked_prefill.py --rounds 3"
     with pytest.raises(ValueError):
         table.row({**res, "arrivals": {**res["arrivals"], "outputs_equal": False}}, "prompts")
