@@ -14,7 +14,8 @@ Reported per level, like those tools:
   draft / verify / other ms per step, bytes per step, the step loop's host time).
 
 Beside it, in the same run and process, the in-process engine (`eagle2.api.Eagle2`, the
-service's tree, measured costs and thread count) on the same prompts at batch C; its TTFT /
+service's tree, measured costs, thread count, prefill chunk and the requests its engine runs
+at most) on the same prompts at batch C; its TTFT /
 TPOT / ITL are measured on its events the same way. The two sides take turns: the prompts go
 in groups of C, each group through the service and then in process or the other way round,
 alternating, so that a shared machine's changing load falls on both alike (`_level`). Ratios
@@ -387,15 +388,20 @@ def _measure(args, handle, base_url: str, prompts: list[str], levels: list[int])
         from eagle2.budget import CostModel
         from services.config import ServiceConfig
 
-        tree = ServiceConfig(**(_service_config(args))).tree.to_core()
+        cfg = ServiceConfig(**(_service_config(args)))
         costs = first and first["costs"]
         threads = args.inprocess_threads or (first and first["torch_threads"]) or "auto"
         dtype = None if getattr(args, "dtype", None) in (None, "auto") else args.dtype
-        llm = Eagle2.load(args.target, args.draft, tree=tree, max_batch=max(levels),
+        # the service engine's limits: the requests a step runs (its cache's slots or
+        # max_running) and how long a prompt is read in chunks beside running requests
+        running = min(max(levels), (first and first.get("max_running")) or max(levels))
+        llm = Eagle2.load(args.target, args.draft, tree=cfg.tree.to_core(), max_batch=running,
                           max_context=args.max_context, threads=threads, dtype=dtype,
                           costs=CostModel.from_json(costs) if costs else None)
+        llm.engine.prefill_chunk = cfg.resolved_prefill_chunk()
         out["inprocess"] = {"torch_threads": torch.get_num_threads(),
-                            "costs": "service's" if costs else "own"}
+                            "costs": "service's" if costs else "own", "max_running": running,
+                            "prefill_chunk": llm.engine.prefill_chunk}
         prompt_ids = [llm.encode(p) for p in prompts]
         inprocess_level(llm, prompt_ids[:1], 1, 8, args.mode)  # warm-up
     reference = None
