@@ -47,8 +47,8 @@ ROWS: list[tuple[str, str, str]] = [
      "160 outputs token for token as the row above"),
     ("service-epyc-s42-concurrency.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 26 bf16 slots "
-     "of 1,024 + margin, so at most 26 run), two torch threads in the engine and in process "
-     "(the service's auto choice), newcomers read in the running step's forward, the machine "
+     "of 1,024 + margin, so at most 26 run, in process too, both with chunks of 64), two "
+     "torch threads in the engine and in process (the service's auto choice), the machine "
      "otherwise idle"),
     ("tpot-tp1-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread"),
     ("tpot-tp2-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread a rank"),
