@@ -153,6 +153,10 @@ class BlockManager:
             hashes.append(h)
         return found, hashes
 
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens' K/V `allocate` would find cached now."""
+        return len(self._match(tokens)[0]) * self.block_size
+
     def can_allocate(self, tokens: Sequence[int], num_entries: int, spare: int = 0) -> bool:
         """Whether `allocate(_, tokens, num_entries)` would succeed now and leave at least
         `spare` blocks free."""

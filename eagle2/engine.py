@@ -201,6 +201,11 @@ class _Chunked:
     row: int
     generator: torch.Generator | None
     feats: list[torch.Tensor] = field(default_factory=list)  # [chunk, H] each
+    piece: int = 0  # tokens this step reads of it (`Engine._next_chunk`)
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - self.done
 
 
 class Engine:
@@ -245,9 +250,15 @@ class Engine:
         # goes): right-padded, requests x the longest, which also bounds its [B, W, W] mask;
         # one group a prompt (`_varlen`), their sum
         self.prefill_budget = 8192
-        # while requests run, a prompt longer than this is prefilled this many tokens a step,
-        # each step's chunk beside the running requests' step (`_prefill_chunk`)
+        # while requests run, the prompt tokens a step reads beside their trees: the chunked
+        # prompt's next piece first, then newcomers whole while they fit, then the next one's
+        # first piece (`_admit_within`; without mixing: a longer prompt is read this many
+        # tokens a step, `_prefill_chunk`)
         self.prefill_chunk = 256
+        # False: newcomers' whole prompts are read outside that budget (up to
+        # prefill_budget), a prompt longer than prefill_chunk chunked alone (the policy
+        # before, for A/B: a burst of arrivals is then one long step for the running ones)
+        self.newcomers_in_budget = True
         self.chunking: _Chunked | None = None
         # newcomers' prompts and the chunk ride in the running requests' verification forward
         # (one pass over the weights for all) where the runner can (`mixed_step`); False: a
@@ -380,18 +391,18 @@ class Engine:
         """Admit waiting requests (prefill) or run one draft-verify-commit step for all."""
         if self.threads is not None:
             self._follow_load()
-        # newcomers and a long prompt's chunk ride in the running requests' verification
-        # forward where the runner can (`_mixing`); else a prefill is a step of its own and a
-        # chunk runs now in a forward of its own
+        # newcomers and a long prompt's chunks ride in the running requests' verification
+        # forward where the runner can (`_mixing`: admitted after the trees took their blocks,
+        # `_admit_within`); else a prefill is a step of its own and a chunk runs now in a
+        # forward of its own
         mixing = bool(self.seqs) and self._mixing()
-        if self._can_admit():
+        if not mixing and self._can_admit():
             how = self._admission()
-            if how == "prefill" and not mixing:
+            if how == "prefill":
                 return self._prefill()
             if how == "chunk":
                 self._start_chunking()
-        mixed_chunk = mixing and self.chunking is not None
-        chunked = self._prefill_chunk() if self.chunking is not None and not mixed_chunk else []
+        chunked = self._prefill_chunk() if self.chunking is not None and not mixing else []
         if not self.seqs:
             return chunked
         t0 = time.perf_counter()
@@ -414,14 +425,15 @@ class Engine:
         if self.paging is not None:
             tree = self._reserve(tree)
             if not self.seqs:  # all preempted beside a chunked prefill's blocks
-                return chunked + (self._prefill_chunk() if mixed_chunk else [])
+                return chunked + (self._prefill_chunk() if self.chunking is not None else [])
         t1 = time.perf_counter()
         context = self._context()
-        # newcomers start in this forward (their blocks taken after the trees'), the chunk too
-        batch = self._admit() if mixing and self._can_admit() \
-            and self._admission() == "prefill" else []
+        # the chunked prompt's next piece, newcomers and a new chunked prompt's first piece
+        # start in this forward (their blocks taken after the trees')
+        old, batch, new = self._admit_within() if mixing else (None, [], None)
         newcomers = self._prefill_inputs(batch) if batch else []
-        prompts = newcomers + ([self._next_chunk()] if mixed_chunk else [])
+        chunks = [c for c in (old, new) if c is not None]
+        prompts = newcomers + [self._next_chunk(c) for c in chunks]
         verified, features, read = self._verify(tree, prompts)
         self._count_lookup(tree, verified)
         t2 = time.perf_counter()
@@ -431,8 +443,10 @@ class Engine:
         events = self._advance(verified, features, drop=False)
         if batch:  # the newcomers' rows follow the running ones
             events += self._prefill_done(batch, newcomers, read[:len(newcomers)])
-        if mixed_chunk:
-            events += self._chunk_done(*read[-1])
+        for ch, done in zip(chunks, read[len(newcomers):], strict=True):
+            events += self._chunk_done(ch, *done)
+        if new is not None:
+            self._chunk_on(new)
         self._drop_finished(events)
         self.stats.mixed_steps += mixed
         t3 = time.perf_counter()
@@ -1113,20 +1127,65 @@ class Engine:
             if rows >= self._rows() or (out and cost > self.prefill_budget) \
                     or (out and self._long(c)):  # a long one is chunked on its own
                 break
-            resumed = c if isinstance(c, _Seq) else None
-            req = c.req if resumed else c
-            cached = 0
-            if self.paging is not None:
-                if not self._fits(c, rows):
-                    break
-                cached = self.paging.admit(req.seq_id, rows, tokens, self._uses_prefix_cache(req))
-                self.stats.prefix_query_tokens += len(tokens)
-                self.stats.prefix_hit_tokens += cached
-            out.append((req, resumed, tokens, cached))
-        taken = {r.seq_id for r, _, _, _ in out}
-        self.preempted = [s for s in self.preempted if s.req.seq_id not in taken]
-        self.waiting = [r for r in self.waiting if r.seq_id not in taken]
+            if self.paging is not None and not self._fits(c, rows):
+                break
+            out.append(self._take(c, rows))
         return out
+
+    def _take(self, c: _Seq | Request, row: int
+              ) -> tuple[Request, _Seq | None, list[int], int]:
+        """A candidate off its queue, its blocks taken for `row` where paged (its prompt's
+        cached prefix first). -> (request, the preempted _Seq or None, tokens to prefill, how
+        many of them are cached)."""
+        resumed = c if isinstance(c, _Seq) else None
+        req = c.req if resumed is not None else c
+        tokens, cached = self._prefill_tokens(c), 0
+        if self.paging is not None:
+            cached = self.paging.admit(req.seq_id, row, tokens, self._uses_prefix_cache(req))
+            self.stats.prefix_query_tokens += len(tokens)
+            self.stats.prefix_hit_tokens += cached
+        self.preempted = [s for s in self.preempted if s is not c]
+        self.waiting = [r for r in self.waiting if r is not c]
+        return req, resumed, tokens, cached
+
+    def _admit_within(self) -> tuple[_Chunked | None, list, _Chunked | None]:
+        """What a mixed step reads beside the trees, within its prompt-token budget
+        (`prefill_chunk`), first come first served, as the serving engines' schedulers do:
+        the chunked prompt's next piece (`old`), then candidates whole (their tokens past
+        the cached prefix) while they fit what is left, then where the one in progress
+        finishes (at most one prompt stays chunked) the next candidate's first piece (`new`,
+        in the row under the top one while `old` holds it; moved up after the step:
+        `_chunk_on`). Rows: newcomers after the running ones, as `_admit`; a new chunk
+        needs one more (the old one joins the running ones in the row after the newcomers,
+        which must not be the new one's). -> (old, newcomers as `_admit` gives them, new)."""
+        old, budget = self.chunking, self.prefill_chunk
+        if old is not None:
+            old.piece = min(budget, old.left)
+            budget -= old.piece
+        shared = self.newcomers_in_budget
+        whole = budget if shared else self.prefill_budget  # tokens newcomers may take
+        held = int(old is not None)  # the top row, until `old` joins the running ones
+        may_chunk = old is None or (shared and old.piece == old.left)
+        out, new = [], None
+        for c in self._candidates():
+            rows = len(self.seqs) + len(out)
+            if rows + 1 + held > self.max_batch or (shared and budget <= 0) \
+                    or (self.paging is not None and not self._fits(c, rows)):
+                break
+            req = c.req if isinstance(c, _Seq) else c
+            tokens = self._prefill_tokens(c)
+            need = len(tokens) - (self.paging.cached_prefix(tokens, self._uses_prefix_cache(req))
+                                  if self.paging is not None else 0)
+            if need <= (whole if shared else min(whole, self.prefill_chunk)):
+                out.append(self._take(c, rows))
+                whole -= need
+                budget -= need if shared else 0
+                continue
+            if may_chunk and 0 < budget < need and rows + 1 + 2 * held <= self.max_batch:
+                new = self._chunk(c, self.max_batch - 1 - held)
+                new.piece = min(budget, new.left)
+            break
+        return old, out, new
 
     # ----- chunked prefill beside decoding ---------------------------------------------------
     def _rows(self) -> int:
@@ -1148,31 +1207,35 @@ class Engine:
         return "chunk" if self.chunking is None else "wait"
 
     def _start_chunking(self) -> None:
-        """Take the first candidate off its queue into the top row (blocks for all its
-        tokens where paged); its chunks run from the next call of `_prefill_chunk` on."""
-        c = self._candidates()[0]
-        resumed = c if isinstance(c, _Seq) else None
-        req = c.req if resumed is not None else c
-        tokens, row, cached = self._prefill_tokens(c), self.max_batch - 1, 0
-        if self.paging is not None:
-            cached = self.paging.admit(req.seq_id, row, tokens, self._uses_prefix_cache(req))
-            self.stats.prefix_query_tokens += len(tokens)
-            self.stats.prefix_hit_tokens += cached
-        if resumed is not None:
-            self.preempted.remove(resumed)
-        else:
-            self.waiting.remove(req)
+        """The first candidate chunked in the top row; its chunks run from the next call of
+        `_prefill_chunk` on."""
+        self.chunking = self._chunk(self._candidates()[0], self.max_batch - 1)
+
+    def _chunk(self, c: _Seq | Request, row: int) -> _Chunked:
+        """A candidate off its queue to be prefilled in chunks in `row` (blocks for all its
+        tokens where paged)."""
+        req, resumed, tokens, cached = self._take(c, row)
         dev = self.runner.device
         self.runner.set_lengths(torch.tensor([row], device=dev),
                                 torch.tensor([cached], device=dev))
         gen = _generator(req.params) if resumed is None else None
-        self.chunking = _Chunked(req, resumed, tokens, cached, cached, row, gen)
+        return _Chunked(req, resumed, tokens, cached, cached, row, gen)
+
+    def _chunk_on(self, ch: _Chunked) -> None:
+        """A prompt whose first piece a mixed step read stays chunked, in the top row."""
+        self.chunking, top = ch, self.max_batch - 1
+        if ch.row != top:  # (the old chunk held the top row in that step)
+            self.runner.copy_slot(ch.row, top)
+            self._clear_row(ch.row)
+            ch.row = top
 
     def _prefill_chunk(self) -> list[Event]:
         """The next chunk of the chunked prefill in a forward of its own (`_next_chunk`,
         `_chunk_done`)."""
         t0 = time.perf_counter()
-        events = self._chunk_done(*self._read(self._next_chunk()))
+        ch = self.chunking
+        ch.piece = min(self.prefill_chunk, ch.left)
+        events = self._chunk_done(ch, *self._read(self._next_chunk(ch)))
         self._drop_finished(events)
         self.stats.prefill_s += time.perf_counter() - t0
         return events
@@ -1194,11 +1257,10 @@ class Engine:
         return bool(self.waiting or self.preempted) and len(self.seqs) < self._rows() \
             and self._admissible()
 
-    def _next_chunk(self) -> PromptBatch:
-        """The chunked prefill's next chunk (at most `prefill_chunk` tokens): a causal
-        [1, C, C] mask after the entries written so far, in the top row."""
-        ch, dev = self.chunking, self.runner.device
-        num = min(self.prefill_chunk, len(ch.tokens) - ch.done)
+    def _next_chunk(self, ch: _Chunked) -> PromptBatch:
+        """A chunked prompt's next piece (`_Chunked.piece` tokens): a causal [1, C, C] mask
+        after the entries written so far, in its row."""
+        dev, num = self.runner.device, ch.piece
         final = ch.done + num == len(ch.tokens) and ch.resumed is None  # a new request's
         # last chunk samples its first token; the others' take greedy parameters
         return PromptBatch(
@@ -1208,14 +1270,13 @@ class Engine:
             torch.tensor([num - 1], device=dev), [ch.req.params if final else SamplingParams()],
             [ch.generator if final else None])
 
-    def _chunk_done(self, features: torch.Tensor, first: list[int],
+    def _chunk_done(self, ch: _Chunked, features: torch.Tensor, first: list[int],
                     first_lp: list[TokenLogprobs | None] | None) -> list[Event]:
-        """The chunk's entries are written (its `prefill_step` result): the length advances;
+        """A chunk's entries are written (its `prefill_step` result): the length advances;
         with the last chunk its request joins the running ones (the row after theirs) and
         gets its first token (the caller drops it if that ends it)."""
-        ch, dev = self.chunking, self.runner.device
-        num = min(self.prefill_chunk, len(ch.tokens) - ch.done)
-        last = ch.done + num == len(ch.tokens)
+        dev, num = self.runner.device, ch.piece
+        last = num == ch.left
         slots = torch.tensor([ch.row], device=dev)
         ch.feats.append(to_device(features, dev)[0, :num])
         ch.done += num
@@ -1225,7 +1286,8 @@ class Engine:
             self.paging.commit(ch.req.seq_id, ch.done, lambda: ch.tokens)
         events = []
         if last:
-            self.chunking = None
+            if self.chunking is ch:
+                self.chunking = None
             row = len(self.seqs)
             if ch.row != row:  # paged: the block table moves; slotted: the entries
                 self.runner.copy_slot(ch.row, row)

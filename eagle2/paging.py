@@ -58,6 +58,10 @@ class Paging:
             return self.blocks.blocks_for(len(tokens)) + spare <= self.blocks.num_free
         return self.blocks.can_allocate(tokens, len(tokens), spare)
 
+    def cached_prefix(self, tokens: Sequence[int], use_cache: bool) -> int:
+        """How many leading tokens' K/V `admit` would find cached now."""
+        return self.blocks.cached_prefix(tokens) if use_cache else 0
+
     def ensure(self, seq_id: str, row: int, num_entries: int) -> bool:
         """Room for num_entries entries (the committed ones and a tree); False: no blocks."""
         if not self.blocks.ensure(seq_id, num_entries):

@@ -134,6 +134,35 @@ def test_shared_prefix_is_prefilled_once():
     assert off.stats.prefill_tokens == len(prompts[0]) + len(prompts[1])
 
 
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
+def test_a_cached_prefix_counts_nothing_against_the_step_prompt_budget(caching):
+    """While a request decodes, a 110-token prompt whose first 96 tokens are cached reads its
+    14 others whole in the step it arrives (budget 24); without the cache it is chunked over
+    5 steps. The same tokens."""
+    target = tiny_target(vocab=48, seed=41)
+    engine = paged_engine(target, 200, prefix_caching=caching)
+    engine.prefill_chunk = 24
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 48, (100,), generator=gen).tolist()
+    late = tuple(prefix + torch.randint(0, 48, (10,), generator=gen).tolist())
+    run(engine, [prefix + [1, 2, 3]], SamplingParams(max_tokens=1), TREES["eagle2"])
+    engine.add(Request("s", (5, 6, 7), SamplingParams(max_tokens=30, ignore_eos=True),
+                       TREES["eagle2"]))
+    engine.step()
+    engine.add(Request("late", late, GREEDY, TREES["eagle2"]))
+    out, steps = [], 0
+    while not out:
+        before = engine.stats.prefill_tokens
+        out += [t for e in engine.step() if e.seq_id == "late" for t in e.token_ids]
+        assert engine.stats.prefill_tokens - before <= 24
+        steps += 1
+    assert steps == (1 if caching else 5)
+    while engine.has_work():
+        out += [t for e in engine.step() if e.seq_id == "late" for t in e.token_ids]
+    alone = paged_engine(target, 200, prefix_caching=False)
+    assert out == run(alone, [list(late)], GREEDY, TREES["eagle2"])[0]
+
+
 def test_pool_must_hold_one_whole_request_and_cancel_frees_blocks():
     target = tiny_target(vocab=48, seed=35)
     with pytest.raises(ValueError, match="less than one request"):
@@ -265,6 +294,56 @@ def test_newcomers_are_read_in_the_running_requests_forward(num_blocks):
             assert stalls > 0 and engine.stats.mixed_steps == 0
         if num_blocks == 18:
             assert engine.stats.preemptions > 0
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("num_blocks", [None, 400, 24], ids=["slotted", "paged", "preempting"])
+def test_a_step_reads_at_most_its_prompt_budget_shared_by_chunks_and_newcomers(num_blocks):
+    """While requests run, a step reads at most `prefill_chunk` prompt tokens: the chunked
+    prompt's next piece, newcomers whole while they fit, the next one's first piece (a
+    prompt's last piece and the next one's first in one forward, the new chunk moved to the
+    top row after it). Outputs, a seeded sampled newcomer's included, equal the policy before
+    (`newcomers_in_budget` off: a burst of arrivals read in one step, beyond the budget)."""
+    target = tiny_target(vocab=48, seed=40)
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=25, ignore_eos=True)
+    gen = torch.Generator().manual_seed(4)
+    burst = [torch.randint(0, 48, (n,), generator=gen).tolist() for n in (30, 9, 45, 20, 14)]
+    runs = {}
+    for shared in (True, False):
+        engine = paged_engine(target, num_blocks, max_context=128)
+        engine.prefill_chunk, engine.newcomers_in_budget = 24, shared
+        moved = []
+        chunk_on = engine._chunk_on
+        engine._chunk_on = lambda ch, moved=moved, on=chunk_on: moved.append(ch.row) or on(ch)
+        out: dict[str, list[int]] = {}
+        read = []  # prompt tokens read in each step that began with requests running
+        for i, p in enumerate(random_prompts(3, 48, seed=8)):
+            engine.add(Request(f"s{i}", tuple(p), SamplingParams(max_tokens=60,
+                                                                 ignore_eos=True),
+                               TREES["eagle2"]))
+        for step in range(300):
+            if step == 2:
+                for j, p in enumerate(burst):
+                    params, tree = (sampled, TREES["vanilla"]) if j == 3 else (GREEDY,
+                                                                               TREES["chain"])
+                    engine.add(Request(f"b{j}", tuple(p), params, tree))
+            running, before = bool(engine.seqs), engine.stats.prefill_tokens
+            for e in engine.step():
+                out.setdefault(e.seq_id, []).extend(e.token_ids)
+            if running:
+                read.append(engine.stats.prefill_tokens - before)
+            if not engine.has_work():
+                break
+        runs[shared] = out
+        assert len(out) == 8 and len(out["b3"]) == 25
+        if num_blocks == 24:
+            assert engine.stats.preemptions > 0
+        if shared:
+            assert max(read) <= 24 and engine.stats.mixed_steps > 0
+            assert engine.max_batch - 2 in moved  # the 30-token prompt's last piece beside
+            # the 45-token one's first
+        else:
+            assert max(read) > 24
     assert runs[True] == runs[False]
 
 

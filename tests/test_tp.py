@@ -275,8 +275,9 @@ def test_tp2_sampling_equals_unsharded_and_no_logits_leave_the_ranks(tiny, tiny_
 def test_tp2_prompts_ride_in_the_verification_forward(tiny, tiny_tp2):
     """A long prompt arriving while a request decodes is read 8 tokens a step inside its
     verification forward on every rank (one message a step), and a short one arriving next is
-    prefilled in the same forwards (three groups); their first tokens are sampled (seeded)
-    with the generator states sent with them; every token equals in-process."""
+    prefilled in the forward of its last piece (three groups: the step's budget of 8 prompt
+    tokens left 5); their first tokens are sampled (seeded) with the generator states sent
+    with them; every token equals in-process."""
 
     def late_long_prompt(runner) -> tuple[dict[str, list[int]], int]:
         engine = make_engine(runner, tiny[0])
@@ -288,7 +289,7 @@ def test_tp2_prompts_ride_in_the_verification_forward(tiny, tiny_tp2):
         step = 0
         while engine.has_work():
             if step == 1:
-                engine.add(Request("long", tuple(i % 32 for i in range(5, 45)),
+                engine.add(Request("long", tuple(i % 32 for i in range(5, 40)),
                                    SamplingParams(temperature=0.9, seed=7, max_tokens=6,
                                                   ignore_eos=True), TINY_TREES["vanilla"]))
             if step == 2:
@@ -304,7 +305,7 @@ def test_tp2_prompts_ride_in_the_verification_forward(tiny, tiny_tp2):
     expected, local_mixed = late_long_prompt(local)
     got, mixed = late_long_prompt(tiny_tp2)
     assert got == expected and len(got["long"]) == 6 and len(got["short"]) == 4
-    assert mixed == local_mixed == 5  # 40 tokens in chunks of 8, the short one beside one
+    assert mixed == local_mixed == 5  # 35 tokens in chunks of 8, the short one beside the last
 
 
 def test_tp2_with_an_eagle3_head_equals_unsharded_greedy(ray_cluster, tiny, tiny_expected):
