@@ -527,7 +527,7 @@ def test_cached_draft_costs_of_another_head_are_measured_again(tmp_path, monkeyp
     third = make_engine(target, 0, max_batch=2, max_context=64)
     third._costs, third._cost_path = path, path
     measured = []
-    monkeypatch.setattr("eagle2.engine.measure_draft_levels",
+    monkeypatch.setattr("eagle2.engine_budget.measure_draft_levels",
                         lambda *a, **k: measured.append(a))
     assert run(third, prompts, GREEDY, AUTO) == vanilla
     assert measured == []
