@@ -365,6 +365,7 @@ class Engine(TreeBudget, Admission):
         self.stats.other_s += t3 - t2
         self.stats.steps += 1
         return chunked + events
+
     def _draft(self, draft_auto: bool = True) -> DraftTree:
         """One tree per sequence; auto-budget ones get the one-node tree if not draft_auto,
         unless they just joined (a probe of the newcomers only: their text may suit the head
