@@ -27,7 +27,8 @@ AMX = "Intel Xeon with AMX, head v8"
 # (results file under RESULTS, what the row reads from it, where and with what it ran): one row
 # each. Kinds: "speedup" (eagle2 against plain decoding, same run), "hf" (eagle2 against HF
 # `generate`), "tau" (accepted tokens per target forward), "service" (`bench-service`),
-# "cache" (service_cache.py), "tpot" (tp_service_tpot.py), "prompts" (chunked_prefill.py).
+# "cache" (service_cache.py), "tpot" (tp_service_tpot.py), "prompts" (chunked_prefill.py),
+# "budget" (chunked_prefill.py --compare budget).
 ROWS: list[tuple[str, str, str]] = [
     (S37 + "full.json", "speedup", AMX),
     (S37 + "hf.json", "hf", AMX),
@@ -45,17 +46,19 @@ ROWS: list[tuple[str, str, str]] = [
     ("ab-epyc-s38-a04a4cd.json", "speedup",
      "AMD EPYC with AVX512-BF16, head v8, the release before (a04a4cd), one core; the same "
      "160 outputs token for token as the row above"),
-    ("service-epyc-s42-concurrency.json", "service",
+    ("service-epyc-s43-concurrency.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 26 bf16 slots "
-     "of 1,024 + margin, so at most 26 run, in process too, both with chunks of 64), two "
-     "torch threads in the engine and in process (the service's auto choice), the machine "
-     "otherwise idle"),
+     "of 1,024 + margin, so at most 26 run, in process too, both with a prompt budget of 64 "
+     "tokens a step), two torch threads in the engine and in process (set: the auto choice "
+     "took one in a run at the same code), the machine otherwise idle"),
     ("tpot-tp1-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread"),
     ("tpot-tp2-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread a rank"),
     ("service-cache-epyc-s42.json", "cache",
      "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 64 (the CPU default), chunks read in "
      "the running step's forward"),
-    ("chunked-prefill-epyc-s42.json", "prompts",
+    ("chunked-prefill-epyc-s43.json", "prompts",
+     "AMD EPYC with AVX512-BF16, head v8, bfloat16, two torch threads"),
+    ("prompt-budget-epyc-s43.json", "budget",
      "AMD EPYC with AVX512-BF16, head v8, bfloat16, two torch threads"),
 ]
 SUITES = {"mt_bench": "MT-bench", "humaneval": "HumanEval"}
@@ -266,7 +269,7 @@ def prompts_row(res: dict) -> tuple[str, str, str]:
               f"tokens/s ({lm['stream_tokens_per_s_in_window']:.0f} against "
               f"{lo['stream_tokens_per_s_in_window']:.0f}), gap p99 "
               f"{lm['gap_window_p99_ms']:.0f} against {lo['gap_window_p99_ms']:.0f} ms, its "
-              f"first token after {lm['long_ttft_s']:.2f} against {lo['long_ttft_s']:.2f} s; "
+              f"first token after {lm['last_ttft_s']:.2f} against {lo['last_ttft_s']:.2f} s; "
               f"closed loop: **{ar['ratios_mixed_over_own']['output_tokens_per_s']:.2f}x** "
               f"the output tokens/s ({am['output_tokens_per_s']:.0f} against "
               f"{ao['output_tokens_per_s']:.0f}), TPOT median {am['tpot_ms.median']:.1f} against "
@@ -276,6 +279,36 @@ def prompts_row(res: dict) -> tuple[str, str, str]:
               f"**{bu['ratios_mixed_over_own']['prefill_ms']:.2f}x** the time "
               f"({bu['mixed']['prefill_ms']:.0f} against {bu['own_forward']['prefill_ms']:.0f} "
               f"ms); outputs equal")
+    return setting, figure, "python " + res["command"].split(" --out")[0]
+
+
+def budget_row(res: dict) -> tuple[str, str, str]:
+    """benchmarks/chunked_prefill.py --compare budget: newcomers within the step's prompt-token
+    budget or read whole outside it."""
+    c, wv, ar = res["config"], res["wave"], res["arrivals"]
+    if not (wv["outputs_equal"] and ar["outputs_equal"]):
+        raise ValueError("a run whose greedy outputs differ with and without the budget is no "
+                         "figure")
+    wi, wo, ai, ao = wv["in_budget"], wv["outside_budget"], ar["in_budget"], ar["outside_budget"]
+    setting = (f"in process, greedy, default tree, prompts read in the running requests' "
+               f"forward: newcomers within the step's prompt-token budget "
+               f"({c['prefill_chunk']}, shared with a long prompt's chunks) against read whole "
+               f"outside it (the policy before; medians of {c['rounds']} alternating rounds): "
+               f"{wv['prompts']} chat prompts ({wv['prompt_tokens']} tokens) arriving together "
+               f"while {c['streams']} streams decode; a closed loop of {c['concurrency']} chat "
+               f"requests in flight over {c['num_prompts']} MT-bench prompts x "
+               f"{c['arrival_tokens'] // 2}..{c['arrival_tokens'] * 3 // 2} tokens")
+    figure = (f"while the arrivals are read the streams' gap p99 is **"
+              f"{wv['ratios_in_over_outside']['gap_window_p99_ms']:.2f}x** ("
+              f"{wi['gap_window_p99_ms']:.0f} against {wo['gap_window_p99_ms']:.0f} ms: "
+              f"{wi['window_p99_over_median']:.1f}x against {wo['window_p99_over_median']:.1f}x "
+              f"their median gap), the arrivals' TTFT median {1e3 * wi['ttft_median_s']:.0f} "
+              f"against {1e3 * wo['ttft_median_s']:.0f} ms, the last's "
+              f"{wi['last_ttft_s']:.2f} against {wo['last_ttft_s']:.2f} s; closed loop: "
+              f"{ar['ratios_in_over_outside']['output_tokens_per_s']:.2f}x the output tokens/s "
+              f"({ai['output_tokens_per_s']:.0f} against {ao['output_tokens_per_s']:.0f}), "
+              f"TTFT p99 {ai['ttft_ms.p99']:.0f} against {ao['ttft_ms.p99']:.0f} ms, ITL p99 "
+              f"{ai['itl_ms.p99']:.0f} against {ao['itl_ms.p99']:.0f} ms; outputs equal")
     return setting, figure, "python " + res["command"].split(" --out")[0]
 
 
@@ -298,6 +331,8 @@ def row(res: dict, kind: str) -> tuple[str, str, str]:
         return tpot_row(res)
     if kind == "prompts":
         return prompts_row(res)
+    if kind == "budget":
+        return budget_row(res)
     return bench_setting(res), bench_figure(res, kind), bench_command(res)
 
 

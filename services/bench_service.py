@@ -280,7 +280,7 @@ def inprocess_level(llm, prompt_ids: list[list[int]], conc: int,
     recs: dict[str, dict] = {}
     t_start = time.perf_counter()
     while todo or engine.has_work():
-        while todo and len(engine.seqs) + len(engine.waiting) < conc:
+        while todo and len(engine.ids()) < conc:  # running, waiting, preempted, chunked
             i, ids = todo.pop(0)
             sid = f"bench-{uuid.uuid4().hex[:8]}-{i}"
             n = max_tokens(i) if callable(max_tokens) else max_tokens

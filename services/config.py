@@ -99,9 +99,11 @@ class ServiceConfig(BaseModel):
     # and 32; FlashInfer and FlashAttention's paged kernels take multiples of 16).
     block_size: int = Field(32, ge=16, le=1024, multiple_of=16)
     prefix_caching: bool = True
-    # While requests run, a longer prompt is read this many tokens a step beside their step
-    # (chunked prefill, docs/kv-cache.md): smaller keeps their inter-token latency steadier,
-    # larger reads the prompt in fewer steps. None: 64 on CPUs, 512 on GPUs. On 2 CPU cores
+    # While requests run, the prompt tokens a step reads beside their trees: a long prompt's
+    # next chunk and newcomers' prompts together (docs/kv-cache.md "Chunked prefill beside
+    # decoding"): smaller keeps their inter-token latency steadier, larger admits prompts in
+    # fewer steps. None: 64 on CPUs, 2,048 on GPUs (vLLM's OpenAI server's token budget on
+    # GPUs under 70 GB, not measured here on a GPU). On 2 CPU cores
     # (fp32, 8 streams decoding, a 2,346-token prompt arriving; chunks in their own forward,
     # git show 1f130e1:benchmarks/results/service-cache-epyc-s40.json): 256 -> the streams'
     # p99 inter-token latency 8.3x their median, the prompt's first token after 13.3 s;
@@ -181,7 +183,7 @@ class ServiceConfig(BaseModel):
         """prefill_chunk, None decided by the device (see the field)."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
-        return 512 if self.use_gpu else 64
+        return 2048 if self.use_gpu else 64
 
     def device(self) -> str:
         return "cuda" if self.use_gpu else "cpu"

@@ -172,7 +172,7 @@ def test_a_tpot_row_reads_its_figures_and_refuses_differing_tokens(table):
 
 def test_a_prompts_row_reads_its_figures_and_refuses_differing_outputs(table):
     side = {"stream_tokens_per_s_in_window": 100.0, "gap_window_p99_ms": 110.0,
-            "long_ttft_s": 2.5, "output_tokens_per_s": 200.0, "tpot_ms.median": 40.0,
+            "last_ttft_s": 2.5, "output_tokens_per_s": 200.0, "tpot_ms.median": 40.0,
             "itl_ms.p99": 150.0, "ttft_ms.median": 900.0}
     res = {"command": "benchmarks/chunked_prefill.py --rounds 3 --out x.json",
            "machine": {"cpus": 2, "loadavg_start": [0.4, 0, 0]},
@@ -194,3 +194,25 @@ def test_a_prompts_row_reads_its_figures_and_refuses_differing_outputs(table):
     assert command == "python benchmarks/chunked_prefill.py --rounds 3"
     with pytest.raises(ValueError):
         table.row({**res, "arrivals": {**res["arrivals"], "outputs_equal": False}}, "prompts")
+
+
+def test_a_budget_row_reads_its_figures_and_refuses_differing_outputs(table):
+    side = {"gap_window_p99_ms": 80.0, "window_p99_over_median": 3.7, "ttft_median_s": 0.63,
+            "last_ttft_s": 1.39, "output_tokens_per_s": 357.0, "ttft_ms.p99": 2389.0,
+            "itl_ms.p99": 115.0}
+    res = {"command": "benchmarks/chunked_prefill.py --compare budget --rounds 3 --out x.json",
+           "machine": {"cpus": 2, "loadavg_start": [0.4, 0, 0]},
+           "config": {"rounds": 3, "streams": 8, "prefill_chunk": 64, "concurrency": 32,
+                      "num_prompts": 64, "arrival_tokens": 64},
+           "wave": {"outputs_equal": True, "prompts": 16, "prompt_tokens": 1319,
+                    "in_budget": side, "outside_budget": {**side, "gap_window_p99_ms": 166.0},
+                    "ratios_in_over_outside": {"gap_window_p99_ms": 0.482}},
+           "arrivals": {"outputs_equal": True, "in_budget": side, "outside_budget": side,
+                        "ratios_in_over_outside": {"output_tokens_per_s": 1.0}}}
+    setting, figure, command = table.row(res, "budget")
+    assert "16 chat prompts (1319 tokens) arriving together while 8 streams" in setting
+    assert "gap p99 is **0.48x** (80 against 166 ms" in figure
+    assert "TTFT median 630 against 630 ms" in figure
+    assert command == "python benchmarks/chunked_prefill.py --compare budget --rounds 3"
+    with pytest.raises(ValueError):
+        table.row({**res, "wave": {**res["wave"], "outputs_equal": False}}, "budget")
