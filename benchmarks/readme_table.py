@@ -249,6 +249,13 @@ def tpot_row(res: dict) -> tuple[str, str, str]:
     return setting, figure + "; tokens equal in-process decoding's", "python " + res["command"]
 
 
+def _closed_loop(c: dict) -> str:
+    """chunked_prefill.py's arrivals scenario, as its config gives it."""
+    return (f"a closed loop of {c['concurrency']} chat requests in flight over "
+            f"{c['num_prompts']} MT-bench prompts x {c['arrival_tokens'] // 2}.."
+            f"{c['arrival_tokens'] * 3 // 2} tokens (ending apart)")
+
+
 def prompts_row(res: dict) -> tuple[str, str, str]:
     """benchmarks/chunked_prefill.py: prompts read in the trees' forward or in their own."""
     c, lg, ar, bu = res["config"], res["long"], res["arrivals"], res["burst"]
@@ -259,11 +266,8 @@ def prompts_row(res: dict) -> tuple[str, str, str]:
                f"verification forward against in forwards of their own (medians of "
                f"{c['rounds']} alternating rounds): a {lg['long_prompt_tokens']}-token prompt "
                f"arriving while {c['streams']} streams decode (chunks of {c['prefill_chunk']}); "
-               f"a closed loop of {c['concurrency']} chat requests in flight over "
-               f"{c['num_prompts']} MT-bench prompts x {c['arrival_tokens'] // 2}.."
-               f"{c['arrival_tokens'] * 3 // 2} tokens (ending apart); {bu['prompts']} prompts "
-               f"arriving together ({bu['prompt_tokens']} tokens, {bu['padded_tokens']} "
-               f"right-padded)")
+               f"{_closed_loop(c)}; {bu['prompts']} prompts arriving together "
+               f"({bu['prompt_tokens']} tokens, {bu['padded_tokens']} right-padded)")
     figure = (f"while the long prompt is read the streams get **"
               f"{lg['ratios_mixed_over_own']['stream_tokens_per_s_in_window']:.2f}x** the "
               f"tokens/s ({lm['stream_tokens_per_s_in_window']:.0f} against "
@@ -295,9 +299,7 @@ def budget_row(res: dict) -> tuple[str, str, str]:
                f"({c['prefill_chunk']}, shared with a long prompt's chunks) against read whole "
                f"outside it (the policy before; medians of {c['rounds']} alternating rounds): "
                f"{wv['prompts']} chat prompts ({wv['prompt_tokens']} tokens) arriving together "
-               f"while {c['streams']} streams decode; a closed loop of {c['concurrency']} chat "
-               f"requests in flight over {c['num_prompts']} MT-bench prompts x "
-               f"{c['arrival_tokens'] // 2}..{c['arrival_tokens'] * 3 // 2} tokens")
+               f"while {c['streams']} streams decode; {_closed_loop(c)}")
     figure = (f"while the arrivals are read the streams' gap p99 is **"
               f"{wv['ratios_in_over_outside']['gap_window_p99_ms']:.2f}x** ("
               f"{wi['gap_window_p99_ms']:.0f} against {wo['gap_window_p99_ms']:.0f} ms: "
