@@ -23,8 +23,11 @@ tiny shapes in fp32, so the whole check runs on any machine. The phases, in orde
 - context_4k: a ~4096-token prompt's prefill, then eagle2 and vanilla decoding after it;
 - prefill_memory: torch.cuda.max_memory_allocated over long prefills (null on a CPU);
 - eagle2_vs_vanilla (ms per engine step, eager and, on CUDA, through the serving engine's CUDA
-  graphs), forward_cost (ms per forward for N tokens x batch, eager and CUDA graphs,
-  host against device time), lossless_eagle3_head, eagle3_vs_vanilla, forward_cost_70b_4_layers;
+  graphs); arrivals: a long prompt and short ones arriving while 4 streams decode, read inside
+  the verification forward against in forwards of their own (ms of steps with and without
+  prompt tokens: what reading them costs the streams); forward_cost (ms per forward for N
+  tokens x batch, eager and CUDA graphs, host against device time), lossless_eagle3_head,
+  eagle3_vs_vanilla, forward_cost_70b_4_layers;
 - tp2: a tensor-parallel (tp = 2) forward over NCCL when two GPUs are present (gloo with two
   CPU processes in CPU mode), against the whole model's logits, and its forward time;
 - imports: no forbidden module (Ray, gRPC, DeepSpeed, gguf) was imported.
@@ -312,6 +315,67 @@ def engine_vs_vanilla(target, head, sizes: dict, num_tokens: int, batches: tuple
     return {"rows": rows, "skipped_for_budget": skipped}
 
 
+def arrivals(target, head, sizes: dict, budget: int, long_len: int, num_tokens: int,
+             over: Callable[[], bool] = lambda: False) -> dict:
+    """Prompts arriving while requests decode: 4 greedy eagle2 streams; after their second
+    step a `long_len`-token prompt and three short ones arrive (the step's prompt budget
+    `budget` tokens: docs/kv-cache.md "Chunked prefill beside decoding"). Read inside the
+    running requests' verification forward (`mix_prompts`) against in forwards of their own,
+    on the service's paged runner (CUDA graphs for the plain steps on CUDA): per variant the ms
+    of steps that read no prompt tokens and of those that read some (median), the steps until
+    the long prompt's first token, and whether the outputs are the other variant's (reported:
+    on a GPU the two batch the same tokens differently)."""
+    from eagle2.config import SamplingParams
+    from eagle2.engine import Request
+
+    vocab, tree = target.vocab_size, fixed_tree("eagle2", sizes)
+    streams = random_prompts(vocab, [9, 14, 6, 11], seed=21)
+    late = random_prompts(vocab, [long_len, 20, 33, 12], seed=22)
+    out: dict = {"budget": budget, "long_prompt": long_len, "skipped_for_budget": []}
+    outputs = {}
+    for mix in (True, False):
+        name = "mixed" if mix else "own_forward"
+        if over():
+            out["skipped_for_budget"].append(name)
+            continue
+        engine = make_engine(target, head, 8, long_len + 2 * num_tokens + 64,
+                             cuda_graphs=target.device.type == "cuda")
+        engine.prefill_chunk, engine.mix_prompts = budget, mix
+        got: dict[str, list[int]] = {}
+        for i, p in enumerate(streams):
+            engine.add(Request(f"s{i}", tuple(p), SamplingParams(max_tokens=num_tokens,
+                                                                 ignore_eos=True), tree))
+        plain, reading, steps, first = [], [], 0, None
+        while engine.has_work():
+            if steps == 2:  # the streams are decoding
+                for j, p in enumerate(late):
+                    engine.add(Request(f"late{j}", tuple(p),
+                                       SamplingParams(max_tokens=8, ignore_eos=True), tree))
+            running, before = bool(engine.seqs), engine.stats.prefill_tokens
+            t0 = time.perf_counter()
+            events = engine.step()
+            _sync(target.device)
+            if running:
+                (reading if engine.stats.prefill_tokens > before else plain).append(
+                    1000 * (time.perf_counter() - t0))
+            steps += 1
+            for ev in events:
+                got.setdefault(ev.seq_id, []).extend(ev.token_ids)
+                if ev.seq_id == "late0" and first is None and ev.token_ids:
+                    first = steps - 2  # steps since it arrived, that one included
+        outputs[name] = got
+        out[name] = {"steps_to_long_first_token": first, "mixed_steps": engine.stats.mixed_steps,
+                     "plain_step_ms": _median(plain), "prompt_step_ms": _median(reading),
+                     "prompt_steps": len(reading)}
+    if len(outputs) == 2:
+        out["outputs_equal"] = outputs["mixed"] == outputs["own_forward"]
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return round(sorted(values)[len(values) // 2], 3) if values else None
+
+
 def logit_gaps(target, prompts: list[list[int]]) -> dict:
     """The top-1 minus top-2 logit after each prompt (how far an argmax is from a flip) and the
     logits' spread, over the target's own forward."""
@@ -585,6 +649,11 @@ def phase_eagle2_vs_vanilla(c: Check) -> dict:
     return engine_vs_vanilla(c.target, c.head, c.sizes, c.pick(32, 8), (1, 8), c.over)
 
 
+def phase_arrivals(c: Check) -> dict:
+    return arrivals(c.target, c.head, c.sizes, c.pick(512, 32), c.pick(2000, 150),
+                    c.pick(64, 24), c.over)
+
+
 def phase_forward_cost(c: Check) -> dict:
     c.target.set_feature_layers(None)
     batches = c.pick([1, 2, 4, 8, 16], [1, 2])
@@ -734,6 +803,7 @@ PHASES: list[Phase] = [
     Phase("context_4k", phase_context_4k, 40),
     Phase("prefill_memory", phase_prefill_memory, 30),
     Phase("eagle2_vs_vanilla", phase_eagle2_vs_vanilla, 30),
+    Phase("arrivals", phase_arrivals, 30),
     Phase("forward_cost", phase_forward_cost, 90),
     Phase("lossless_eagle3_head", phase_lossless_eagle3_head, 45),
     Phase("eagle3_vs_vanilla", phase_eagle3_vs_vanilla, 30),

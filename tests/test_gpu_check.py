@@ -78,6 +78,12 @@ def _check_results(res: dict) -> None:
     memory = res["prefill_memory"]
     assert memory["rows"] and all(r["peak_bytes"] is None for r in memory["rows"])
     assert "CUDA" in memory["reason"]
+    arr = res["arrivals"]
+    assert arr["outputs_equal"] and arr["budget"] == 32  # (fp32 on the CPU: the same tokens)
+    assert arr["mixed"]["mixed_steps"] == arr["mixed"]["prompt_steps"] > 0
+    assert arr["own_forward"]["mixed_steps"] == 0 < arr["own_forward"]["prompt_steps"]
+    assert arr["mixed"]["steps_to_long_first_token"] == 5  # 150 tokens, 32 a step
+    assert all(arr[v]["plain_step_ms"] > 0 for v in ("mixed", "own_forward"))
     assert all(r["eager_ms"] > 0 for r in res["forward_cost"]["rows"])
     assert len(res["forward_cost"]["rows"]) == 6 and res["forward_cost_70b_4_layers"]["rows"]
     assert {r["mode"] for r in res["eagle3_vs_vanilla"]["rows"]} == {"vanilla", "eagle2"}
