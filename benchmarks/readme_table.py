@@ -53,7 +53,7 @@ ROWS: list[tuple[str, str, str]] = [
      "took one in a run at the same code), the machine otherwise idle"),
     ("tpot-tp1-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread"),
     ("tpot-tp2-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread a rank"),
-    ("service-cache-epyc-s42.json", "cache",
+    ("service-cache-epyc-s43.json", "cache",
      "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 64 (the CPU default), chunks read in "
      "the running step's forward"),
     ("chunked-prefill-epyc-s43.json", "prompts",

@@ -107,8 +107,8 @@ class ServiceConfig(BaseModel):
     # (fp32, 8 streams decoding, a 2,346-token prompt arriving; chunks in their own forward,
     # git show 1f130e1:benchmarks/results/service-cache-epyc-s40.json): 256 -> the streams'
     # p99 inter-token latency 8.3x their median, the prompt's first token after 13.3 s;
-    # 64 -> 2.5x, 20.6 s. Read in the running step's forward, 64 -> 2.47x, 15.3 s
-    # (benchmarks/service_cache.py, benchmarks/results/service-cache-epyc-s42.json).
+    # 64 -> 2.5x, 20.6 s. Read in the running step's forward, 64 -> 2.42x, 17.4 s
+    # (benchmarks/service_cache.py, benchmarks/results/service-cache-epyc-s43.json).
     prefill_chunk: int | None = Field(None, ge=16, le=8192)
     max_context: int = Field(2048, ge=64)
     default_max_tokens: int = Field(256, ge=1)
