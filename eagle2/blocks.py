@@ -132,25 +132,21 @@ class BlockManager:
     def table(self, seq_id: str) -> list[int]:
         return self.tables[seq_id].blocks
 
-    def _prefix_hashes(self, tokens: Sequence[int], count: int) -> list[bytes]:
-        out, parent, size = [], b"", self.block_size
-        for i in range(count):
-            parent = block_hash(parent, tokens[i * size:(i + 1) * size])
-            out.append(parent)
-        return out
-
     def _match(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """The cached blocks of tokens' longest cached full-block prefix, leaving at least
-        the last token to compute, and their hashes."""
+        the last token to compute, and their hashes (hashed block by block up to the first
+        miss: a waiting prompt is looked up every step, and most of a long one is not cached;
+        a 4,000-token prompt hashed whole cost ~0.2 ms a lookup)."""
         if not self.prefix_caching:
             return [], []
-        found, hashes = [], []
-        for h in self._prefix_hashes(tokens, (len(tokens) - 1) // self.block_size):
-            idx = self.pool.cached.get(h)
+        found, hashes, parent, size = [], [], b"", self.block_size
+        for i in range((len(tokens) - 1) // size):
+            parent = block_hash(parent, tokens[i * size:(i + 1) * size])
+            idx = self.pool.cached.get(parent)
             if idx is None:
                 break
             found.append(idx)
-            hashes.append(h)
+            hashes.append(parent)
         return found, hashes
 
     def cached_prefix(self, tokens: Sequence[int]) -> int:
