@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from eagle2.tree import rows_tensor
+
 if TYPE_CHECKING:
     from eagle2.ngram import NgramStore
 
@@ -320,9 +322,9 @@ def add_chains(cands: Candidates, chain_tokens: torch.Tensor, chain_len: torch.T
     dtypes = (cands.tokens.dtype, cands.parents.dtype, cands.scores.dtype, cands.depths.dtype,
               cands.values.dtype, torch.bool)
     dev = cands.tokens.device
-    out = Candidates(*(torch.tensor(list(col), dtype=dt, device=dev)
+    out = Candidates(*(rows_tensor(list(col), dt, dev)
                        for col, dt in zip(zip(*rows, strict=True), dtypes, strict=True)))
-    return out, torch.tensor(fresh, dtype=torch.bool, device=dev).view(num_b, num_d)
+    return out, rows_tensor(fresh, torch.bool, dev).view(num_b, num_d)
 
 
 def _depth_order(tokens: list, parents: list, scores: list, depths: list, values: list,
