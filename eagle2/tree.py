@@ -153,9 +153,10 @@ def _mask_and_paths(parents: list[list[int]], counts: list[int], device: torch.d
     width = max(map(len, paths), default=0)
     padded = [[[*p, *[-1] * (longest - len(p))] for p in row] +
               [[-1] * longest] * (width - len(row)) for row in paths]
-    mask = (torch.frombuffer(masks, dtype=torch.bool).view(num_b, num_n, num_n).clone()
-            if masks else torch.zeros(num_b, num_n, num_n, dtype=torch.bool))
-    return mask.to(device), padded
+    if not masks:
+        return torch.zeros(num_b, num_n, num_n, dtype=torch.bool, device=device), padded
+    return torch.frombuffer(masks, dtype=torch.bool).view(num_b, num_n, num_n).clone().to(
+        device), padded
 
 
 def tree_from_rows(rows: list[tuple[list, list, list, list, list]],

@@ -30,7 +30,8 @@ from eagle2.engine import Request
 from eagle2.tree import DraftTree
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_SIDE = ("eagle2/engine.py", "eagle2/budget.py", "eagle2/verify.py", "eagle2/tree.py",
+ENGINE_SIDE = ("eagle2/engine.py", "eagle2/engine_admission.py", "eagle2/engine_budget.py",
+               "eagle2/sequence.py", "eagle2/budget.py", "eagle2/verify.py", "eagle2/tree.py",
                "eagle2/lookup.py", "eagle2/drafter.py", "eagle2/runner.py")
 # factories whose tensor lands on the default device (CPU) unless told otherwise (the *_like
 # and new_* ones inherit their input's device)
