@@ -329,7 +329,9 @@ class Engine(TreeBudget, Admission):
         if self.paging is not None:
             tree = self._reserve(tree)
             if not self.seqs:  # all preempted beside a chunked prefill's blocks
-                return chunked + (self._prefill_chunk() if self.chunking is not None else [])
+                # (without mixing its chunk already ran this step: `chunked`)
+                return chunked + (self._prefill_chunk() if mixing and self.chunking is not None
+                                  else [])
         t1 = time.perf_counter()
         context = self._context()
         # the chunked prompt's next piece, newcomers and a new chunked prompt's first piece
