@@ -92,6 +92,20 @@ class Backend:
         return KVCache.allocate(target.num_layers, num_slots, target.local_kv_heads(), max_len,
                                 target.head_dim, target.dtype, target.device)
 
+    def allocate_paged_cache(self, target: TargetModel, num_slots: int, num_blocks: int,
+                             block_size: int, max_len: int) -> KVCache:
+        """`TargetModel.allocate_paged_cache` (`KVCache.allocate_paged`)."""
+        return KVCache.allocate_paged(
+            target.num_layers, num_slots, num_blocks, block_size, max_len,
+            target.local_kv_heads(), target.head_dim, target.dtype, target.device,
+            ones_column=self.exact)
+
+    def kv_bytes_per_token(self, target: TargetModel) -> int:
+        """`TargetModel.kv_bytes_per_token`: K and V (and the exact attention's column of
+        ones in V)."""
+        per_layer = target.local_kv_heads() * (2 * target.head_dim + int(self.exact))
+        return target.num_layers * per_layer * torch.finfo(target.dtype).bits // 8
+
     def forward(self, target: TargetModel, tokens: torch.Tensor, positions: torch.Tensor,
                 tree_mask: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> TargetOutput:
         """`TargetModel.forward` through the HF modules and the attention of `forward_inputs`

@@ -52,7 +52,7 @@ import torch
 from eagle2.attention import KVCache, StepInputs, decoder_layer
 from eagle2.backend import Backend, TargetOutput, module_layers
 from eagle2.buckets import Buckets, PaddedStep, pad_nodes, pad_step, unpad
-from eagle2.runner import BLOCK_SIZE, LocalRunner, cache_layout
+from eagle2.runner import BLOCK_SIZE, LocalRunner
 from eagle2.target import TargetModel
 
 if TYPE_CHECKING:
@@ -224,8 +224,7 @@ class GraphedRunner(LocalRunner):
     The cache is paged as `LocalRunner`'s (num_blocks or kv_cache_memory, docs/kv-cache.md
     "Paged cache"): the block tables live on the device, where `set_blocks` writes them in
     place before a step, so a captured graph reads each replay's tables; the scratch slot's
-    table is all the null block, so padded rows write nowhere a real row reads. A target
-    that cannot page keeps the slots kv_cache_memory holds, the scratch slot among them."""
+    table is all the null block, so padded rows write nowhere a real row reads."""
 
     def __init__(self, target: TargetModel, num_slots: int, max_len: int,
                  num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
@@ -233,10 +232,6 @@ class GraphedRunner(LocalRunner):
                  graphs: bool | None = None, strict: bool | None = None):
         if target.backend.name == "cpu":
             padded_wanted("on", target.device, target.backend)  # raises: the CPU backend
-        if kv_cache_memory is not None and not target.pages:
-            num_slots = max(cache_layout(target, num_slots + 1, max_len, kv_cache_memory,
-                                         pages=False).num_slots - 1, 1)
-            kv_cache_memory = None
         super().__init__(target, num_slots + 1, max_len, num_blocks=num_blocks,
                          block_size=block_size, kv_cache_memory=kv_cache_memory)
         self.num_slots = num_slots

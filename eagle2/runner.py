@@ -78,16 +78,17 @@ class LocalRunner:
     """The whole target (or one tensor-parallel rank's shard of it) and its KV cache in this
     process."""
 
-    # whether this runner can keep a paged cache (`eagle2.cuda_graphs.GraphedRunner` cannot)
+    # whether this runner keeps a paged cache where num_blocks or kv_cache_memory is given
+    # (every backend's attention reads one; tests turn it off for the slotted layout)
     can_page = True
 
     def __init__(self, target: TargetModel, num_slots: int, max_len: int,
                  num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  kv_cache_memory: int | float | None = None):
         """num_slots sequences (cache slots) of at most max_len entries each. Paged
-        (docs/kv-cache.md "Paged cache") where the target's attention reads blocks
-        (`TargetModel.pages`) and num_blocks or kv_cache_memory (bytes, or on CUDA a fraction
-        of the free memory, which `num_blocks_for` turns into blocks) is given: the slots
+        (docs/kv-cache.md "Paged cache") where num_blocks or kv_cache_memory (bytes, or on
+        CUDA a fraction of the free memory, which `num_blocks_for` turns into blocks) is
+        given: the slots
         share num_blocks blocks of block_size entries, which the engine hands out (`Engine`,
         `eagle2.blocks`); else each slot holds max_len entries of its own, and with
         kv_cache_memory only as many slots as fit it (`cache_layout`; `capacity`)."""
@@ -95,7 +96,7 @@ class LocalRunner:
         self.vocab_size = target.vocab_size
         self.device = target.device
         layout = cache_layout(self.target, num_slots, max_len, kv_cache_memory, num_blocks,
-                              block_size, pages=self.can_page and self.target.pages)
+                              block_size, pages=self.can_page)
         if layout.num_blocks is not None:
             self.cache = target.allocate_paged_cache(layout.num_slots, layout.num_blocks,
                                                      block_size, max_len)
@@ -333,15 +334,13 @@ class CacheLayout:
 
 def cache_layout(target: TargetModel, num_slots: int, max_len: int,
                  kv_cache_memory: int | float | None = None, num_blocks: int | None = None,
-                 block_size: int = BLOCK_SIZE, pages: bool | None = None) -> CacheLayout:
-    """What a K/V budget buys (docs/kv-cache.md "In the service"). A target whose attention
-    pages (pages None: `TargetModel.pages`) keeps num_slots slots over num_blocks blocks, or
-    over what kv_cache_memory holds (`num_blocks_for`); a slotted one keeps as many slots of
-    max_len entries as kv_cache_memory holds (the cache's real bytes, the CPU's kept key
-    blocks included), at most num_slots and at least one. No budget: num_slots slotted, or
-    num_blocks paged. E.g. 512 bytes a token, max_len 258, 1 MiB: 7 slots."""
-    if pages is None:
-        pages = target.pages
+                 block_size: int = BLOCK_SIZE, pages: bool = True) -> CacheLayout:
+    """What a K/V budget buys (docs/kv-cache.md "In the service"). Paged: num_slots slots
+    over num_blocks blocks, or over what kv_cache_memory holds (`num_blocks_for`); slotted
+    (pages False): as many slots of max_len entries as kv_cache_memory holds (the cache's
+    real bytes, the CPU's kept key blocks included), at most num_slots and at least one. No
+    budget: num_slots slotted, or num_blocks paged. E.g. 512 bytes a token, max_len 258,
+    1 MiB: 7 slots."""
     if num_blocks is None and kv_cache_memory is not None and pages:
         num_blocks = num_blocks_for(target, kv_cache_memory, block_size)
     if num_blocks is not None and pages:

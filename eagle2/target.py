@@ -150,30 +150,18 @@ class TargetModel:
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
         return self.backend.allocate_cache(self, num_slots, max_len)
 
-    @property
-    def pages(self) -> bool:
-        """Whether this target's attention reads a paged cache (`KVCache.allocate_paged`):
-        SDPA, FlexAttention and the CPU's exact `canonical_attention` do (through the block
-        tables); the CPU backend's native operators read slotted rows only."""
-        return getattr(self.backend, "native_attention", None) is None
-
     def allocate_paged_cache(self, num_slots: int, num_blocks: int, block_size: int,
                              max_len: int) -> KVCache:
         """A paged cache (docs/kv-cache.md "Paged cache"): num_blocks blocks of block_size
-        entries for num_slots sequences of at most max_len entries."""
-        if not self.pages:
-            raise ValueError("this target's attention reads slotted caches only (the CPU "
-                             "backend's native operators): allocate_cache")
-        return KVCache.allocate_paged(
-            self.num_layers, num_slots, num_blocks, block_size, max_len, self.local_kv_heads(),
-            self.head_dim, self.dtype, self.device,
-            ones_column=bool(getattr(self.backend, "exact", False)))
+        entries for num_slots sequences of at most max_len entries. Every backend's attention
+        reads it through the block tables."""
+        return self.backend.allocate_paged_cache(self, num_slots, num_blocks, block_size,
+                                                 max_len)
 
     def kv_bytes_per_token(self) -> int:
-        """K and V bytes one cache entry takes over all layers (this rank's KV heads)."""
-        ones = int(bool(getattr(self.backend, "exact", False)))
-        per_layer = self.local_kv_heads() * (2 * self.head_dim + ones)
-        return self.num_layers * per_layer * torch.finfo(self.dtype).bits // 8
+        """Bytes one cache entry takes over all layers (this rank's KV heads): K and V, and
+        what the backend keeps beside them (the CPU's transposed keys)."""
+        return self.backend.kv_bytes_per_token(self)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,

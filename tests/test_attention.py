@@ -257,8 +257,6 @@ def test_forward_parts_equals_each_groups_own_forward(kind, paged):
     if kind == "bf16-exact" and not exact_bf16_kernels(torch.bfloat16, torch.device("cpu")):
         pytest.skip("needs the CPU's exact bf16 kernels")
     target = _parts_backend(kind)
-    if paged and not target.pages:
-        pytest.skip("the native operators keep a slotted cache")
     gen = torch.Generator().manual_seed(3)
 
     def cache_with_history():

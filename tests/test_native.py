@@ -683,3 +683,78 @@ def test_the_heads_calls_run_as_one_operator(ops, kernel):
                 continue
             for name in a.__dataclass_fields__:
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_gives_the_slotted_bits_through_shared_and_reused_blocks(
+        attn_ops, block_size):
+    """The native attention and K/V writes over a paged cache (`KVCache.block_tables`, the key
+    blocks kept per block) give bitwise what the slotted cache gives with every key transposed
+    afresh, through what the engine does to blocks: scrambled tables, prefill, tree steps, a
+    rewind, a prefix of full blocks shared by two requests, a request's blocks freed and taken
+    by another (their kept counts stale) and a table that grows."""
+    from eagle2.attention import KVCache
+    from eagle2.cpu.attention import with_key_blocks
+
+    g = torch.Generator().manual_seed(19)
+    num_q, num_kv, dim, size, slots = 6, 2, 64, 192, 3
+    ref = KVCache.allocate(1, slots, num_kv, size, dim, torch.bfloat16, "cpu", ones_column=True)
+    paged = with_key_blocks(KVCache.allocate_paged(1, slots, 40, block_size, size, num_kv, dim,
+                                                   torch.bfloat16, "cpu", ones_column=True))
+    paged.key_blocks.fill_(-1)  # whatever the memory held
+    width = 8 if attn_ops.isa() == "avx2" else 16  # keys a block
+    order = torch.randperm(40, generator=g).tolist()
+    per = size // block_size
+    tables = {s: order[s * per:(s + 1) * per] for s in range(2)}
+    tables[2] = []
+
+    def show(s, count=per):
+        paged.set_blocks(s, tables[s][:count])
+
+    def call(slot_list, base, num_n):
+        """New K/V at base + [0, num_n) of each slot (a chain) written by qkv_rope_write into
+        both caches, then the attention over each: the same bits."""
+        num_b = len(slot_list)
+        qkv = torch.randn(num_b, num_n, (num_q + 2 * num_kv) * dim, generator=g).bfloat16()
+        pos = torch.tensor(base)[:, None] + torch.arange(num_n)
+        angle = pos[..., None].float() / (1 + torch.arange(dim).float())
+        cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+        sl = torch.tensor(slot_list)
+        chain = torch.tril(torch.ones(num_n, num_n, dtype=torch.bool)).expand(num_b, -1, -1)
+        q = attn_ops.qkv_rope_write(qkv, cos, sin, num_q, num_kv, ref.k[0], ref.v[0], sl, pos)
+        q_paged = attn_ops.qkv_rope_write(qkv, cos, sin, num_q, num_kv, paged.k[0], paged.v[0],
+                                          sl, pos, paged.block_tables)
+        assert torch.equal(q, q_paged)
+        want = attn_ops.attention(q, ref.k[0], ref.v[0], sl, torch.tensor(base), chain,
+                                  dim ** -0.5)
+        got = attn_ops.attention(q, paged.k[0], paged.v[0], sl, torch.tensor(base), chain,
+                                 dim ** -0.5, *paged.layer_key_blocks(0), paged.block_tables)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (slot_list, base)
+        for s, b in zip(slot_list, base, strict=True):  # the pages before the base: kept
+            for i in range(b // block_size):
+                block = tables[s][i]
+                assert paged.key_blocks_valid[0, block].tolist() == [block_size // width] * num_kv
+
+    show(0), show(1)
+    call([0, 1], [0, 0], 40)  # prefill of two requests
+    length = [40, 40]
+    for step in range(16):  # tree steps, 1-7 tokens committed each
+        num_n = 1 + step % 7
+        call([1, 0], length[::-1], num_n)
+        length = [n + 1 + (step + b) % num_n for b, n in enumerate(length)]
+    call([1], [33], 5)  # rewound below kept blocks: keys from 33 on rewritten
+    call([1], [48], 3)
+    # request 2 shares request 0's first two full blocks (a cached prefix) and grows
+    shared = 2 * block_size
+    tables[2] = tables[0][:2] + order[2 * per:3 * per - 2]
+    ref.k[0, 2, :, :shared] = ref.k[0, 0, :, :shared]
+    ref.v[0, 2, :, :shared] = ref.v[0, 0, :, :shared]
+    show(2, 3)
+    call([2, 0], [shared, length[0]], 7)
+    show(2)
+    call([0, 2], [length[0] + 3, shared + 5], 40)
+    # request 1 finished: its blocks (kept counts stale) go to a new request in slot 1
+    tables[1] = tables[1][1:] + tables[1][:1]
+    show(1)
+    call([1], [0], 50)
+    call([2, 1], [shared + 20, 50], 6)

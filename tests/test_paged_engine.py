@@ -59,6 +59,31 @@ def test_paged_greedy_equals_slotted_in_every_mode(caching):
         assert engine.paging.blocks.num_free == 200  # every block back in the pool
 
 
+
+@needs_exact_bf16
+def test_native_bf16_operators_page_cache_prefixes_and_preempt_with_the_slotted_tokens():
+    """bf16 with the CPU's native operators (the default CPU service's kernels): over a paged
+    cache, with room (prefix-cache hits) and with a pool too small (preemptions), every mode
+    gives the slotted cache's tokens; the slotted eagle2 and chain runs equal plain decoding."""
+    target = bf16_target(38)  # the runner fuses it: the native operators
+    prompts = shared_prefix_prompts(5, 48, 40, seed=5) + random_prompts(3, 48, seed=6)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    slotted = {name: run(paged_engine(target, None, max_context=128), prompts, params, tree)
+               for name, tree in TREES.items()}
+    assert slotted["eagle2"] == slotted["chain"] == slotted["vanilla"]
+    for num_blocks in (400, 18):
+        for name, tree in TREES.items():
+            engine = paged_engine(target, num_blocks, max_context=128)
+            assert engine.runner.info["attention"] == "native-exact"
+            got = run(engine, prompts[:1], params, tree)  # its prompt's blocks cached first
+            assert got + run(engine, prompts[1:], params, tree) == slotted[name], \
+                (name, num_blocks)
+            assert engine.paging.blocks.num_free == num_blocks
+            if num_blocks == 400:
+                assert engine.stats.prefix_hit_tokens > 0 and engine.stats.preemptions == 0
+            else:
+                assert engine.stats.preemptions > 0
+
 def test_small_block_pool_preempts_and_keeps_every_output():
     """A pool that holds one request of the whole context (and little more): requests wait
     for blocks and the newest is preempted mid-decoding; every output equals the one with
@@ -223,11 +248,11 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(num_blocks, mix)
 
 
 @needs_exact_bf16
-def test_mixed_chunks_are_bitwise_their_own_forwards_in_bf16():
-    """bf16 with the CPU's exact kernels: prompts read in the trees' forward give the running
-    requests and the chunked ones the same tokens as chunks read alone (every
-    feature bitwise), a seeded sampled newcomer (vanilla) among them. (The native operators
-    keep a slotted cache.)"""
+@pytest.mark.parametrize("num_blocks", [None, 400], ids=["slotted", "paged"])
+def test_mixed_chunks_are_bitwise_their_own_forwards_in_bf16(num_blocks):
+    """bf16 with the CPU's native operators: prompts read in the trees' forward give the
+    running requests and the chunked ones the same tokens as chunks read alone (every
+    feature bitwise), a seeded sampled newcomer (vanilla) among them."""
     target = TargetModel(bf16_target(37).hf, name="tiny-bf16-37").fuse()
     sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
     late = {2: ("long", tuple(i % 48 for i in range(7, 207)), GREEDY, TREES["eagle2"]),
@@ -235,7 +260,7 @@ def test_mixed_chunks_are_bitwise_their_own_forwards_in_bf16():
             6: ("tail", tuple(i % 47 for i in range(5, 90)), GREEDY, TREES["chain"])}
     runs = {}
     for mix in (True, False):
-        engine = paged_engine(target, None, max_context=384)
+        engine = paged_engine(target, num_blocks, max_context=384)
         engine.prefill_chunk, engine.mix_prompts = 32, mix
         out: dict[str, list[int]] = {}
         for i, p in enumerate(random_prompts(3, 48, seed=8)):

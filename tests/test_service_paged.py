@@ -69,7 +69,7 @@ def test_prefill_chunk_defaults_follow_the_device():
 
 def test_a_paged_target_gets_the_blocks_its_budget_holds():
     target = tiny_target(seed=41)
-    assert target.pages and target.kv_bytes_per_token() == TOKEN_BYTES == 512
+    assert target.kv_bytes_per_token() == TOKEN_BYTES == 512
     # 11 blocks of 32 entries x 512 bytes, one of them the null block
     layout = cache_layout(target, 8, 258, kv_cache_memory=11 * 32 * 512 + 100, block_size=32)
     assert (layout.num_slots, layout.num_blocks, layout.block_size) == (8, 10, 32)

@@ -149,6 +149,25 @@ class CpuBackend(Backend):
             with_key_blocks(cache, value_tiles=native.amx_ready())
         return cache
 
+    def allocate_paged_cache(self, target: TargetModel, num_slots: int, num_blocks: int,
+                             block_size: int, max_len: int) -> KVCache:
+        """With the native attention, room for its kept key blocks per block (the values are
+        not kept as AMX tiles in a paged cache)."""
+        cache = super().allocate_paged_cache(target, num_slots, num_blocks, block_size,
+                                             max_len)
+        if self.native_attention is not None:
+            with_key_blocks(cache)
+        return cache
+
+    def kv_bytes_per_token(self, target: TargetModel) -> int:
+        """K and V, and with the native attention the keys again, kept transposed
+        (`with_key_blocks`)."""
+        per_token = super().kv_bytes_per_token(target)
+        if self.native_attention is not None:
+            per_token += (target.num_layers * target.local_kv_heads() * target.head_dim
+                          * torch.finfo(target.dtype).bits // 8)
+        return per_token
+
     def forward_inputs(self, target: TargetModel, cache: KVCache, slots: torch.Tensor,
                        tree_mask: torch.Tensor, positions: torch.Tensor,
                        x: torch.Tensor) -> StepInputs:

@@ -24,7 +24,8 @@ def with_key_blocks(cache: KVCache, value_tiles: bool = False) -> KVCache:
     the K cache's memory again; value_tiles: and the committed values as AMX tiles, the V
     cache's memory again), none valid yet."""
     cache.key_blocks, cache.key_blocks_valid = empty_key_blocks(
-        tuple(cache.k.shape[:3]), cache.max_len, cache.k.shape[-1], cache.k.device, value_tiles)
+        tuple(cache.k.shape[:3]), cache.k.shape[3], cache.k.shape[-1], cache.k.device,
+        value_tiles)
     return cache
 
 

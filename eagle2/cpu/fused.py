@@ -160,7 +160,8 @@ class LayerStack:
             x, in_norms, post_norms, first.eps, qkv, features[0], o, features[1], gate_up,
             features[2], down, features[3], inp.cos, inp.sin, num_q_heads, cache.k.shape[2],
             cache.k, cache.v, start, inp.slots, inp.write_pos, inp.base, inp.tree_mask,
-            cache.k.shape[-1] ** -0.5, cache.key_blocks, cache.key_blocks_valid, kernel == AMX)
+            cache.k.shape[-1] ** -0.5, cache.key_blocks, cache.key_blocks_valid, kernel == AMX,
+            cache.block_tables)
 
 
 def fused_native_layer() -> bool:
@@ -235,14 +236,16 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
         return ops.decoder_layer(
             x, lw.input_norm, lw.post_norm, lw.eps, *lw.fma_arguments, inp.cos, inp.sin,
             num_q_heads, layer_k.shape[1], layer_k, layer_v, inp.slots, inp.write_pos, inp.base,
-            inp.tree_mask, layer_k.shape[-1] ** -0.5, key_blocks, valid, kernel == AMX)
+            inp.tree_mask, layer_k.shape[-1] ** -0.5, key_blocks, valid, kernel == AMX,
+            cache.block_tables)
 
     def attend_one(qkv: torch.Tensor, inp: StepInputs) -> torch.Tensor:  # -> [B, N, Hq Dh]
         assert inp.base is not None and inp.tree_mask is not None
         q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
-                               layer_v, inp.slots, inp.write_pos)  # [B, Hq, N, Dh]
+                               layer_v, inp.slots, inp.write_pos,
+                               cache.block_tables)  # [B, Hq, N, Dh]
         return ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
-                             q.shape[-1] ** -0.5, key_blocks, valid)
+                             q.shape[-1] ** -0.5, key_blocks, valid, cache.block_tables)
 
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
     x, h = ops.add_rms_norm(x, lw.summed(lw.o(attend_groups(inp, [qkv], attend_one))),

@@ -85,6 +85,49 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
                   w.size(0) == x.size(-1), "norm weight must be bf16 [H]");
 }
 
+// Where a layer's cache entries lie (docs/kv-cache.md "Paged cache"). Slotted (no block
+// tables): cache [slots, KVH, S, Dh], slot s's position j at [s, :, j]. Paged: cache
+// [blocks, KVH, page, Dh], slot s's position j at entry j % page of block
+// tables[s, j / page] (`KVCache.block_tables`, FlashInfer's "HND" layout).
+struct Pages {
+  torch::Tensor held;  // the tables as a contiguous int64 tensor (what `tables` points into)
+  const int64_t* tables = nullptr;  // nullptr: slotted
+  int64_t width = 0, page = 0, slots = 0, blocks = 0;  // entries a table; a block's; rows
+
+  Pages(const std::optional<torch::Tensor>& block_tables, const torch::Tensor& cache_k) {
+    blocks = cache_k.size(0);
+    if (!block_tables.has_value()) {
+      slots = blocks;
+      page = cache_k.size(2);  // one slot's whole row
+      return;
+    }
+    held = block_tables->to(at::kLong).contiguous();
+    TORCH_CHECK(held.dim() == 2, "block_tables must be [slots, blocks a slot]");
+    tables = held.data_ptr<int64_t>();
+    width = held.size(1);
+    page = cache_k.size(2);
+    slots = held.size(0);
+  }
+  bool paged() const { return tables != nullptr; }
+  // the most entries a slot holds
+  int64_t capacity() const { return paged() ? width * page : page; }
+  // slot s's block holding its position j (slotted: s itself); checked against the cache
+  int64_t block(int64_t s, int64_t j) const {
+    if (!paged()) return s;
+    const int64_t b = tables[s * width + j / page];
+    TORCH_CHECK(b >= 0 && b < blocks, "block table entry ", b, " out of range (", blocks,
+                " blocks)");
+    return b;
+  }
+  // entries [0, n) of slot s are in the cache: its row or table, and each block it names
+  void check(int64_t s, int64_t n) const {
+    TORCH_CHECK(s >= 0 && s < slots && n <= capacity(), "slot ", s, " or cache length ", n,
+                " out of range");
+    if (paged())
+      for (int64_t i = 0; i * page < n; ++i) block(s, i * page);
+  }
+};
+
 }  // namespace
 
 // x [..., H] -> RMSNorm(x) [..., H]
@@ -132,10 +175,12 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
 // (rotate-half) on q and k in fp32, rounded once; k and v written into one layer's cache
 // (cache_k [slots, KVH, S, Dh], cache_v [slots, KVH, S, >= Dh]) at (slots[b], write_pos[b, n]);
 // -> q [B, Hq, N, Dh].
+// block_tables: a paged cache (`Pages`: cache_k [blocks, KVH, page, Dh]).
 torch::Tensor qkv_rope_write(const torch::Tensor& qkv, const torch::Tensor& cos,
                              const torch::Tensor& sin, int64_t num_q, int64_t num_kv,
                              torch::Tensor cache_k, torch::Tensor cache_v,
-                             const torch::Tensor& slots, const torch::Tensor& write_pos) {
+                             const torch::Tensor& slots, const torch::Tensor& write_pos,
+                             const std::optional<torch::Tensor>& block_tables) {
   TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous() && qkv.dim() == 3,
               "qkv must be a contiguous bf16 [B, N, (Hq + 2 KVH) Dh]");
   const int64_t B = qkv.size(0), N = qkv.size(1);
@@ -153,10 +198,16 @@ torch::Tensor qkv_rope_write(const torch::Tensor& qkv, const torch::Tensor& cos,
   TORCH_CHECK(sl.numel() == B && wpos.numel() == B * N, "slots [B], write_pos [B, N]");
   const int64_t* slp = sl.data_ptr<int64_t>();
   const int64_t* wpp = wpos.data_ptr<int64_t>();
+  const Pages pages(block_tables, cache_k);
+  // each row's entry: its block (slotted: the slot) and position in it
+  std::vector<int64_t> where(static_cast<size_t>(2 * B * N));
   for (int64_t i = 0; i < B; ++i)
-    TORCH_CHECK(slp[i] >= 0 && slp[i] < cache_k.size(0), "slot out of range");
-  for (int64_t i = 0; i < B * N; ++i)
-    TORCH_CHECK(wpp[i] >= 0 && wpp[i] < cache_k.size(2), "cache position out of range");
+    TORCH_CHECK(slp[i] >= 0 && slp[i] < pages.slots, "slot out of range");
+  for (int64_t i = 0; i < B * N; ++i) {
+    TORCH_CHECK(wpp[i] >= 0 && wpp[i] < pages.capacity(), "cache position out of range");
+    where[2 * i] = pages.block(slp[i / N], wpp[i]);
+    where[2 * i + 1] = wpp[i] % pages.page;
+  }
   auto q = torch::empty({B, num_q, N, dh}, qkv.options());
   const bf16* src = qkv.data_ptr<bf16>();
   const bf16* cp = cos.data_ptr<bf16>();
@@ -177,7 +228,7 @@ torch::Tensor qkv_rope_write(const torch::Tensor& qkv, const torch::Tensor& cos,
         const bf16* x = row + h * dh;
         bf16* dst = h < num_q
             ? qp + ((b * num_q + h) * N + n) * dh
-            : kp + slp[b] * ks[0] + (h - num_q) * ks[1] + wpp[r] * ks[2];
+            : kp + where[2 * r] * ks[0] + (h - num_q) * ks[1] + where[2 * r + 1] * ks[2];
         for (int64_t d = 0; d < dh; ++d) {
           const float rot = d < half ? -static_cast<float>(x[d + half])
                                      : static_cast<float>(x[d - half]);
@@ -188,7 +239,7 @@ torch::Tensor qkv_rope_write(const torch::Tensor& qkv, const torch::Tensor& cos,
       }
       for (int64_t h = 0; h < num_kv; ++h) {
         const bf16* x = row + (num_q + num_kv + h) * dh;
-        bf16* dst = vp + slp[b] * vs[0] + h * vs[1] + wpp[r] * vs[2];
+        bf16* dst = vp + where[2 * r] * vs[0] + h * vs[1] + where[2 * r + 1] * vs[2];
         for (int64_t d = 0; d < dh; ++d) dst[d] = x[d];
       }
     }
@@ -255,7 +306,10 @@ inline bool attention_on_tiles(int64_t dh) {
 struct Unit {
   const bf16* q;  // query n, head g (of the G): q + (g N + n) dh
   int64_t N;
-  const bf16* k;  // the cache at position 0 of this slot and KV head; positions ks / vs apart
+  // slotted: the cache at position 0 of this slot and KV head, positions ks / vs apart; paged:
+  // this KV head's entry 0 of block 0, position j at entry j % page of block table[j / page]
+  // (blocks kb / vb apart)
+  const bf16* k;
   const bf16* v;
   int64_t ks, vs;
   int64_t len, T;  // committed keys; tree entries (at positions len + m)
@@ -266,10 +320,26 @@ struct Unit {
   int64_t dh;
   float scale;
   // the first `kept` blocks of W committed keys, transposed by an earlier call and kept in
-  // the cache's key blocks (`update_key_blocks`); nullptr: every committed key is transposed
-  // into the scratch
+  // the cache's key blocks (`update_key_blocks`, `update_page_blocks`); nullptr: every
+  // committed key is transposed into the scratch. Slotted: this unit's, consecutive; paged:
+  // this KV head's in block 0, a block's `block_words` apart
   const uint32_t* blocks = nullptr;
   int64_t kept = 0;
+  const int64_t* table = nullptr;  // paged: the request's block table; nullptr: slotted
+  int64_t page = 0, kb = 0, vb = 0;
+  int64_t page_blocks = 0, block_words = 0;  // paged: key blocks a page; uint32 a block's
+
+  const bf16* key(int64_t j) const {
+    return table == nullptr ? k + j * ks : k + table[j / page] * kb + (j % page) * ks;
+  }
+  const bf16* value(int64_t j) const {
+    return table == nullptr ? v + j * vs : v + table[j / page] * vb + (j % page) * vs;
+  }
+  // kept block i (i < kept) of `words` uint32 (dh / 2 * W)
+  const uint32_t* kept_block(int64_t i, int64_t words) const {
+    if (table == nullptr) return blocks + i * words;
+    return blocks + table[i / page_blocks] * block_words + (i % page_blocks) * words;
+  }
   // the first `vkept` chunks of 32 committed values as AMX tiles (`pack_value_chunk`), kept
   // in the cache's key blocks after the keys (`update_value_chunks`); nullptr: packed anew
   const uint32_t* vblocks = nullptr;
@@ -286,6 +356,7 @@ struct Scratch {
   std::vector<float> acc;  // per query row its dh fp32 sums (AMX value sums)
   std::vector<int64_t> order, lead;  // positions by their entry count; a position's group
   std::vector<const bf16*> values, tree;
+  std::vector<const uint32_t*> kp;  // the key blocks scored, in order
   std::vector<int64_t> counts;
 };
 
@@ -537,16 +608,16 @@ using V = Lanes;
 constexpr int W = Lanes::W;
 
 // s[q][W b + l] = score of query q (its even / odd dimensions as floats: qe, qo [QN][pairs])
-// and lane l of block b < NB (consecutive blocks at blk), q < QN; rows `stride` apart
+// and lane l of block b < NB (block b at blk[b]), q < QN; rows `stride` apart
 template <int QN, int NB>
-inline void score_blocks(const float* qe, const float* qo, int64_t pairs, const uint32_t* blk,
-                         float scale, float* s, int64_t stride) {
+inline void score_blocks(const float* qe, const float* qo, int64_t pairs,
+                         const uint32_t* const* blk, float scale, float* s, int64_t stride) {
   V::F e[QN][NB], o[QN][NB];
   for (int q = 0; q < QN; ++q)
     for (int b = 0; b < NB; ++b) e[q][b] = o[q][b] = V::zero();
   for (int64_t i = 0; i < pairs; ++i) {
     V::F ke[NB], ko[NB];
-    for (int b = 0; b < NB; ++b) V::pairs(blk + (b * pairs + i) * W, &ke[b], &ko[b]);
+    for (int b = 0; b < NB; ++b) V::pairs(blk[b] + i * W, &ke[b], &ko[b]);
     for (int q = 0; q < QN; ++q) {
       const V::F a = V::set1(qe[q * pairs + i]), c = V::set1(qo[q * pairs + i]);
       for (int b = 0; b < NB; ++b) {
@@ -563,20 +634,21 @@ inline void score_blocks(const float* qe, const float* qo, int64_t pairs, const 
 
 // QN queries against nblk blocks: NB blocks at a time, then one
 template <int QN>
-void score_group(const float* qe, const float* qo, int64_t pairs, const uint32_t* blk,
+void score_group(const float* qe, const float* qo, int64_t pairs, const uint32_t* const* blk,
                  int64_t nblk, float scale, float* s, int64_t stride) {
   constexpr int NB = V::kScoreBlocks<QN>;
   int64_t b = 0;
   for (; b + NB <= nblk; b += NB)
-    score_blocks<QN, NB>(qe, qo, pairs, blk + b * pairs * W, scale, s + W * b, stride);
+    score_blocks<QN, NB>(qe, qo, pairs, blk + b, scale, s + W * b, stride);
   for (; b < nblk; ++b)
-    score_blocks<QN, 1>(qe, qo, pairs, blk + b * pairs * W, scale, s + W * b, stride);
+    score_blocks<QN, 1>(qe, qo, pairs, blk + b, scale, s + W * b, stride);
 }
 
 // score_group for count (1 <= count <= QN) queries
 template <int QN = V::kScoreQueries>
 void score_group_of(int count, const float* qe, const float* qo, int64_t pairs,
-                    const uint32_t* blk, int64_t nblk, float scale, float* s, int64_t stride) {
+                    const uint32_t* const* blk, int64_t nblk, float scale, float* s,
+                    int64_t stride) {
   if constexpr (QN > 1) {
     if (count < QN)
       return score_group_of<QN - 1>(count, qe, qo, pairs, blk, nblk, scale, s, stride);
@@ -584,10 +656,12 @@ void score_group_of(int count, const float* qe, const float* qo, int64_t pairs,
   score_group<QN>(qe, qo, pairs, blk, nblk, scale, s, stride);
 }
 
-// nq queries (rows of qe, qo) against nblk blocks -> score rows `stride` apart, kScoreQueries
-// at a time
+// nq queries (rows of qe, qo) against nblk blocks (block b at blk[b]: the committed keys'
+// lie in the cache's kept blocks, a page's apart from the next page's, and in the scratch)
+// -> score rows `stride` apart, kScoreQueries at a time
 void score_queries(const float* qe, const float* qo, int64_t nq, int64_t pairs,
-                   const uint32_t* blk, int64_t nblk, float scale, float* s, int64_t stride) {
+                   const uint32_t* const* blk, int64_t nblk, float scale, float* s,
+                   int64_t stride) {
   for (int64_t q0 = 0; q0 < nq; q0 += V::kScoreQueries)
     score_group_of(static_cast<int>(std::min<int64_t>(V::kScoreQueries, nq - q0)),
                    qe + q0 * pairs, qo + q0 * pairs, pairs, blk, nblk, scale, s + q0 * stride,
@@ -604,9 +678,8 @@ void score_queries(const float* qe, const float* qo, int64_t nq, int64_t pairs,
 // bits (its two chains of even and odd dimensions). Where the tiles exist every attention
 // call scores this way, prefills, decoding and trees alike. tmm0 / tmm1: the rows' 32
 // dimensions for the first / second block, tmm2 / tmm3: the blocks' tiles, tmm4 / tmm5: sums
-void score_queries_amx(const bf16* qb, int64_t nq, int64_t dh, const uint32_t* blk,
+void score_queries_amx(const bf16* qb, int64_t nq, int64_t dh, const uint32_t* const* blk,
                        int64_t nblk, float scale, float* s, int64_t stride) {
-  const int64_t block = dh / 2 * W;  // uint32 a block
   alignas(64) float part[2][16][16];
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t q0 = 0; q0 < nq; q0 += 16) {
@@ -615,8 +688,8 @@ void score_queries_amx(const bf16* qb, int64_t nq, int64_t dh, const uint32_t* b
     const bf16* a = qb + q0 * dh;
     for (int64_t b = 0; b < nblk; b += 2) {
       const int nb = b + 1 < nblk ? 2 : 1;
-      const uint32_t* k0 = blk + b * block;
-      const uint32_t* k1 = k0 + block;
+      const uint32_t* k0 = blk[b];
+      const uint32_t* k1 = nb == 2 ? blk[b + 1] : k0;
       _tile_zero(4);
       _tile_zero(5);
       for (int64_t d = 0; d < dh; d += 32) {  // 32 dimensions = 16 pair rows a tile
@@ -972,8 +1045,9 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
       }
     }
   }
-  // every query row's scores against nblk key blocks at blk -> score rows `stride` apart
-  const auto score = [&](const uint32_t* blk, int64_t nblk, float* s, int64_t stride) {
+  // every query row's scores against nblk key blocks (block b at blk[b]) -> score rows
+  // `stride` apart
+  const auto score = [&](const uint32_t* const* blk, int64_t nblk, float* s, int64_t stride) {
 #ifdef EAGLE2_AMX
     if (amx) return score_queries_amx(w.qb.data(), nq, u.dh, blk, nblk, u.scale, s, stride);
 #endif
@@ -983,9 +1057,8 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
   const int64_t R = nbc * W + u.T, RT = std::max<int64_t>(nbt, 1) * W;
   w.s.resize(static_cast<size_t>(nq * R));
   w.ts.resize(static_cast<size_t>(nq * RT));
-  if (u.kept > 0) score(u.blocks, u.kept, w.s.data(), R);
-  score(w.kc.data(), nbc - u.kept, w.s.data() + W * u.kept, R);
-  score(w.kt.data(), nbt, w.ts.data(), RT);
+  score(w.kp.data(), nbc, w.s.data(), R);
+  score(w.kp.data() + nbc, nbt, w.ts.data(), RT);
   // per query position: its heads' scores, the tree entries its mask keeps appended; softmax
   w.total.resize(static_cast<size_t>(nq));
   w.tree.resize(static_cast<size_t>((n1 - n0) * std::max<int64_t>(u.T, 1)));
@@ -995,7 +1068,7 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
     const bf16** tree = w.tree.data() + (n - n0) * u.T;
     int64_t count = 0;
     for (int64_t m = 0; m < u.T; ++m)
-      if (row[m]) tree[count++] = u.v + (u.len + m) * u.vs;
+      if (row[m]) tree[count++] = u.value(u.len + m);
     w.counts[n - n0] = count;
     for (int g = 0; g < G; ++g) {
       const int64_t r = (n - n0) * G + g;
@@ -1034,14 +1107,15 @@ void attend_chunk(const Unit& u, int64_t n0, int64_t n1, int64_t nbc, Scratch& w
   }
 }
 
-// Blocks b0 <= b < b1 of n keys (key j at k + j ks) -> consecutive blocks from dst (lanes
+// Blocks b0 <= b < b1 of n keys (key j at key(j)) -> consecutive blocks from dst (lanes
 // past key n - 1 zeros)
-void transpose_blocks(const bf16* k, int64_t ks, int64_t n, int64_t b0, int64_t b1,
-                      int64_t pairs, uint32_t* dst) {
+template <typename Key>
+void transpose_blocks(const Key& key, int64_t n, int64_t b0, int64_t b1, int64_t pairs,
+                      uint32_t* dst) {
   const bf16* rows[W];
   for (int64_t blk = b0; blk < b1; ++blk) {
     const int count = static_cast<int>(std::min<int64_t>(W, n - W * blk));
-    for (int l = 0; l < count; ++l) rows[l] = k + (W * blk + l) * ks;
+    for (int l = 0; l < count; ++l) rows[l] = key(W * blk + l);
     V::transpose(rows, count, pairs, dst + (blk - b0) * pairs * W);
   }
 }
@@ -1055,12 +1129,20 @@ void transpose_blocks(const bf16* k, int64_t ks, int64_t n, int64_t b0, int64_t 
 template <int CH>
 void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
   const int64_t pairs = u.dh / 2, nbc = (u.len + W - 1) / W, nbt = (u.T + W - 1) / W;
-  w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc - u.kept, 1) * pairs * W));
-  w.kt.resize(static_cast<size_t>(std::max<int64_t>(nbt, 1) * pairs * W));
-  transpose_blocks(u.k, u.ks, u.len, u.kept, nbc, pairs, w.kc.data());
-  transpose_blocks(u.k + u.len * u.ks, u.ks, u.T, 0, nbt, pairs, w.kt.data());
+  const int64_t words = pairs * W;  // uint32 a block
+  w.kc.resize(static_cast<size_t>(std::max<int64_t>(nbc - u.kept, 1) * words));
+  w.kt.resize(static_cast<size_t>(std::max<int64_t>(nbt, 1) * words));
+  transpose_blocks([&](int64_t j) { return u.key(j); }, u.len, u.kept, nbc, pairs,
+                   w.kc.data());
+  transpose_blocks([&](int64_t j) { return u.key(u.len + j); }, u.T, 0, nbt, pairs,
+                   w.kt.data());
+  // the blocks scored: the committed keys' (kept ones, then the rest), the tree entries'
+  w.kp.resize(static_cast<size_t>(nbc + nbt));
+  for (int64_t b = 0; b < nbc; ++b)
+    w.kp[b] = b < u.kept ? u.kept_block(b, words) : w.kc.data() + (b - u.kept) * words;
+  for (int64_t b = 0; b < nbt; ++b) w.kp[nbc + b] = w.kt.data() + b * words;
   w.values.resize(static_cast<size_t>(u.len));
-  for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.v + j * u.vs;
+  for (int64_t j = 0; j < u.len; ++j) w.values[j] = u.value(j);
   for (int64_t c0 = n0; c0 < n1; c0 += kQueryChunk)
     attend_chunk<CH>(u, c0, std::min(n1, c0 + kQueryChunk), nbc, w);
 }
@@ -1074,7 +1156,8 @@ void attend_unit_ch(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
 void update_key_blocks(const bf16* k, int64_t ks, int64_t base, int64_t dh, uint32_t* blocks,
                        int32_t* valid) {
   const int64_t pairs = dh / 2, full = base / W;
-  transpose_blocks(k, ks, base, *valid, full, pairs, blocks + *valid * pairs * W);
+  transpose_blocks([&](int64_t j) { return k + j * ks; }, base, *valid, full, pairs,
+                   blocks + *valid * pairs * W);
   *valid = static_cast<int32_t>(full);
 }
 
@@ -1093,6 +1176,47 @@ void update_value_chunks(const bf16* v, int64_t vs, int64_t base, int64_t dh, in
   }
 }
 #endif
+
+// A paged cache's kept key blocks (`attention`'s key_blocks over its blocks, [blocks, KVH,
+// page / W blocks of dh / 2 x W uint32], and key_blocks_valid [blocks, KVH]): the first
+// valid[p, h] key blocks of block p hold its first entries transposed. Every call brings each
+// page i of a request at base b (and those its T new entries reach) to
+// clamp(b - i page, 0, page) / W valid blocks (`update_key_blocks` within the block): its
+// entries before the base are committed, and nobody writes them while the block is the
+// request's (a block shared through the prefix cache is full and never written); the pages
+// the new entries reach drop their later blocks. So a block taken from the pool with another
+// request's count is cut to what its new request has committed when that request's entries
+// first land in it, before any key block is read. A block shared by several requests of the
+// call (a cached prefix) is updated once (their counts agree: it lies before every one's base).
+void update_page_blocks(const Pages& pages, const int64_t* slp, const int64_t* bp, int64_t B,
+                        int64_t T, const bf16* kp, const c10::IntArrayRef ks, int64_t KVH,
+                        int64_t dh, uint32_t* kbp, int32_t* kvp, int64_t unit_stride) {
+  std::vector<int64_t> work;  // (block, valid key blocks it gets) pairs
+  std::vector<uint8_t> seen(static_cast<size_t>(pages.blocks), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i * pages.page < bp[b] + T; ++i) {
+      const int64_t p = pages.block(slp[b], i * pages.page);
+      if (seen[p]) continue;
+      seen[p] = 1;
+      const int64_t full =
+          std::clamp<int64_t>(bp[b] - i * pages.page, 0, pages.page) / W;
+      for (int64_t h = 0; h < KVH; ++h)
+        if (kvp[p * KVH + h] != full) {
+          work.push_back(p);
+          work.push_back(full);
+          break;
+        }
+    }
+  }
+  const int64_t items = static_cast<int64_t>(work.size()) / 2;
+  at::parallel_for(0, items * KVH, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = work[2 * (t / KVH)], full = work[2 * (t / KVH) + 1], h = t % KVH;
+      update_key_blocks(kp + p * ks[0] + h * ks[1], ks[2], full * W, dh,
+                        kbp + (p * KVH + h) * unit_stride, kvp + p * KVH + h);
+    }
+  });
+}
 
 void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
   if (u.dh <= 2 * W) {
@@ -1124,11 +1248,17 @@ void attend_unit(const Unit& u, int64_t n0, int64_t n1, Scratch& w) {
 // blocks before base up to date (`update_key_blocks`) and scores the committed keys from
 // them: the same scores as without (a score does not depend on where its key block lies),
 // without transposing every committed key again at every call.
+//
+// block_tables: a paged cache (`Pages`): cache_k [blocks, KVH, page, Dh], and the key blocks
+// kept per block, [blocks, KVH, page / 16, Dh / 2 * 16] and [blocks, KVH]
+// (`update_page_blocks`; used where page is a multiple of W; the values are not kept as
+// tiles).
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
                         const torch::Tensor& cache_v, const torch::Tensor& slots,
                         const torch::Tensor& base, const torch::Tensor& tree_mask,
                         double scale, const std::optional<torch::Tensor>& key_blocks,
-                        const std::optional<torch::Tensor>& key_blocks_valid) {
+                        const std::optional<torch::Tensor>& key_blocks_valid,
+                        const std::optional<torch::Tensor>& block_tables) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.is_contiguous() && q.dim() == 4,
               "q must be a contiguous bf16 [B, Hq, N, Dh]");
   const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), dh = q.size(3);
@@ -1147,9 +1277,11 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
   const int64_t* slp = sl.data_ptr<int64_t>();
   const int64_t* bp = bs.data_ptr<int64_t>();
   const bool* mp = tm.data_ptr<bool>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(slp[b] >= 0 && slp[b] < cache_k.size(0) && bp[b] >= 0 &&
-                    bp[b] + T <= cache_k.size(2), "slot or cache length out of range");
+  const Pages pages(block_tables, cache_k);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(bp[b] >= 0, "cache length out of range");
+    pages.check(slp[b], bp[b] + T);
+  }
   auto out = torch::empty({B, N, Hq * dh}, q.options());
   const bf16* qp = q.data_ptr<bf16>();
   const bf16* kp = cache_k.data_ptr<bf16>();
@@ -1163,7 +1295,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
   int32_t* kvp = nullptr;
   int64_t unit_stride = 0;  // uint32s of key blocks per (slot, KV head)
   int64_t value_offset = 0;  // where a unit's value tiles start in them (0: not kept)
-  if (key_blocks.has_value()) {
+  // kept key blocks need pages of whole blocks of W keys (else every call transposes them)
+  if (key_blocks.has_value() && (!pages.paged() || pages.page % W == 0)) {
     const auto& kb = *key_blocks;
     const auto& kv = *key_blocks_valid;
     const int64_t blocks = (cache_k.size(2) + W - 1) / W;
@@ -1181,21 +1314,26 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
 #ifdef EAGLE2_AMX
     // room for the values too (`empty_key_blocks`): they are kept after the keys, as tiles
     value_offset = (cache_k.size(2) + 31) / 32 * 32 * (dh / 2);
-    if (!(attention_on_tiles(dh) && unit_stride >= 2 * value_offset)) value_offset = 0;
+    if (!(attention_on_tiles(dh) && unit_stride >= 2 * value_offset) || pages.paged())
+      value_offset = 0;
 #endif
-    at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / KVH, h = t % KVH, unit = slp[b] * KVH + h;
-        const int64_t was = kvp[unit];
-        update_key_blocks(kp + slp[b] * ks[0] + h * ks[1], ks[2], bp[b], dh,
-                          kbp + unit * unit_stride, kvp + unit);
+    if (pages.paged()) {
+      update_page_blocks(pages, slp, bp, B, T, kp, ks, KVH, dh, kbp, kvp, unit_stride);
+    } else {
+      at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t b = t / KVH, h = t % KVH, unit = slp[b] * KVH + h;
+          const int64_t was = kvp[unit];
+          update_key_blocks(kp + slp[b] * ks[0] + h * ks[1], ks[2], bp[b], dh,
+                            kbp + unit * unit_stride, kvp + unit);
 #ifdef EAGLE2_AMX
-        if (value_offset > 0)
-          update_value_chunks(vp + slp[b] * vs[0] + h * vs[1], vs[2], bp[b], dh, was * W / 32,
-                              kbp + unit * unit_stride + value_offset);
+          if (value_offset > 0)
+            update_value_chunks(vp + slp[b] * vs[0] + h * vs[1], vs[2], bp[b], dh,
+                                was * W / 32, kbp + unit * unit_stride + value_offset);
 #endif
-      }
-    });
+        }
+      });
+    }
   }
   // one unit per (request, KV head); with several threads and few units, the queries of a
   // unit split in parts (each transposes the unit's keys again)
@@ -1208,13 +1346,22 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k,
     thread_local Scratch w;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (KVH * parts), h = (t / parts) % KVH, part = t % parts;
+      const int64_t at = pages.paged() ? 0 : slp[b];  // the slot's row (paged: block 0)
       Unit u{qp + (b * Hq + h * G) * N * dh, N,
-             kp + slp[b] * ks[0] + h * ks[1], vp + slp[b] * vs[0] + h * vs[1],
+             kp + at * ks[0] + h * ks[1], vp + at * vs[0] + h * vs[1],
              ks[2], vs[2], bp[b], T, mp + b * N * T,
              op + b * N * Hq * dh + h * G * dh, Hq * dh, static_cast<int>(G), dh,
              static_cast<float>(scale)};
+      if (pages.paged()) {
+        u.table = pages.tables + slp[b] * pages.width;
+        u.page = pages.page;
+        u.kb = ks[0];
+        u.vb = vs[0];
+        u.page_blocks = pages.page / W;
+        u.block_words = KVH * unit_stride;
+      }
       if (kbp != nullptr) {
-        u.blocks = kbp + (slp[b] * KVH + h) * unit_stride;
+        u.blocks = kbp + (at * KVH + h) * unit_stride;
         u.kept = bp[b] / W;
         if (value_offset > 0) {
           u.vblocks = u.blocks + value_offset;
@@ -2551,7 +2698,8 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
                             const torch::Tensor& slots, const torch::Tensor& write_pos,
                             const torch::Tensor& base, const torch::Tensor& tree_mask,
                             double scale, const std::optional<torch::Tensor>& key_blocks,
-                            const std::optional<torch::Tensor>& key_blocks_valid, bool amx) {
+                            const std::optional<torch::Tensor>& key_blocks_valid, bool amx,
+                            const std::optional<torch::Tensor>& block_tables) {
   const std::vector<c10::IValue> no_inputs;
   auto fma = [&](const torch::Tensor& in, const torch::Tensor& w, int64_t features) {
     if (amx) {
@@ -2571,12 +2719,13 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
   const auto qkv = fma(h, qkv_w, qkv_features);
   {
     RECORD_FUNCTION("eagle2_cpu::qkv_rope_write", no_inputs);
-    q = qkv_rope_write(qkv, cos, sin, num_q, num_kv, cache_k, cache_v, slots, write_pos);
+    q = qkv_rope_write(qkv, cos, sin, num_q, num_kv, cache_k, cache_v, slots, write_pos,
+                       block_tables);
   }
   {
     RECORD_FUNCTION("eagle2_cpu::attention", no_inputs);
     out = attention(q, cache_k, cache_v, slots, base, tree_mask, scale, key_blocks,
-                    key_blocks_valid);
+                    key_blocks_valid, block_tables);
   }
   const auto delta = fma(out, o_w, o_features);
   {
@@ -2621,7 +2770,8 @@ torch::Tensor decoder_layers(
     int64_t num_kv, torch::Tensor cache_k, torch::Tensor cache_v, int64_t first_layer,
     const torch::Tensor& slots, const torch::Tensor& write_pos, const torch::Tensor& base,
     const torch::Tensor& tree_mask, double scale, const std::optional<torch::Tensor>& key_blocks,
-    const std::optional<torch::Tensor>& key_blocks_valid, bool amx) {
+    const std::optional<torch::Tensor>& key_blocks_valid, bool amx,
+    const std::optional<torch::Tensor>& block_tables) {
   const size_t L = input_norms.size();
   TORCH_CHECK(post_norms.size() == L && qkv_w.size() == L && o_w.size() == L &&
                   gate_up_w.size() == L && down_w.size() == L,
@@ -2642,7 +2792,7 @@ torch::Tensor decoder_layers(
     h = decoder_layer(h, input_norms[j], post_norms[j], eps, qkv_w[j], qkv_features, o_w[j],
                       o_features, gate_up_w[j], gate_up_features, down_w[j], down_features, cos,
                       sin, num_q, num_kv, cache_k.select(0, i), cache_v.select(0, i), slots,
-                      write_pos, base, tree_mask, scale, kb, kbv, amx);
+                      write_pos, base, tree_mask, scale, kb, kbv, amx, block_tables);
   }
   return h;
 }
@@ -2704,7 +2854,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> head_step
   auto out = decoder_layer(h, at::empty({0}, post_norm.options()), post_norm, eps, qkv_w, qkv_features, o_w,
                            o_features, gate_up_w, gate_up_features, down_w, down_features, cos,
                            sin, num_q, num_kv, cache_k, cache_v, slots, write_pos, base,
-                           tree_mask, scale, std::nullopt, std::nullopt, layer_amx);
+                           tree_mask, scale, std::nullopt, std::nullopt, layer_amx,
+                           std::nullopt);
   torch::Tensor values, indices;
   if (k > 0) {
     // logit_rows [B]: the log-probs of one output a request (its last new position) -> [B, k]
@@ -2727,10 +2878,11 @@ TORCH_LIBRARY(eagle2_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("qkv_rope_write(Tensor qkv, Tensor cos, Tensor sin, int num_q, int num_kv, "
-        "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos) -> Tensor");
+        "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos, "
+        "Tensor? block_tables=None) -> Tensor");
   m.def("attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor slots, Tensor base, "
         "Tensor tree_mask, float scale, Tensor(c!)? key_blocks=None, "
-        "Tensor(d!)? key_blocks_valid=None) -> Tensor");
+        "Tensor(d!)? key_blocks_valid=None, Tensor? block_tables=None) -> Tensor");
   m.def("pack_linear(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, int chunk_features) -> Tensor");
   m.def("linear_fma(Tensor x, Tensor packed, int out_features) -> Tensor");
@@ -2744,14 +2896,15 @@ TORCH_LIBRARY(eagle2_cpu, m) {
         "Tensor down_w, int down_features, Tensor cos, Tensor sin, int num_q, int num_kv, "
         "Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, Tensor write_pos, Tensor base, "
         "Tensor tree_mask, float scale, Tensor(c!)? key_blocks=None, "
-        "Tensor(d!)? key_blocks_valid=None, bool amx=False) -> Tensor");
+        "Tensor(d!)? key_blocks_valid=None, bool amx=False, Tensor? block_tables=None) "
+        "-> Tensor");
   m.def("decoder_layers(Tensor x, Tensor[] input_norms, Tensor[] post_norms, float eps, "
         "Tensor[] qkv_w, int qkv_features, Tensor[] o_w, int o_features, Tensor[] gate_up_w, "
         "int gate_up_features, Tensor[] down_w, int down_features, Tensor cos, Tensor sin, "
         "int num_q, int num_kv, Tensor(a!) cache_k, Tensor(b!) cache_v, int first_layer, "
         "Tensor slots, Tensor write_pos, Tensor base, Tensor tree_mask, float scale, "
-        "Tensor(c!)? key_blocks=None, Tensor(d!)? key_blocks_valid=None, bool amx=False) "
-        "-> Tensor");
+        "Tensor(c!)? key_blocks=None, Tensor(d!)? key_blocks_valid=None, bool amx=False, "
+        "Tensor? block_tables=None) -> Tensor");
   m.def("top_log_probs(Tensor logits, int k) -> (Tensor, Tensor)");
   m.def("head_step(Tensor tokens, Tensor features, Tensor embed, Tensor fc_w, int fc_features, "
         "bool fc_amx, Tensor post_norm, float eps, Tensor qkv_w, int qkv_features, Tensor o_w, "
