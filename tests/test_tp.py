@@ -23,6 +23,7 @@ from conftest import random_prompts, save_tiny_target, tiny_target
 
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.cpu.kernels import exact_bf16_kernels
+from eagle2.cpu.native import cpu_ops
 from eagle2.drafter import Drafter
 from eagle2.engine import Engine, Request
 from eagle2.head import new_head
@@ -173,7 +174,7 @@ def test_tp2_tiny_llama_equals_unsharded_greedy(tiny, tiny_tp2, tiny_expected, m
 def test_tp2_bf16_shards_run_fused_layers_and_speculation_equals_their_plain_decoding(
         ray_cluster, tiny):
     """A bf16 shard runs the CPU backend's fused layers with o and down summed over the ranks
-    (`FusedLayer.reduce`), pages its cache (no native slotted attention), and stays exact:
+    (`FusedLayer.reduce`) and the native attention over its paged cache, and stays exact:
     tree verification gives its own plain decoding's tokens bit for bit."""
     from services.tp_runner import ShardedRunner
 
@@ -181,7 +182,8 @@ def test_tp2_bf16_shards_run_fused_layers_and_speculation_equals_their_plain_dec
                            dtype="bfloat16", cpus_per_rank=1, block_size=32,
                            kv_cache_memory=2**22)
     try:
-        assert runner.info["fused"] and runner.info["attention"] == "exact"
+        assert runner.info["fused"] and runner.info["attention"] == (
+            "native-exact" if cpu_ops() is not None else "exact")
         assert runner.paged is not None
         prompts = random_prompts(3, 32, seed=5)
         plain, _ = generate(make_engine(runner, tiny[0]), prompts, TINY_TREES["vanilla"])

@@ -133,10 +133,10 @@ class CpuBackend(Backend):
     @property
     def native_attention(self) -> ModuleType | None:
         """The fused CPU operations where the layers run them with their exact attention
-        (bf16, fused layers, `native` built), else None. Not on a tensor-parallel shard: its
-        ranks page their cache (the native attention reads slotted rows only), and its layers
-        sum o and down over the ranks between the operations (`FusedLayer.reduce`)."""
-        if not self.exact or self.fused is None or self.fused[0].reduce is not None:
+        (bf16, fused layers, `native` built), else None. A tensor-parallel shard runs them
+        one by one (`fused._native_layer`: its o and down products are summed over the ranks
+        between them, `FusedLayer.reduce`), never as the one-operator layer."""
+        if not self.exact or self.fused is None:
             return None
         return self.native
 
