@@ -10,9 +10,8 @@ does for serving (docs/kv-cache.md "In the service").
 
     .venv/bin/python benchmarks/service_cache.py --out benchmarks/results/service-cache.json
 
-A target whose attention pages (fp32 on the CPU, GPUs) shares prefix blocks; the CPU's native
-bf16 attention keeps slots (no prefix caching), so `--dtype float32` is the default here.
-Prints and writes JSON; asserts nothing.
+The service's own dtype unless `--dtype` is given (bf16 on CPUs with the native operators,
+whose attention reads the paged cache in place). Prints and writes JSON; asserts nothing.
 """
 
 from __future__ import annotations
@@ -117,7 +116,7 @@ def serve_and_run(conf: dict, http_port: int, fn) -> tuple:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="default: the config's")
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--system-chars", type=int, default=4000, help="~1,000 tokens")
     p.add_argument("--long-chars", type=int, default=8000, help="~2,000 tokens")
@@ -127,9 +126,11 @@ def main() -> int:
     p.add_argument("--only-long", action="store_true", help="the long-prompt part alone")
     p.add_argument("--out", default="runs/service-cache.json")
     args = p.parse_args()
-    conf = {"dtype": args.dtype, "max_context": 4096, "max_tokens_limit": 1024,
+    conf = {"max_context": 4096, "max_tokens_limit": 1024,
             "max_running": 16, "kv_cache_memory": args.kv_cache_memory, "grpc_port": 19300,
             "max_queued_requests": 64}
+    if args.dtype is not None:
+        conf["dtype"] = args.dtype
     if args.prefill_chunk is not None:
         conf["prefill_chunk"] = args.prefill_chunk
     system, long_text = texts(args.system_chars), texts(args.long_chars, skip=20)

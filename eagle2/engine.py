@@ -278,12 +278,8 @@ class Engine(TreeBudget, Admission):
     def cancel(self, seq_id: str) -> None:
         self.waiting = [r for r in self.waiting if r.seq_id != seq_id]
         self.preempted = [s for s in self.preempted if s.req.seq_id != seq_id]
-        ch = self.chunking
-        if ch is not None and ch.req.seq_id == seq_id:
-            self.chunking = None
-            self._clear_row(ch.row)
-            if self.paging is not None:
-                self.paging.free(seq_id, ch.row, ch.row)
+        if self.chunking is not None and self.chunking.req.seq_id == seq_id:
+            self._drop_chunk()
             return
         for i, s in enumerate(self.seqs):
             if s.req.seq_id == seq_id:

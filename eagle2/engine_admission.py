@@ -63,10 +63,11 @@ class Admission:
     def _fits(self, c: SeqState | Request, rows: int) -> bool:
         """Whether a candidate's blocks are free beside `rows` running requests, keeping one
         block per running request free for its growth (a request admitted only to be
-        preempted at the next step would be recomputed again and again)."""
+        preempted at the next step would be recomputed again and again), the chunked prompt
+        counted as one (it joins them when read)."""
         req = c.req if isinstance(c, SeqState) else c
         return self.paging.can_admit(self._prefill_tokens(c), self._uses_prefix_cache(req),
-                                     spare=rows)
+                                     spare=rows + (self.chunking is not None))
 
     @staticmethod
     def _prefill_tokens(c: SeqState | Request) -> list[int]:
@@ -76,23 +77,50 @@ class Admission:
 
     def _reserve(self, tree: DraftTree) -> DraftTree:
         """Blocks for this step's trees (N entries past each committed prefix); where they run
-        out, the newest request is preempted (`_preempt`) until they fit. -> the trees of the
-        requests still running, in their rows' order."""
+        out, the newest request is preempted until they fit: a running one (`_preempt`) or
+        the chunked prompt (`_unchunk`; a new request is newer than every running one, a
+        resumed one keeps its order). -> the trees of the requests still running, in their
+        rows' order."""
         before = list(self.seqs)
         num_n = tree.tokens.shape[1]
         lengths = self.runner.lengths[: len(before)].tolist()
         for s, length in sorted(zip(before, lengths, strict=True), key=lambda p: p[0].order):
             while self._row(s) is not None and not self.paging.ensure(
                     s.req.seq_id, self._row(s), length + num_n):
-                self._preempt(max(self.seqs, key=lambda x: x.order))
+                newest = max(self.seqs, key=lambda x: x.order)
+                ch = self.chunking
+                if ch is not None and (ch.resumed is None or ch.resumed.order > newest.order):
+                    self._unchunk()
+                else:
+                    self._preempt(newest)
         if len(self.seqs) == len(before):
             return tree
         rows = [next(i for i, b in enumerate(before) if b is s) for s in self.seqs]
         self._ngram_rows = [rows.index(b) for b in self._ngram_rows if b in rows]
-        return tree.select(torch.tensor(rows, device=HOST))
+        return tree.select(torch.tensor(rows, dtype=torch.long, device=HOST))  # (may be none)
 
     def _row(self, s: SeqState) -> int | None:
         return next((i for i, x in enumerate(self.seqs) if x is s), None)
+
+    def _unchunk(self) -> None:
+        """Stop the chunked prefill: its blocks are freed (the full ones read so far stay in
+        the prefix cache) and its request goes back to the head of its queue, to be read
+        again when blocks are free."""
+        ch = self.chunking
+        self._drop_chunk()
+        if ch.resumed is not None:
+            self.preempted.append(ch.resumed)
+            self.preempted.sort(key=lambda x: x.order)
+        else:
+            self.waiting.insert(0, ch.req)
+        self.stats.preemptions += 1
+
+    def _drop_chunk(self) -> None:
+        """The chunked prompt's row cleared and its blocks freed (cancelled, or `_unchunk`)."""
+        ch, self.chunking = self.chunking, None
+        self._clear_row(ch.row)
+        if self.paging is not None:
+            self.paging.free(ch.req.seq_id, ch.row, ch.row)
 
     def _preempt(self, s: SeqState) -> None:
         """Free a running request's blocks (and its draft state); it resumes later from its

@@ -76,13 +76,12 @@ class ServiceConfig(BaseModel):
     tree: TreeSettings = TreeSettings()
     # The target's cache (docs/kv-cache.md "In the service"). max_running: the most requests
     # a step runs (the runner's cache slots); the rest wait, max_queued_requests counting them.
-    # A target whose attention pages (SDPA, FlexAttention, the CPU's fp32 exact attention;
-    # the CUDA-graph runner; tensor-parallel ranks) keeps its K/V in blocks of block_size
-    # entries shared by the running requests: a request starts when blocks for its prompt
-    # are free, the newest is preempted (and recomputed later) when they run out, and with
-    # prefix_caching a prompt reuses the blocks of its longest cached prefix. A slotted one
-    # (the CPU's native bf16 attention) keeps max_context entries a slot and only as many
-    # slots as kv_cache_memory holds (at most max_running, at least one; the engine logs it).
+    # The target keeps its K/V in blocks of block_size entries shared by the running
+    # requests (every backend's attention reads them: SDPA, FlexAttention, the CPU's exact
+    # and native bf16 attention; the CUDA-graph runner; tensor-parallel ranks): a request
+    # starts when blocks for its prompt are free, the newest is preempted (and recomputed
+    # later) when they run out, and with prefix_caching a prompt reuses the blocks of its
+    # longest cached prefix.
     max_running: int = Field(64, ge=1, le=1024)
     # Deprecated: the older name of max_running (existing configs); it sets max_running where
     # max_running is not given.
@@ -90,10 +89,11 @@ class ServiceConfig(BaseModel):
     # Bytes of the target's K/V cache, all tensor-parallel ranks together (each rank takes
     # kv_cache_memory / tp_size for its share of the KV heads), or with use_gpu a fraction in
     # (0, 1] of each rank's free GPU memory once its weights are loaded. None: 1 GiB on CPUs
-    # (the embedded SmolLM2 in bf16 at max_context 2048: ~46k tokens paged, or 14 slots
-    # slotted; the old 8 slots took 0.6 GiB); with use_gpu, 0.9 of the rank's GPU share
-    # (`gpu_per_rank`: 0.9 of the free memory on a GPU of its own, 0.81 beside a draft worker
-    # at draft_gpu_fraction 0.1), the rest for activations, logits and CUDA graphs.
+    # (the embedded SmolLM2 in bf16: 964 blocks of 32, 30,848 entries with the native
+    # attention's kept keys; the old 8 slots of 2,048 took 0.6 GiB); with use_gpu, 0.9 of
+    # the rank's GPU share (`gpu_per_rank`: 0.9 of the free memory on a GPU of its own, 0.81
+    # beside a draft worker at draft_gpu_fraction 0.1), the rest for activations, logits and
+    # CUDA graphs.
     kv_cache_memory: float | None = Field(None, gt=0)
     # Entries per block: a multiple of 16 (the CPU exact attention reads keys in chunks of 16
     # and 32; FlashInfer and FlashAttention's paged kernels take multiples of 16).

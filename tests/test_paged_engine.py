@@ -397,3 +397,43 @@ def test_prompts_admitted_together_run_no_padding_through_the_layers():
         del target.forward, target.forward_parts
     assert outs[True] == outs[False]
     assert seen == {True: 57, False: 120}
+
+
+@pytest.mark.parametrize("mix", [True, False], ids=["mixed", "own-forwards"])
+def test_blocks_running_out_beside_a_chunked_prompt_preempt_the_newer_of_the_two(mix):
+    """A request runs out of blocks while a newer long prompt is chunked beside it (holding
+    its prompt's blocks): the chunked prompt, the newest, is preempted (its request back at
+    the head of the queue, read again once blocks are free), not the request decoding beside
+    it, which would be recomputed and preempted again at every step while the chunk held the
+    blocks. Every output equals a roomy pool's."""
+    target = tiny_target(vocab=48, seed=42)
+    target.set_feature_layers(None)
+    prompt = tuple(random_prompts(1, 48, seed=9, lo=20, hi=21)[0])
+    long_prompt = tuple(i % 48 for i in range(3, 63))  # 60 tokens: 4 blocks of 16
+
+    def go(num_blocks: int):
+        runner = LocalRunner(target, 4, 96 + 24, num_blocks, 16)
+        drafter = Drafter(new_head(target.config, seed=0), target.embed, target.lm_head,
+                          max_slots=4, max_len=96)
+        engine = Engine(runner, drafter, max_running=4, max_context=96, tree_margin=24)
+        engine.prefill_chunk, engine.mix_prompts = 2, mix  # "b" chunked over 30 steps
+        out: dict[str, list[int]] = {}
+        engine.add(Request("a", prompt, SamplingParams(max_tokens=76, ignore_eos=True),
+                           TREES["vanilla"]))
+        while engine.has_work():
+            if "b" not in out and len(out.get("a", ())) >= 44:  # "a" holds 5 blocks of 9
+                engine.add(Request("b", long_prompt, GREEDY, TREES["eagle2"]))
+                out["b"] = []
+            for e in engine.step():
+                out.setdefault(e.seq_id, []).extend(e.token_ids)
+        return out, engine
+
+    roomy, plenty = go(400)
+    small, engine = go(9)
+    assert small == roomy and len(small["a"]) == 76 and len(small["b"]) == 36  # (context)
+    assert engine.stats.preemptions == 1 and plenty.stats.preemptions == 0
+    # "a" never recomputed; of "b", what it had read past its last full block (its first two
+    # blocks, 32 tokens, came back from the prefix cache)
+    assert 0 < engine.stats.prefill_tokens - plenty.stats.prefill_tokens < 16
+    assert engine.stats.prefix_hit_tokens == 32
+    assert engine.paging.blocks.num_free == 9
