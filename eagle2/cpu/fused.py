@@ -161,7 +161,13 @@ class LayerStack:
             features[2], down, features[3], inp.cos, inp.sin, num_q_heads, cache.k.shape[2],
             cache.k, cache.v, start, inp.slots, inp.write_pos, inp.base, inp.tree_mask,
             cache.k.shape[-1] ** -0.5, cache.key_blocks, cache.key_blocks_valid, kernel == AMX,
-            cache.block_tables)
+            **pages(cache))
+
+
+def pages(cache: KVCache) -> dict:
+    """The native operators' block_tables argument for a paged cache (none for a slotted
+    one, so that another commit's build, `native.load_variant`, takes the same calls)."""
+    return {} if cache.block_tables is None else {"block_tables": cache.block_tables}
 
 
 def fused_native_layer() -> bool:
@@ -237,15 +243,14 @@ def _native_layer(ops: ModuleType, lw: FusedLayer, layer_idx: int, x: torch.Tens
             x, lw.input_norm, lw.post_norm, lw.eps, *lw.fma_arguments, inp.cos, inp.sin,
             num_q_heads, layer_k.shape[1], layer_k, layer_v, inp.slots, inp.write_pos, inp.base,
             inp.tree_mask, layer_k.shape[-1] ** -0.5, key_blocks, valid, kernel == AMX,
-            cache.block_tables)
+            **pages(cache))
 
     def attend_one(qkv: torch.Tensor, inp: StepInputs) -> torch.Tensor:  # -> [B, N, Hq Dh]
         assert inp.base is not None and inp.tree_mask is not None
         q = ops.qkv_rope_write(qkv, inp.cos, inp.sin, num_q_heads, layer_k.shape[1], layer_k,
-                               layer_v, inp.slots, inp.write_pos,
-                               cache.block_tables)  # [B, Hq, N, Dh]
+                               layer_v, inp.slots, inp.write_pos, **pages(cache))  # [B, Hq, N, Dh]
         return ops.attention(q, layer_k, layer_v, inp.slots, inp.base, inp.tree_mask,
-                             q.shape[-1] ** -0.5, key_blocks, valid, cache.block_tables)
+                             q.shape[-1] ** -0.5, key_blocks, valid, **pages(cache))
 
     qkv = lw.qkv(ops.rms_norm(x.contiguous(), lw.input_norm, lw.eps))  # [B, N, (Hq+2KVH) Dh]
     x, h = ops.add_rms_norm(x, lw.summed(lw.o(attend_groups(inp, [qkv], attend_one))),
