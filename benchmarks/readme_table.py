@@ -49,14 +49,14 @@ ROWS: list[tuple[str, str, str]] = [
     ("service-epyc-s44-concurrency.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 964 bf16 blocks "
      "of 32 read in place by the native attention, up to 64 running; in process a slotted "
-     "cache of 64 slots; both with a prompt budget of 64 tokens a step), two torch threads in "
+     "cache of 64 slots; both with a prompt budget of 32 tokens a step, the CPU default), two torch threads in "
      "the engine and in process (set: the auto choice took one in a run at the same code), "
      "the machine otherwise idle"),
     ("tpot-tp1-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread"),
     ("tpot-tp2-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread a rank"),
-    ("service-cache-epyc-s43.json", "cache",
-     "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 64 (the CPU default), chunks read in "
-     "the running step's forward"),
+    ("service-cache-epyc-s44.json", "cache",
+     "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 32 (the CPU default), chunks read in "
+     "the running step's forward by the native attention over the paged cache"),
     ("chunked-prefill-epyc-s43.json", "prompts",
      "AMD EPYC with AVX512-BF16, head v8, bfloat16, two torch threads"),
     ("prompt-budget-epyc-s43.json", "budget",
@@ -227,7 +227,8 @@ def cache_row(res: dict) -> tuple[str, str, str]:
     if not p["outputs_equal_on_off"]:
         raise ValueError("a run whose outputs differ with the prefix cache is no figure")
     on = p["ttft_ms_cache_on"]
-    setting = (f"the service through its OpenAI endpoint, {c['dtype']} target (paged: "
+    dtype = c.get("dtype") or p["target_dtype"].removeprefix("torch.")  # (the service's own)
+    setting = (f"the service through its OpenAI endpoint, {dtype} target (paged: "
                f"{p['kv_blocks']} blocks), greedy: {len(on)} chat requests one after another "
                f"sharing a {p['system_prompt_tokens']}-token system prompt; a "
                f"{lp['long_prompt_tokens']}-token prompt arriving while {lp['streams']} "

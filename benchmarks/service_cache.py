@@ -163,7 +163,8 @@ def main() -> int:
         "outputs_equal_on_off": [r["token_ids"] for r in on["prefix"]]
         == [r["token_ids"] for r in off["prefix"]],
         "engine_prefix_hit_rate": stats_on.get("prefix_hit_rate"),
-        "kv_blocks": stats_on.get("kv_blocks"), "max_running": stats_on.get("max_running")}
+        "kv_blocks": stats_on.get("kv_blocks"), "max_running": stats_on.get("max_running"),
+        "target_dtype": stats_on.get("target_dtype")}
     return write(report, Path(args.out))
 
 

@@ -102,13 +102,14 @@ class ServiceConfig(BaseModel):
     # While requests run, the prompt tokens a step reads beside their trees: a long prompt's
     # next chunk and newcomers' prompts together (docs/kv-cache.md "Chunked prefill beside
     # decoding"): smaller keeps their inter-token latency steadier, larger admits prompts in
-    # fewer steps. None: 64 on CPUs, 2,048 on GPUs (vLLM's OpenAI server's token budget on
-    # GPUs under 70 GB, not measured here on a GPU). On 2 CPU cores
-    # (fp32, 8 streams decoding, a 2,346-token prompt arriving; chunks in their own forward,
-    # git show 1f130e1:benchmarks/results/service-cache-epyc-s40.json): 256 -> the streams'
-    # p99 inter-token latency 8.3x their median, the prompt's first token after 13.3 s;
-    # 64 -> 2.5x, 20.6 s. Read in the running step's forward, 64 -> 2.42x, 17.4 s
-    # (benchmarks/service_cache.py, benchmarks/results/service-cache-epyc-s43.json).
+    # fewer steps. None: 32 on CPUs, 2,048 on GPUs (vLLM's OpenAI server's token budget on
+    # GPUs under 70 GB, not measured here on a GPU). On 2 CPU cores a prompt token costs
+    # ~1.2 ms of a step (compute-bound: a step of 8 streams ~18 ms, with 64 prompt tokens
+    # ~90-140 ms): bf16 (the default), 8 streams decoding, a 2,346-token prompt arriving, read
+    # in the running step's forward (benchmarks/service_cache.py --only-long, one run each):
+    # 64 -> the streams' p99 inter-token latency 4.5-5.3x their median, its first token after
+    # 4.9-5.0 s; 48 -> 2.8x, 4.5 s; 32 -> 2.1x, 6.4 s; 16 -> 2.0x, 8.6 s. (In fp32, whose
+    # steps are ~7x slower, 64 gave 2.42x.)
     prefill_chunk: int | None = Field(None, ge=16, le=8192)
     max_context: int = Field(2048, ge=64)
     default_max_tokens: int = Field(256, ge=1)
@@ -183,7 +184,7 @@ class ServiceConfig(BaseModel):
         """prefill_chunk, None decided by the device (see the field)."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
-        return 2048 if self.use_gpu else 64
+        return 2048 if self.use_gpu else 32
 
     def device(self) -> str:
         return "cuda" if self.use_gpu else "cpu"

@@ -58,9 +58,9 @@ def test_block_size_must_be_a_multiple_of_16(size):
 
 # ----- what a budget buys -----------------------------------------------------------------------
 def test_prefill_chunk_defaults_follow_the_device():
-    """Chunked prefill's tokens a step: 64 on CPUs (the running streams' p99 inter-token
+    """Chunked prefill's tokens a step: 32 on CPUs (the running streams' p99 inter-token
     latency within 3x their median, benchmarks/service_cache.py), 2,048 on GPUs, else as set."""
-    assert ServiceConfig().resolved_prefill_chunk() == 64
+    assert ServiceConfig().resolved_prefill_chunk() == 32
     assert ServiceConfig(use_gpu=True).resolved_prefill_chunk() == 2048
     assert ServiceConfig(prefill_chunk=256).resolved_prefill_chunk() == 256
     with pytest.raises(ValueError, match="prefill_chunk"):
