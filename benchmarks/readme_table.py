@@ -49,9 +49,9 @@ ROWS: list[tuple[str, str, str]] = [
     ("service-epyc-s44-concurrency.json", "service",
      "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 964 bf16 blocks "
      "of 32 read in place by the native attention, up to 64 running; in process a slotted "
-     "cache of 64 slots; both with a prompt budget of 32 tokens a step, the CPU default), two torch threads in "
-     "the engine and in process (set: the auto choice took one in a run at the same code), "
-     "the machine otherwise idle"),
+     "cache of 64 slots; both with a prompt budget of 32 tokens a step, the CPU default), "
+     "two torch threads in the engine and in process (set: the auto choice took one in a run "
+     "at the same code), the machine otherwise idle"),
     ("tpot-tp1-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread"),
     ("tpot-tp2-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread a rank"),
     ("service-cache-epyc-s44.json", "cache",
