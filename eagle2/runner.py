@@ -88,10 +88,10 @@ class LocalRunner:
         """num_slots sequences (cache slots) of at most max_len entries each. Paged
         (docs/kv-cache.md "Paged cache") where num_blocks or kv_cache_memory (bytes, or on
         CUDA a fraction of the free memory, which `num_blocks_for` turns into blocks) is
-        given: the slots
-        share num_blocks blocks of block_size entries, which the engine hands out (`Engine`,
-        `eagle2.blocks`); else each slot holds max_len entries of its own, and with
-        kv_cache_memory only as many slots as fit it (`cache_layout`; `capacity`)."""
+        given: the slots share num_blocks blocks of block_size entries, which the engine
+        hands out (`Engine`, `eagle2.blocks`); else each slot holds max_len entries of its
+        own, and with kv_cache_memory only as many slots as fit it (`cache_layout`;
+        `capacity`)."""
         self.target = target.fuse()  # the backend's layers (`Backend.prepare`)
         self.vocab_size = target.vocab_size
         self.device = target.device
