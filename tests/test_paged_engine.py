@@ -437,3 +437,47 @@ def test_blocks_running_out_beside_a_chunked_prompt_preempt_the_newer_of_the_two
     assert 0 < engine.stats.prefill_tokens - plenty.stats.prefill_tokens < 16
     assert engine.stats.prefix_hit_tokens == 32
     assert engine.paging.blocks.num_free == 9
+
+
+@pytest.mark.parametrize("mix", [True, False], ids=["mixed", "own-forwards"])
+def test_the_running_requests_preempted_beside_an_older_chunked_prompt_resume_exactly(mix):
+    """A preempted request resuming in chunks is older than the request running beside it:
+    when blocks run out (here: taken from the pool, as another tenant's memory would be) the
+    running one is preempted and the chunk goes on alone, one piece a step. Every output
+    equals a run without the pressure."""
+    target = tiny_target(vocab=48, seed=43)
+    prompts = random_prompts(2, 48, seed=12, lo=30, hi=31)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+
+    def go(pressure: bool):
+        engine = paged_engine(target, 60, max_context=128)
+        engine.prefill_chunk, engine.mix_prompts = 4, mix
+        for i, p in enumerate(prompts):
+            engine.add(Request(f"r{i}", tuple(p), params, TREES["eagle2"]))
+        out: dict[str, list[int]] = {}
+        hog: list[int] = []
+        alone = []  # prompt tokens read in steps that left only the chunk
+        for step in range(400):
+            if pressure and step == 3:  # the older request preempted, as blocks running out
+                engine._preempt(next(s for s in engine.seqs if s.req.seq_id == "r0"))
+            ch = engine.chunking
+            if pressure and step > 3 and not hog and ch is not None and ch.resumed is not None:
+                hog = engine.paging.blocks.pool.take(engine.paging.blocks.num_free)
+            before = engine.stats.prefill_tokens
+            for e in engine.step():
+                out.setdefault(e.seq_id, []).extend(e.token_ids)
+            if hog and not engine.seqs and engine.chunking is not None:
+                alone.append(engine.stats.prefill_tokens - before)
+            if alone and hog != [-1]:
+                engine.paging.blocks.pool.release(hog)  # the memory comes back
+                hog = [-1]
+            if not engine.has_work():
+                break
+        return out, alone, engine
+
+    calm, _, _ = go(False)
+    out, alone, engine = go(True)
+    assert alone == [4]  # one piece of the chunk in the step it went on alone
+    assert engine.stats.preemptions >= 2
+    assert out == calm and all(len(v) == 60 for v in out.values())
+    assert engine.paging.blocks.num_free == 60
