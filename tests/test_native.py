@@ -758,3 +758,36 @@ def test_paged_attention_gives_the_slotted_bits_through_shared_and_reused_blocks
     show(1)
     call([1], [0], 50)
     call([2, 1], [shared + 20, 50], 6)
+
+
+def test_paged_operators_refuse_tables_that_leave_the_cache(ops):
+    """A block table naming a block past the cache, or positions past a slot's table, is a
+    clear error before any write or read, never a stray memory access."""
+    from eagle2.attention import KVCache
+    from eagle2.cpu.attention import with_key_blocks
+
+    num_q, num_kv, dim = 4, 2, 16
+    cache = with_key_blocks(KVCache.allocate_paged(1, 2, 6, 16, 64, num_kv, dim, torch.bfloat16,
+                                                   "cpu", ones_column=True))
+    cache.set_blocks(0, [0, 1])
+    cache.block_tables[1, 0] = 99  # no such block
+    qkv = torch.randn(1, 3, (num_q + 2 * num_kv) * dim).bfloat16()
+    cos, sin = torch.ones(1, 3, dim).bfloat16(), torch.zeros(1, 3, dim).bfloat16()
+    pos = torch.tensor([[0, 1, 2]])
+    before = cache.k.clone()
+    with pytest.raises(RuntimeError, match="block table entry 99 out of range"):
+        ops.qkv_rope_write(qkv, cos, sin, num_q, num_kv, cache.k[0], cache.v[0],
+                           torch.tensor([1]), pos, block_tables=cache.block_tables)
+    assert torch.equal(cache.k, before)
+    q = ops.qkv_rope_write(qkv, cos, sin, num_q, num_kv, cache.k[0], cache.v[0],
+                           torch.tensor([0]), pos, block_tables=cache.block_tables)
+    chain = torch.tril(torch.ones(3, 3, dtype=torch.bool))[None]
+    with pytest.raises(RuntimeError, match="block table entry 99 out of range"):
+        ops.attention(q, cache.k[0], cache.v[0], torch.tensor([1]), torch.tensor([0]), chain,
+                      0.25, *cache.layer_key_blocks(0), block_tables=cache.block_tables)
+    with pytest.raises(RuntimeError, match="out of range"):  # past the table's 4 blocks of 16
+        ops.attention(q, cache.k[0], cache.v[0], torch.tensor([0]), torch.tensor([62]), chain,
+                      0.25, *cache.layer_key_blocks(0), block_tables=cache.block_tables)
+    out = ops.attention(q, cache.k[0], cache.v[0], torch.tensor([0]), torch.tensor([0]), chain,
+                        0.25, *cache.layer_key_blocks(0), block_tables=cache.block_tables)
+    assert out.shape == (1, 3, num_q * dim) and torch.isfinite(out.float()).all()
