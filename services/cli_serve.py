@@ -65,11 +65,19 @@ def config_from_args(args) -> dict:
 # reconnect thread) never got an answer after the worker was killed, so speculation never came
 # back (tests/test_service_faults.py). The replicas' gRPC accepts what the public proxy does
 # (2 GiB, not gRPC's 4 MiB), so that an oversized request still reaches the router's size checks
-# (INVALID_ARGUMENT, not INTERNAL). The same variables in the environment override these
-# (e.g. "0" to compare).
+# (INVALID_ARGUMENT, not INTERNAL). Less background work, since every millisecond another
+# process runs on the engine's cores is a millisecond its step waits (docs/processes.md, "CPU
+# beside the engine"): the controller reconciles every 0.5 s instead of 0.1 s (each pass asked
+# the GCS for the cluster's nodes and resources; health checks keep their own 10 s period) and
+# the replicas and proxies refresh their Prometheus gauges every second instead of every 0.1 s
+# (scrapes come every 10-15 s). The deploy configs set the same variables (cluster/*.yaml,
+# deploy/Dockerfile); the same variables in the environment override these (e.g. "0" to
+# compare).
 SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
              "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str((2 << 30) - 1),
-             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+             "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 
 
 def start(conf: dict, blocking: bool = False, http_port: int = 8000,

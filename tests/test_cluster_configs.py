@@ -126,6 +126,30 @@ def test_cluster_turns_on_rays_token_authentication(path):
     assert "RAY_AUTH_MODE=disabled" not in starts
 
 
+def _dockerfile_env() -> dict[str, str]:
+    text = (ROOT / "deploy" / "Dockerfile").read_text().replace("\\\n", " ")
+    return dict(pair.split("=", 1) for line in re.findall(r"^ENV (.+)$", text, re.MULTILINE)
+                for pair in line.split())
+
+
+@pytest.mark.parametrize("where", [p.name for p in CLUSTER_FILES] + ["Dockerfile"])
+def test_deployments_run_serve_with_the_settings_eagle2_serve_uses(where):
+    """A cluster that `serve deploy` or KubeRay starts never runs `eagle2 serve`, whose
+    `ray.init` hands Serve its settings (services/cli_serve.py SERVE_ENV: gRPC between the
+    proxies and replicas, the replicas' user code on their main loop, the controller's 0.5 s
+    loop, the 1 s metrics refresh): the `ray up` containers and the image set every one of
+    them, with the same value."""
+    from services.cli_serve import SERVE_ENV
+
+    if where == "Dockerfile":
+        env = _dockerfile_env()
+    else:
+        options = _load(ROOT / "cluster" / where)["docker"]["run_options"]
+        env = dict(o.removeprefix("--env ").split("=", 1) for o in options
+                   if o.startswith("--env "))
+    assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV
+
+
 def test_dockerfile_builds_from_ray_gpu_image_and_installs_pyproject_version():
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     (ray_image,) = re.findall(r"^ARG RAY_IMAGE=(\S+)$", dockerfile, re.MULTILINE)
