@@ -333,13 +333,13 @@ def test_linear_amx_says_what_it_cannot_take():
 def test_a_target_on_amx_keeps_its_lm_head_on_the_fma_kernel(monkeypatch):
     """Where the measured plan puts the layers on AMX, the lm_head stays on the FMA kernel, so
     greedy tokens come from its int8 copy (`GreedyArgmax`); the layers' plan says AMX."""
-    import eagle2.target as target_module
+    import eagle2.cpu as cpu_backend
     from eagle2.target import TargetModel
 
     if amx_linear_ops() is None or fma_linear_ops() is None:
         pytest.skip("no AMX tiles here")
     amx_plan = BlockPlan({rows: AMX for rows in ROW_BUCKETS})
-    monkeypatch.setattr(target_module, "cached_plan", lambda *a, **k: amx_plan)
+    monkeypatch.setattr(cpu_backend, "cached_plan", lambda *a, **k: amx_plan)
     hf = tiny_target(seed=3, layers=2).hf.to(torch.bfloat16)
     target = TargetModel(hf, name="tiny-amx").fuse(measure=True)
     assert set(target.backend.plan.block_bytes.values()) == {AMX}
