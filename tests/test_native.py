@@ -126,9 +126,11 @@ def test_rows_do_not_depend_on_the_row_count(ops, threads):
 
 
 def test_fma_linear_split_over_threads_equals_one_thread_on_both_builds(attn_ops, ops):
-    """Each thread takes an equal share of a weight's 32-output blocks for any row count: the
-    outputs of 1-12 rows (weights of 18 and 49 blocks, shares of 4 + 1 blocks and less) on two
-    threads are those of one thread, and the AVX2 build's are the AVX-512 build's."""
+    """The threads take a weight's 32-output blocks in pieces, in whatever order they come
+    (`parallel_blocks`), for any row count: the outputs of 1-12 rows (weights of 18 and 49
+    blocks: pieces of 4 and 8 blocks, a shorter last one) on two and four threads (more threads
+    than cores: which thread takes which piece varies from call to call) are those of one
+    thread, and the AVX2 build's are the AVX-512 build's."""
     g = torch.Generator().manual_seed(4)
     for n, k in ((576, 576), (1550, 192)):
         weight = (torch.randn(n, k, generator=g) / 24).bfloat16()
@@ -138,10 +140,11 @@ def test_fma_linear_split_over_threads_equals_one_thread_on_both_builds(attn_ops
         try:
             torch.set_num_threads(1)
             one = [attn_ops.linear_fma(x[:m], packed, n) for m in range(1, 13)]
-            torch.set_num_threads(2)
-            for m in range(1, 13):
-                assert torch.equal(attn_ops.linear_fma(x[:m], packed, n), one[m - 1]), (n, m)
-                assert torch.equal(ops.linear_fma(x[:m], reference, n), one[m - 1]), (n, m)
+            for threads in (2, 4):
+                torch.set_num_threads(threads)
+                for m in range(1, 13):
+                    assert torch.equal(attn_ops.linear_fma(x[:m], packed, n), one[m - 1]), (n, m)
+                    assert torch.equal(ops.linear_fma(x[:m], reference, n), one[m - 1]), (n, m)
         finally:
             torch.set_num_threads(before)
 

@@ -15,6 +15,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1402,17 +1404,43 @@ constexpr int64_t kBlockN = 32;
 constexpr int kGroups = kBlockN / 16;  // 16-lane accumulators per row and block
 constexpr int64_t kPairsPerSum = 256;  // 512 inputs
 
-// f(b0, b1) over [0, blocks), an equal share for each thread (one call, inline, with one
-// thread). Any row count is split: the weights are read once whatever the split, so two cores
-// read them in half the time where each core has its own memory bandwidth (this Xeon VM: 15 GB/s
-// one thread, 29 two: one row through every linear and the lm_head 15.6 -> 8.9 ms on two
-// threads, `benchmarks/native_linears.py`), and `eagle2.threads` measures
-// whether more threads decode faster on the machine at hand. A parallel region's threads wake
-// from a spin (`GOMP_SPINCOUNT`, set by `eagle2/__init__.py`), not from sleep: ~120 regions a
-// forward each waking a sleeping thread had cost more than the split saved.
+// Threads take the work in pieces from a shared counter, about kPieces a thread, instead of an
+// equal share each: where other processes run on the same cores (the service's router, proxy
+// and draft worker beside its engine), one thread is preempted for a while and the others
+// would wait for its share at the end of the region; here they take the pieces it has not
+// started, so a region waits only for the piece in hand. The service's tokens/s on 2 cores
+// rose 3-16% (c=1 and c=8), in process unchanged (docs/cpu-backend.md, "CPU performance").
+// Results do not depend on which thread computes a piece.
+constexpr int64_t kPieces = 4;
+
+// f(i0, i1) over [0, n) in pieces of `piece` (whole pieces but the last); fewer than two
+// pieces: an equal share a thread (one call, inline, with one thread or in a parallel region)
+template <typename F>
+inline void parallel_pieces(int64_t n, int64_t piece, const F& f) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || n < 2 * piece || at::in_parallel_region()) {
+    at::parallel_for(0, n, 1, f);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i0; (i0 = next.fetch_add(piece, std::memory_order_relaxed)) < n;)
+      f(i0, std::min(n, i0 + piece));
+  });
+}
+
+// f(b0, b1) over [0, blocks), kPieces pieces a thread of a multiple of 4 blocks each (the
+// linears go four blocks at a time). Any row count is split: the weights are read once whatever
+// the split, so two cores read them in half the time where each core has its own memory
+// bandwidth (this Xeon VM: 15 GB/s one thread, 29 two: one row through every linear and the
+// lm_head 15.6 -> 8.9 ms on two threads, `benchmarks/native_linears.py`), and `eagle2.threads`
+// measures whether more threads decode faster on the machine at hand. A parallel region's
+// threads wake from a spin (`GOMP_SPINCOUNT`, set by `eagle2/__init__.py`), not from sleep:
+// ~120 regions a forward each waking a sleeping thread had cost more than the split saved.
 template <typename F>
 inline void parallel_blocks(int64_t blocks, const F& f) {
-  at::parallel_for(0, blocks, 1, f);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  parallel_pieces(blocks, std::max<int64_t>(4, (blocks / (threads * kPieces) + 3) / 4 * 4), f);
 }
 
 #ifdef EAGLE2_AVX512
@@ -2465,14 +2493,16 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   }
   std::vector<float> screen(R);
   for (int64_t r = 0; r < R; ++r) screen[r] = top_cx * xn[r] + top_ce * en[r];
-  // the blocks in equal contiguous shares, a task a thread (as parallel_blocks splits them),
-  // each task its own floors and candidates: the final floor is their maximum and the
-  // candidates their union (each output in one task), whatever the split
+  // the blocks in equal contiguous shares, kPieces tasks a thread taken in turn (as
+  // parallel_blocks takes its pieces), each task its own floors and candidates: the final
+  // floor is their maximum and the candidates their union (each output in one task), whatever
+  // the split
   struct Found {
     int64_t v;
     float upper;
   };
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  const int64_t tasks =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * kPieces, blocks));
   std::vector<float> task_floor(tasks * R, -INFINITY);
   std::vector<std::vector<Found>> task_found(tasks * R);
 #ifdef EAGLE2_AMX
@@ -2504,7 +2534,7 @@ torch::Tensor greedy_argmax(const torch::Tensor& x, const torch::Tensor& q,
   // group (two threads, 16 rows: 4.1 ms, caches flushed, against 1.9 for 8, when every group
   // streamed the whole lm_head)
   const int64_t group = tiles ? 16 : kArgRows;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  parallel_pieces(tasks, 1, [&](int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t b0 = blocks * t / tasks, b1 = blocks * (t + 1) / tasks;
     float* floors = task_floor.data() + t * R;
