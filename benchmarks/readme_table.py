@@ -46,14 +46,14 @@ ROWS: list[tuple[str, str, str]] = [
     ("ab-epyc-s38-a04a4cd.json", "speedup",
      "AMD EPYC with AVX512-BF16, head v8, the release before (a04a4cd), one core; the same "
      "160 outputs token for token as the row above"),
-    ("service-epyc-s44-concurrency.json", "service",
-     "AMD EPYC with AVX512-BF16, head v8, the service's default cache (1 GiB: 964 bf16 blocks "
-     "of 32 read in place by the native attention, up to 64 running; in process a slotted "
-     "cache of 64 slots; both with a prompt budget of 32 tokens a step, the CPU default), "
-     "two torch threads in the engine and in process (set: the auto choice took one in a run "
-     "at the same code), the machine otherwise idle"),
-    ("tpot-tp1-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread"),
-    ("tpot-tp2-epyc-s41.json", "tpot", "AMD EPYC with AVX512-BF16, one torch thread a rank"),
+    ("service-xeon-amx-s45-concurrency.json", "service",
+     AMX + ", the service's default cache (1 GiB: bf16 blocks of 32 read in place by the "
+     "native attention, up to 64 running; in process a slotted cache of 64 slots; both with a "
+     "prompt budget of 32 tokens a step, the CPU default), two torch threads in the engine and "
+     "in process (set: the auto choice took one in a run at the same code), the machine "
+     "otherwise idle"),
+    ("tpot-tp1-xeon-amx-s45.json", "tpot", "Intel Xeon with AMX, one torch thread"),
+    ("tpot-tp2-xeon-amx-s45.json", "tpot", "Intel Xeon with AMX, one torch thread a rank"),
     ("service-cache-epyc-s44.json", "cache",
      "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 32 (the CPU default), chunks read in "
      "the running step's forward by the native attention over the paged cache"),

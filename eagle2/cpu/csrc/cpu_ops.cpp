@@ -1409,7 +1409,8 @@ constexpr int64_t kPairsPerSum = 256;  // 512 inputs
 // and draft worker beside its engine), one thread is preempted for a while and the others
 // would wait for its share at the end of the region; here they take the pieces it has not
 // started, so a region waits only for the piece in hand. The service's tokens/s on 2 cores
-// rose 3-16% (c=1 and c=8), in process unchanged (docs/cpu-backend.md, "CPU performance").
+// rose 9-11% at 1 stream and 15% at 8, in process unchanged (docs/cpu-backend.md, "CPU
+// performance").
 // Results do not depend on which thread computes a piece.
 constexpr int64_t kPieces = 4;
 
