@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1409,9 +1408,8 @@ constexpr int64_t kPairsPerSum = 256;  // 512 inputs
 // and draft worker beside its engine), one thread is preempted for a while and the others
 // would wait for its share at the end of the region; here they take the pieces it has not
 // started, so a region waits only for the piece in hand. The service's tokens/s on 2 cores
-// rose 9-11% at 1 stream and 15% at 8, in process unchanged (docs/cpu-backend.md, "CPU
-// performance").
-// Results do not depend on which thread computes a piece.
+// rose 8-11% at 1 stream and 15% at 8, in process unchanged (docs/cpu-backend.md, "CPU
+// performance"). Results do not depend on which thread computes a piece.
 constexpr int64_t kPieces = 4;
 
 // f(i0, i1) over [0, n) in pieces of `piece` (whole pieces but the last); fewer than two
