@@ -121,6 +121,8 @@ def service_command(res: dict) -> str:
         value = given.get(key, default)
         if value != default:
             args += ["--" + key.replace("_", "-"), _fmt(value)]
+    if given.get("ha_proxy"):
+        args.append("--ha-proxy")
     return " ".join(["eagle2 bench-service", *args])
 
 

@@ -69,6 +69,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-plain-check", action="store_true",
                    help="skip the plain-decoding (vanilla) reference run")
     p.add_argument("--draft-placement", default="worker", choices=["worker", "inprocess"])
+    p.add_argument("--ha-proxy", action="store_true",
+                   help="start the service with Serve's HAProxy ingress (eagle2 serve --ha-proxy)")
     p.add_argument("--engine-threads", default=None,
                    help="the started service's engine_threads: N or auto (default: config's)")
     p.add_argument("--inprocess-threads", type=int, default=None,
@@ -351,7 +353,8 @@ def run(args) -> int:
         conf = _service_config(args)
         report["service_config"] = conf
         t0 = time.perf_counter()
-        handle = start(conf, http_port=args.http_port, address="local")
+        handle = start(conf, http_port=args.http_port, address="local",
+                       ha_proxy=args.ha_proxy)
         _log(f"service started in {time.perf_counter() - t0:.0f} s")
     base_url = args.url or f"http://127.0.0.1:{args.http_port}"
     try:  # the report is written before the service stops
