@@ -52,6 +52,9 @@ ROWS: list[tuple[str, str, str]] = [
      "prompt budget of 32 tokens a step, the CPU default), two torch threads in the engine and "
      "in process (set: the auto choice took one in a run at the same code), the machine "
      "otherwise idle"),
+    ("service-haproxy-xeon-amx-s45-concurrency.json", "service",
+     AMX + ", as the row above but behind Serve's HAProxy ingress (`--ha-proxy`: the router "
+     "replica serves each connection itself; HAProxy 2.6 from Debian)"),
     ("tpot-tp1-xeon-amx-s45.json", "tpot", "Intel Xeon with AMX, one torch thread"),
     ("tpot-tp2-xeon-amx-s45.json", "tpot", "Intel Xeon with AMX, one torch thread a rank"),
     ("service-cache-epyc-s44.json", "cache",
