@@ -121,8 +121,7 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
         init = functools.partial(
             ray.init, address=address, num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size,
             include_dashboard=False, **extra,
-            runtime_env={"env_vars": {**serve_env(), **ha_proxy_env(),
-                                      "TOKENIZERS_PARALLELISM": "false",
+            runtime_env={"env_vars": {**serve_env(), "TOKENIZERS_PARALLELISM": "false",
                                       # idle OpenMP threads must not spin on cores the next
                                       # process in the step needs
                                       "OMP_WAIT_POLICY": "PASSIVE",
@@ -150,14 +149,12 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
 
 
 def serve_env() -> dict[str, str]:
-    """SERVE_ENV with the values this process's environment sets instead."""
-    return {k: os.environ.get(k, v) for k, v in SERVE_ENV.items()}
-
-
-def ha_proxy_env() -> dict[str, str]:
-    """RAY_SERVE_ENABLE_HA_PROXY for the cluster's processes where this process has it."""
-    value = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")
-    return {} if value is None else {"RAY_SERVE_ENABLE_HA_PROXY": value}
+    """SERVE_ENV with the values this process's environment sets instead, and
+    RAY_SERVE_ENABLE_HA_PROXY where this process has it (`enable_ha_proxy`)."""
+    env = {k: os.environ.get(k, v) for k, v in SERVE_ENV.items()}
+    if "RAY_SERVE_ENABLE_HA_PROXY" in os.environ:
+        env["RAY_SERVE_ENABLE_HA_PROXY"] = os.environ["RAY_SERVE_ENABLE_HA_PROXY"]
+    return env
 
 
 def run(args) -> int:

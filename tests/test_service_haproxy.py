@@ -27,7 +27,7 @@ def test_ha_proxy_without_the_binary_says_what_is_missing(monkeypatch):
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     with pytest.raises(RuntimeError, match="haproxy binary"):
         cli_serve.start(CONFIG, ha_proxy=True)
-    assert "RAY_SERVE_ENABLE_HA_PROXY" not in cli_serve.ha_proxy_env()
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in cli_serve.serve_env()
 
 
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="no haproxy binary here")
