@@ -88,8 +88,9 @@ def enable_ha_proxy() -> None:
     """Serve's HAProxy ingress (Ray 2.60, experimental): HAProxy (C) holds the HTTP and gRPC
     ports and forwards each connection straight to the router replica, which serves it itself
     (direct ingress), instead of Serve's Python proxy relaying every streamed message. Measured
-    on 2 cores: the service's tokens/s rose from ~0.86x to 0.92x the in-process engine's at
-    1 stream and from ~0.80x to 0.91x at 8 (docs/processes.md, "CPU beside the engine").
+    on 2 cores (64 prompts, README): the service's tokens/s at 0.92x the in-process engine's at
+    1 stream and 0.93x at 8, against 0.86x and 0.80x behind Serve's proxy
+    (docs/processes.md, "CPU beside the engine").
     Needs the `haproxy` binary on PATH (Debian: `apt-get install haproxy`); set before Ray
     and Serve start (their processes read it from the environment)."""
     if shutil.which("haproxy") is None:
