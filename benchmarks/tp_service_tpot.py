@@ -4,7 +4,8 @@ A tiny random Llama (2 layers, hidden 64, vocabulary 256: a forward of ~1 ms, as
 to the host's work as a GPU forward is) is saved to a temporary directory and served
 (`services.cli_serve.start`, a fresh local Ray) with plain decoding (the vanilla tree) at
 `tp_size` 2 (the engine replica drives two rank actors) or 1 (the target in the engine
-replica). At each concurrency C, C clients stream `GenerateStream` over gRPC (token-id
+replica), behind the service's default ingress (HAProxy; --no-ha-proxy: Serve's Python proxy).
+At each concurrency C, C clients stream `GenerateStream` over gRPC (token-id
 prompts, `max_tokens` new tokens each), several rounds; per request TPOT = (latency - time to
 first token) / (tokens - 1). In this process the same prompts are decoded together at batch C
 on `LocalRunner` through the engine (time per decode step = the in-process time per token), in
@@ -64,6 +65,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--tp", type=int, default=2, help="tp_size (1: the target in the engine)")
     ap.add_argument("--out", default=None, help="also write the figures here (JSON)")
+    ap.add_argument("--ha-proxy", action=argparse.BooleanOptionalAction, default=None,
+                    help="the service behind HAProxy or (--no-ha-proxy) Serve's Python proxy "
+                         "(default: as eagle2 serve)")
     args = ap.parse_args()
     from conftest import random_prompts, save_tiny_target, tiny_target
     from tp_step_channel import decode
@@ -71,7 +75,7 @@ def main() -> None:
     from eagle2.engine import Engine
     from eagle2.runner import LocalRunner
     from services.bench_service import add_cpu, cpu_seconds, per_token, service_processes
-    from services.cli_serve import shutdown, start
+    from services.cli_serve import shutdown, start, use_ha_proxy
     from services.client import Eagle2Client
 
     torch.set_num_threads(1)
@@ -82,10 +86,12 @@ def main() -> None:
             "max_batch_size": max(args.concurrency), "max_context": 256,
             "max_tokens_limit": 200, "default_max_tokens": 64, "grpc_port": PORT,
             "tree": {"mode": "vanilla"}}
-    handle = start(conf, http_port=HTTP_PORT, address="local")
+    ha_proxy = use_ha_proxy(args.ha_proxy)
+    handle = start(conf, http_port=HTTP_PORT, address="local", ha_proxy=ha_proxy)
     ok = True
     report = {"command": " ".join(["benchmarks/tp_service_tpot.py", *sys.argv[1:]]),
               "tp_size": args.tp, "max_tokens": args.max_tokens, "rounds": args.rounds,
+              "ha_proxy": ha_proxy,
               "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
               "levels": []}
     try:

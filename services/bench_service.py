@@ -499,22 +499,24 @@ def _level(args, handle, llm, base_url: str, prompts: list[str], prompt_ids, con
 # ----- CPU time per process (what the service's processes cost besides the step) ----------------
 ROLES = (("TargetEngine", "engine"), ("Router", "router"), ("ProxyActor", "proxy"),
          ("DraftWorker", "draft_worker"), ("ServeController", "controller"),
-         ("TPRank", "ranks"))
+         ("TPRank", "ranks"), ("HAProxyManager", "haproxy"))
 
 
 def service_processes() -> dict[str, list[int]]:
     """The processes of the service this bench started (its descendants) by role: the Serve
-    replicas, proxy and controller by their Ray names, "client" (this process: the HTTP
-    clients) and "ray_other" (GCS, raylet, agents, idle workers)."""
+    replicas, proxy and controller by their Ray names, "haproxy" (HAProxy and the actor that
+    runs it), "client" (this process: the HTTP clients) and "ray_other" (GCS, raylet, agents,
+    idle workers)."""
     import psutil
 
     out: dict[str, list[int]] = {"client": [os.getpid()]}
     for proc in psutil.Process().children(recursive=True):
         try:
-            cmd = " ".join(proc.cmdline())
+            cmd, name = " ".join(proc.cmdline()), proc.name()
         except psutil.Error:
             continue
-        role = next((r for key, r in ROLES if key in cmd), "ray_other")
+        role = "haproxy" if name == "haproxy" else next(
+            (r for key, r in ROLES if key in cmd), "ray_other")
         out.setdefault(role, []).append(proc.pid)
     return out
 
