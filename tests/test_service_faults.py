@@ -23,9 +23,14 @@ pytest.importorskip("ray")
 
 PORT = 19010
 METRICS_PORT = 19091
+# A fixed tree: every step calls the draft worker. With the auto budget a slow or busy machine
+# may find that drafts do not pay and verify lookup chains alone for whole streams (an AVX2-only
+# EPYC called the head on 2% of the steps at 1 stream), and then a killed worker goes unnoticed
+# until the streams have ended.
 CONFIG = {"max_batch_size": 4, "max_context": 512, "max_tokens_limit": 256,
           "default_max_tokens": 24, "grpc_port": PORT, "max_queued_requests": 16,
-          "target_placement": "ranks"}
+          "target_placement": "ranks",
+          "tree": {"budget": "fixed", "total_tokens": 8, "depth": 3, "top_k": 4}}
 PROMPTS = ["Write a long story about a dragon.", "Explain in detail how a computer works.",
            "Describe the history of Rome.", "List twenty animals and describe each one."]
 MAX_TOKENS = 128  # long enough that every stream is still running when the worker dies

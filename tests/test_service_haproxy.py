@@ -84,7 +84,8 @@ def test_either_ingress_streams_grpc_and_openai_equal_to_plain_decoding(monkeypa
                                                                         ha_proxy):
     """gRPC (unary and streamed) and the OpenAI endpoint's SSE stream, through the default
     ingress (HAProxy: an haproxy process runs) and through Serve's Python proxy (none runs):
-    the tokens of in-process plain greedy decoding."""
+    the tokens of in-process plain greedy decoding; a bad request's status and message."""
+    import grpc
     import psutil
     import ray
 
@@ -109,6 +110,11 @@ def test_either_ingress_streams_grpc_and_openai_equal_to_plain_decoding(monkeypa
             streamed = [i for msg in client.stream(PROMPT, max_tokens=16)
                         for i in msg.token_ids]
             assert streamed == plain.token_ids
+            for call in (client.generate, lambda *a, **k: list(client.stream(*a, **k))):
+                with pytest.raises(grpc.RpcError) as err:  # a status with its message
+                    call(PROMPT, max_tokens=0)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "max_tokens" in err.value.details()
         body = json.dumps({"model": "eagle2", "max_tokens": 16, "stream": True,
                            "messages": [{"role": "user", "content": PROMPT}]}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{HTTP_PORT}/v1/chat/completions",
