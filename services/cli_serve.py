@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 
@@ -90,6 +91,10 @@ SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
 
 
 HA_PROXY_VAR = "RAY_SERVE_ENABLE_HA_PROXY"
+# HAProxy's statistics and metrics ports: Serve's defaults, 8404 and 9101 on every interface,
+# stop HAProxy from starting where anything else holds them (a second service on the machine).
+# A cluster `start` creates gets free ones unless the environment names them.
+HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
 def haproxy_binary() -> str | None:
@@ -152,7 +157,8 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
         init = functools.partial(
             ray.init, address=address, num_cpus=max(8, os.cpu_count() or 1) + cfg.tp_size,
             include_dashboard=False, **extra,
-            runtime_env={"env_vars": {**serve_env(ha), "TOKENIZERS_PARALLELISM": "false",
+            runtime_env={"env_vars": {**serve_env(ha), **(haproxy_ports() if ha else {}),
+                                      "TOKENIZERS_PARALLELISM": "false",
                                       # idle OpenMP threads must not spin on cores the next
                                       # process in the step needs
                                       "OMP_WAIT_POLICY": "PASSIVE",
@@ -177,6 +183,16 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
     # one application: mounted at "/", so OpenAI clients use http://HOST:PORT/v1 (the router
     # also answers under /<app_name>/v1, the path of a multi-application deployment)
     return serve.run(build_app(conf), name=cfg.app_name, route_prefix="/", blocking=blocking)
+
+
+def haproxy_ports() -> dict[str, str]:
+    """HAPROXY_PORT_VARS: this process's environment's values, else free ports."""
+    def free() -> str:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return str(s.getsockname()[1])
+
+    return {k: os.environ.get(k) or free() for k in HAPROXY_PORT_VARS}
 
 
 def serve_env(ha_proxy: bool) -> dict[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import sys
 import urllib.request
@@ -84,7 +85,8 @@ def test_either_ingress_streams_grpc_and_openai_equal_to_plain_decoding(monkeypa
                                                                         ha_proxy):
     """gRPC (unary and streamed) and the OpenAI endpoint's SSE stream, through the default
     ingress (HAProxy: an haproxy process runs) and through Serve's Python proxy (none runs):
-    the tokens of in-process plain greedy decoding; a bad request's status and message."""
+    the tokens of in-process plain greedy decoding; a bad request's status and message. With
+    Serve's default HAProxy stats and metrics ports held by another process."""
     import grpc
     import psutil
     import ray
@@ -98,6 +100,15 @@ def test_either_ingress_streams_grpc_and_openai_equal_to_plain_decoding(monkeypa
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     local = Eagle2.load(max_batch=1, max_context=512, device="cpu", threads=None)
     plain = local.generate([PROMPT], SamplingParams(max_tokens=16), mode="vanilla")[0]
+    held = []  # Serve's default HAProxy stats and metrics ports taken, as another service would
+    for port in (8404, 9101):
+        sock = socket.socket()
+        try:
+            sock.bind(("", port))
+            sock.listen()
+            held.append(sock)
+        except OSError:  # something else holds it already: the same case
+            sock.close()
     start(CONFIG, http_port=HTTP_PORT, address="local", ha_proxy=ha_proxy)
     try:
         mine = {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
@@ -127,3 +138,5 @@ def test_either_ingress_streams_grpc_and_openai_equal_to_plain_decoding(monkeypa
         assert text == plain.text
     finally:
         ray.shutdown()
+        for sock in held:
+            sock.close()
