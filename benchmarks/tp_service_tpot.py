@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--tp", type=int, default=2, help="tp_size (1: the target in the engine)")
+    ap.add_argument("--target-placement", choices=["auto", "ranks", "engine"], default="auto",
+                    help="the service's target_placement (auto: at tp 2 rank 0 in the engine "
+                         "replica, rank 1 on an actor; ranks: every rank on an actor)")
     ap.add_argument("--out", default=None, help="also write the figures here (JSON)")
     ap.add_argument("--ha-proxy", action=argparse.BooleanOptionalAction, default=None,
                     help="the service behind HAProxy or (--no-ha-proxy) Serve's Python proxy "
@@ -85,12 +88,13 @@ def main() -> None:
     conf = {"target": path, "tp_size": args.tp, "cpus_per_rank": 1, "dtype": "float32",
             "max_batch_size": max(args.concurrency), "max_context": 256,
             "max_tokens_limit": 200, "default_max_tokens": 64, "grpc_port": PORT,
-            "tree": {"mode": "vanilla"}}
+            "tree": {"mode": "vanilla"}, "target_placement": args.target_placement}
     ha_proxy = use_ha_proxy(args.ha_proxy)
     handle = start(conf, http_port=HTTP_PORT, address="local", ha_proxy=ha_proxy)
     ok = True
     report = {"command": " ".join(["benchmarks/tp_service_tpot.py", *sys.argv[1:]]),
-              "tp_size": args.tp, "max_tokens": args.max_tokens, "rounds": args.rounds,
+              "tp_size": args.tp, "target_placement": args.target_placement,
+              "max_tokens": args.max_tokens, "rounds": args.rounds,
               "ha_proxy": ha_proxy,
               "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
               "levels": []}

@@ -28,6 +28,7 @@ Pure torch: this module knows nothing of Ray.
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -44,17 +45,25 @@ ROW = ("o_proj", "down_proj")  # split the weight's dim 1, all-reduce the output
 
 
 def init_tp(rank: int, world_size: int, master_addr: str, master_port: int,
-            backend: str | None = None) -> None:
+            backend: str | None = None, timeout_s: float | None = None) -> None:
     """Join the tensor-parallel process group as `rank` of `world_size`.
 
     backend: "nccl" when this process sees a GPU, else "gloo". A Ray actor sees only its own
-    GPU, so the local device is always cuda:0, whatever the global rank.
+    GPU, so the local device is always cuda:0, whatever the global rank. timeout_s: how long
+    joining (and the group's ops) may wait for the other ranks (None: torch's default).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                            rank=rank, world_size=world_size)
+                            rank=rank, world_size=world_size, **extra)
+
+
+def socket_group(model: torch.nn.Module) -> SocketGroup | None:
+    """The socket collectives of a CPU shard (`_parallel_layers`); None where its collectives
+    are torch's (GPUs) or it is not split."""
+    return getattr(getattr(model, "lm_head", None), "group", None)
 
 
 def check_tp_size(config, tp_size: int) -> None:

@@ -111,11 +111,13 @@ def _recv_frame(sock: socket.socket) -> bytearray:
 class DriverChannel:
     """The driver's end: a listening socket, then one connection per rank (rank order)."""
 
-    def __init__(self, host: str, tp_size: int):
-        self.tp_size = tp_size
+    def __init__(self, host: str, ranks: list[int]):
+        """ranks: the ranks that connect (all of them, or all but rank 0 where the driver
+        runs rank 0 itself)."""
+        self.ranks = list(ranks)
         self._listener = socket.create_server((host, 0))
         self.address = (host, self._listener.getsockname()[1])  # what the ranks connect to
-        self._socks: list[socket.socket] = []
+        self._socks: dict[int, socket.socket] = {}
         # frames_out / bytes_out: frames written to ranks and their bytes (one frame a rank);
         # frames_in / bytes_in: frames read back
         self.counts: Counter = Counter()
@@ -126,10 +128,10 @@ class DriverChannel:
         socks: dict[int, socket.socket] = {}
         deadline = time.monotonic() + timeout_s
         self._listener.settimeout(1.0)
-        while len(socks) < self.tp_size:
+        while len(socks) < len(self.ranks):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.tp_size - len(socks)} ranks did not connect within "
-                                   f"{timeout_s} s")
+                raise TimeoutError(f"{len(self.ranks) - len(socks)} ranks did not connect "
+                                   f"within {timeout_s} s")
             try:
                 sock, _ = self._listener.accept()
             except TimeoutError:
@@ -140,16 +142,22 @@ class DriverChannel:
             (rank,) = HEADER.unpack(recv_exact(sock, HEADER.size))
             socks[rank] = sock
         self._listener.close()
-        self._socks = [socks[r] for r in range(self.tp_size)]
-        self._rank_of = {sock.fileno(): rank for rank, sock in enumerate(self._socks)}
+        self._socks = {r: socks[r] for r in self.ranks}
+        self._rank_of = {sock.fileno(): rank for rank, sock in self._socks.items()}
         self._poller = select.poll()  # (select.select stops at descriptor 1024)
-        for sock in self._socks:
+        for sock in self._socks.values():
             self._poller.register(sock, select.POLLIN)
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        """The connections to the ranks (rank order)."""
+        return list(self._socks.values())
 
     def broadcast(self, message) -> int:
         """Serialize `message` once and write it to every rank; -> bytes written."""
         payload = dumps(message)
-        for rank, sock in enumerate(self._socks):
+        sent = 0
+        for rank, sock in self._socks.items():
             try:
                 sent = _send_frame(sock, payload)
             except OSError as e:
@@ -176,10 +184,11 @@ class DriverChannel:
                 replies[rank] = value
         return [replies[r] for r in ranks]
 
-    def poll(self) -> None:
+    def poll(self, timeout_s: float = 0.0) -> None:
         """Raise RankLost / RankError if a rank's connection ended or reported an error while
-        no step ran (a health check: no rank writes between steps otherwise)."""
-        ready = self._poller.poll(0)
+        no step ran (a health check: no rank writes between steps otherwise), or ends or
+        reports within timeout_s."""
+        ready = self._poller.poll(timeout_s * 1000)
         if ready:
             rank = self._rank_of[ready[0][0]]
             self._read(rank)
@@ -201,9 +210,9 @@ class DriverChannel:
 
     def close(self) -> None:
         """Close every connection: the ranks' loops end (their receive raises)."""
-        for sock in self._socks:
+        for sock in self._socks.values():
             sock.close()
-        self._socks = []
+        self._socks = {}
         self._listener.close()
 
 

@@ -13,12 +13,18 @@ Every rank sums the parts in rank order, so all ranks hold the same bits, as glo
 ranks of a group run on one node (the placement is STRICT_PACK): they connect over loopback,
 after exchanging their ports over the process group (`dist.all_gather_object`). A peer that
 dies closes its sockets, so a rank waiting for it raises ConnectionError instead of waiting.
+A rank that runs in the driver's process (docs/tensor-parallel.md "Rank 0 in the engine")
+also watches the driver's connections to the other ranks (`watch`): a peer whose step raised
+before its collectives reports it there, and the wait ends with `PeerAlert` instead of
+waiting for a peer that will never write.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +32,11 @@ import torch.distributed as dist
 from eagle2.tp_channel import recv_exact
 
 _RANK = struct.Struct("<Q")
+
+
+class PeerAlert(ConnectionError):
+    """A watched connection (`SocketGroup.watch`) became readable or ended while this rank
+    waited in a collective: another rank failed or reported an error."""
 
 
 class SocketGroup:
@@ -51,6 +62,44 @@ class SocketGroup:
         for sock in self.peers.values():
             sock.settimeout(timeout_s)  # a peer that hangs fails the op (as gloo's timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.timeout_s = timeout_s
+        self._watched: frozenset[int] = frozenset()
+        self._pollers: dict[int, select.poll] = {}
+
+    def watch(self, socks: list[socket.socket]) -> None:
+        """While waiting for a peer's bytes, also watch `socks` (the driver's connections to
+        the other ranks, which they write to only to report an error, or close by dying): one
+        that becomes readable or ends raises PeerAlert. [] stops watching."""
+        self._watched = frozenset(s.fileno() for s in socks)
+        self._pollers = {}
+        if not socks:
+            return
+        for peer, sock in self.peers.items():
+            poller = select.poll()
+            for s in (sock, *socks):
+                poller.register(s, select.POLLIN)
+            self._pollers[peer] = poller
+
+    def _recv(self, peer: int, size: int) -> bytearray:
+        """`size` bytes from `peer`, watching the watched connections meanwhile."""
+        if not self._pollers:
+            return recv_exact(self.peers[peer], size)
+        sock, poller = self.peers[peer], self._pollers[peer]
+        out = bytearray(size)
+        view, got = memoryview(out), 0
+        deadline = time.monotonic() + self.timeout_s
+        while got < size:
+            ready = poller.poll(max(deadline - time.monotonic(), 0) * 1000)
+            if not ready:
+                raise TimeoutError(f"rank {peer} sent nothing within {self.timeout_s} s")
+            if any(fd in self._watched for fd, _ in ready):
+                raise PeerAlert(f"rank {self.rank}: another rank failed while this one waited "
+                                f"for rank {peer}")
+            n = sock.recv_into(view[got:], size - got)
+            if n == 0:
+                raise ConnectionError("connection closed")
+            got += n
+        return out
 
     def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (same shape and dtype on all), in rank order. Pairs go in a global
@@ -64,9 +113,9 @@ class SocketGroup:
             sock = self.peers[peer]
             if self.rank < peer:
                 sock.sendall(raw)
-                data = recv_exact(sock, len(raw))
+                data = self._recv(peer, len(raw))
             else:
-                data = recv_exact(sock, len(raw))
+                data = self._recv(peer, len(raw))
                 sock.sendall(raw)
             parts[peer] = torch.frombuffer(data, dtype=torch.uint8).view(t.dtype).view(t.shape)
         return parts
@@ -91,4 +140,4 @@ class SocketGroup:
     def close(self) -> None:
         for sock in self.peers.values():
             sock.close()
-        self.peers = {}
+        self.peers, self._pollers, self._watched = {}, {}, frozenset()

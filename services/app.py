@@ -33,14 +33,15 @@ def build_app(args: dict | None = None) -> Application:
 
 
 def engine_resources(cfg: ServiceConfig) -> dict:
-    """The engine replica's Ray resources. Holding the target, it reserves what a rank would
-    (cpus_per_rank, the rank's GPU share); with the target on rank actors (their own
-    placement group), one CPU. A head in the replica (draft_placement "inprocess") gets a
-    whole GPU, shared with the target when the target is there too."""
+    """The engine replica's Ray resources. Holding the target, or rank 0 of it, it reserves
+    what a rank would (cpus_per_rank, the rank's GPU share); with the target on rank actors
+    (their own placement group), one CPU. A head in the replica (draft_placement
+    "inprocess") gets a whole GPU, shared with the target when the target is there too."""
     inprocess_head = cfg.draft_placement == "inprocess"
     gpus = 0.0
     if cfg.use_gpu and inprocess_head:
         gpus = 1.0
     elif cfg.target_in_engine():
         gpus = cfg.gpu_per_rank()
-    return {"num_cpus": cfg.cpus_per_rank if cfg.target_in_engine() else 1, "num_gpus": gpus}
+    holds_rank = cfg.resolved_target_placement() == "engine"
+    return {"num_cpus": cfg.cpus_per_rank if holds_rank else 1, "num_gpus": gpus}

@@ -46,9 +46,11 @@ class ServiceConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Tensor-parallel ranks for the target (one Ray actor each, in one placement group).
     tp_size: int = Field(1, ge=1, le=64)
-    # Where the target runs: "ranks" = on the tp_size rank actors (a Ray call per step);
-    # "engine" = whole, inside the engine replica (tp_size 1 only; no call per step, as
-    # vLLM's uniprocess executor); "auto" = "engine" at tp_size 1, else "ranks".
+    # Where the target runs: "ranks" = on the tp_size rank actors (driven over a step channel);
+    # "engine" = in the engine replica: the whole target at tp_size 1 (as vLLM's uniprocess
+    # executor), rank 0 of it at tp_size > 1 with ranks 1.. on actors (CPU ranks only, as
+    # vLLM's driver worker; docs/tensor-parallel.md "Rank 0 in the engine"); "auto" =
+    # "engine", except "ranks" for GPU ranks at tp_size > 1.
     target_placement: Literal["auto", "ranks", "engine"] = "auto"
     # GPUs: each TP rank (or the engine replica holding the target) and the draft worker ask
     # for one when true.
@@ -165,20 +167,26 @@ class ServiceConfig(BaseModel):
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         if self.max_tokens_limit >= self.max_context:
             raise ValueError("max_tokens_limit must be below max_context")
-        if self.target_placement == "engine" and self.tp_size > 1:
-            raise ValueError(f"target_placement 'engine' holds the whole target in the engine "
-                             f"replica, so it needs tp_size 1 (got tp_size {self.tp_size}); "
-                             f"use target_placement 'ranks' or 'auto' for tensor parallelism")
+        if self.target_placement == "engine" and self.tp_size > 1 and self.use_gpu:
+            raise ValueError(f"target_placement 'engine' at tp_size {self.tp_size} runs rank 0 "
+                             f"in the engine replica, which only CPU ranks can do (a failed "
+                             f"rank cannot interrupt NCCL's collectives there); use "
+                             f"target_placement 'ranks' or 'auto' with use_gpu")
         return self
 
     def resolved_target_placement(self) -> Literal["ranks", "engine"]:
         """Where the target runs: target_placement with "auto" decided by tp_size."""
         if self.target_placement == "auto":
-            return "engine" if self.tp_size == 1 else "ranks"
+            return "ranks" if self.tp_size > 1 and self.use_gpu else "engine"
         return self.target_placement
 
     def target_in_engine(self) -> bool:
-        return self.resolved_target_placement() == "engine"
+        """The whole target in the engine replica (tp_size 1, placement "engine")."""
+        return self.resolved_target_placement() == "engine" and self.tp_size == 1
+
+    def rank0_in_engine(self) -> bool:
+        """Rank 0 of a tensor-parallel target in the engine replica, ranks 1.. on actors."""
+        return self.resolved_target_placement() == "engine" and self.tp_size > 1
 
     def resolved_prefill_chunk(self) -> int:
         """prefill_chunk, None decided by the device (see the field)."""

@@ -11,9 +11,10 @@ waits on a router: it hands a step's events to the replica's event loop in one c
 on; Ray's metrics are flushed from another thread (`_flush_metrics`), and the loop times
 itself (`LoopTimes`: the step, its own host time, the hand-off), reported by `stats()`.
 The target runs in this process (`LocalRunner`, target_placement "engine", the default at
-tp_size 1) or on tp_size rank actors (`ShardedRunner`, "ranks"); the drafter is the draft
-worker over gRPC (`ResilientDrafter`: plain decoding while the worker is away) or, for
-single-GPU set-ups, in this process.
+tp_size 1), on tp_size rank actors (`ShardedRunner`, "ranks"), or split with rank 0 in this
+process and ranks 1.. on actors ("engine" at tp_size > 1, the default on CPUs); the drafter
+is the draft worker over gRPC (`ResilientDrafter`: plain decoding while the worker is away)
+or, for single-GPU set-ups, in this process.
 
 Faults (docs/failures.md): the step loop never dies. A failed step ends the requests it was
 running with an error event (UNAVAILABLE when a tensor-parallel rank died, INTERNAL
@@ -142,7 +143,8 @@ class TargetEngine:
                              use_gpu=cfg.use_gpu, cpus_per_rank=cfg.cpus_per_rank,
                              gpu_per_rank=cfg.gpu_per_rank(),
                              feature_layers=feature_layers(cfg), block_size=cfg.block_size,
-                             kv_cache_memory=cfg.rank_kv_cache_memory())
+                             kv_cache_memory=cfg.rank_kv_cache_memory(),
+                             local_rank0=cfg.rank0_in_engine())
 
     def _new_engine(self, runner: LocalRunner | ShardedRunner) -> Engine:
         """The core engine over `runner` (at start and after a failed step): max_running
@@ -242,8 +244,9 @@ class TargetEngine:
         return out
 
     def rank_pids(self) -> list[int]:
-        """The tensor-parallel rank actors' process ids (for fault tests and operators); []
-        when the target runs in this replica (its pid is stats()["pid"])."""
+        """The tensor-parallel rank actors' process ids (for fault tests and operators), in
+        rank order: ranks 1.. where rank 0 runs in this replica; [] when the whole target
+        does (this replica's pid is stats()["pid"])."""
         import ray
 
         actors = getattr(self.engine.runner, "actors", [])

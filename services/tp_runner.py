@@ -24,6 +24,11 @@ features only. A sampled request's generator state goes to every rank with the s
 back advanced from rank 0, so results equal in-process verification.
 Committed lengths are mirrored on the driver so that the engine reads them without a call;
 `traffic` counts the messages and bytes sent to and received from the ranks.
+
+With `local_rank0` (CPU ranks; docs/tensor-parallel.md "Rank 0 in the engine") the driver
+runs rank 0 itself, in its own thread of calls, and only ranks 1.. are actors: a step is one
+message to them and no reply, and rank 0's collectives also watch their connections, so that
+a rank that fails ends rank 0's wait at once.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from eagle2.devices import pick_device, pick_dtype
 from eagle2.runner import BLOCK_SIZE, LocalRunner
 from eagle2.target import embedded_model_dir
 from eagle2.threads import TorchThread
-from eagle2.tp import check_tp_size, init_tp
+from eagle2.tp import check_tp_size, init_tp, socket_group
 from eagle2.tp_channel import DriverChannel, RankChannel, RankError, RankLost
 from eagle2.tree import HOST, to_device
 
@@ -56,7 +61,10 @@ class TPRank:
     def __init__(self, rank: int, tp_size: int, target: str | None, dtype: str | None,
                  num_slots: int, max_len: int, num_threads: int = 1,
                  feature_layers: tuple[int, ...] | None = None, block_size: int = BLOCK_SIZE,
-                 kv_cache_memory: int | float | None = None):
+                 kv_cache_memory: int | float | None = None, own_thread: bool = True):
+        """own_thread: load and step on a `TorchThread` of its own (an actor, whichever of its
+        threads Ray calls on); False: on the caller's thread (rank 0 in the driver, whose
+        step loop already is one)."""
         torch.set_num_threads(num_threads)  # the rank's share of the node's cores (its bundle)
         use_tensor_wire()  # the results it sends
         self.rank, self.tp_size = rank, tp_size
@@ -71,7 +79,7 @@ class TPRank:
         self.fault_in = 0  # fault tests: `run` calls until this rank raises (0: never)
         # loading (`start`) and the step loop (`serve`) on one thread, whichever of the
         # actor's threads Ray calls them on (`TorchThread`)
-        self.torch = TorchThread(f"rank-{rank}")
+        self.torch = TorchThread(f"rank-{rank}") if own_thread else None
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: the rendezvous of the process group (rank 0)."""
@@ -80,14 +88,16 @@ class TPRank:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def start(self, master_addr: str, master_port: int) -> dict:
+    def start(self, master_addr: str, master_port: int, timeout_s: float | None = None
+              ) -> dict:
         """Join the group, read this rank's shard of the target straight to the device."""
-        return self.torch.call(self._start, master_addr, master_port)
+        return self.torch.call(self._start, master_addr, master_port, timeout_s)
 
-    def _start(self, master_addr: str, master_port: int) -> dict:
+    def _start(self, master_addr: str, master_port: int, timeout_s: float | None = None
+               ) -> dict:
         dtype = pick_dtype(self.dtype, self.device)
         _check_target(self.target_spec, self.tp_size)  # every rank fails alike, before joining
-        init_tp(self.rank, self.tp_size, master_addr, master_port)
+        init_tp(self.rank, self.tp_size, master_addr, master_port, timeout_s=timeout_s)
         self.runner = LocalRunner.load(self.target_spec, dtype, self.device, self.num_slots,
                                        self.max_len, self.feature_layers, self.tp_size,
                                        self.rank, block_size=self.block_size,
@@ -178,6 +188,16 @@ class TPRank:
     def lengths(self) -> torch.Tensor:
         return to_device(self.runner.lengths, HOST)
 
+    def close(self) -> None:
+        """Leave the group (rank 0 in the driver: before a rebuild joins a new one there)."""
+        if self.runner is not None:
+            group = socket_group(self.runner.target.hf)
+            if group is not None:
+                group.close()
+            self.runner = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     def inject_fault(self, after_calls: int) -> None:
         """Fault tests: this rank's `after_calls`-th `run` from now (1: the next) raises
         torch.OutOfMemoryError before it starts its method, as a rank that runs out of memory
@@ -241,7 +261,7 @@ class ShardedRunner:
                  placement: PlacementGroup | None = None, first_bundle: int = 0,
                  timeout_s: float = 600.0, gpu_per_rank: float = 1.0,
                  feature_layers: tuple[int, ...] | None = None, block_size: int = BLOCK_SIZE,
-                 kv_cache_memory: int | float | None = None):
+                 kv_cache_memory: int | float | None = None, local_rank0: bool = False):
         """target: a model directory, a .gguf file or None (the embedded SmolLM2); dtype: None
         = fp32 on CPU, bf16 on GPU. num_slots, max_len: each rank's KV cache, as LocalRunner.
         placement: use these bundles (first_bundle ..) of an existing placement group, e.g. a
@@ -253,18 +273,31 @@ class ShardedRunner:
         block_size, kv_cache_memory: each rank's cache as `LocalRunner`'s (its bytes, or a
         fraction of its GPU's free memory: paged in blocks, or fewer slots where it cannot
         page); the group runs what every rank holds (`capacity`, `_group_capacity`).
+        local_rank0: run rank 0 in this process (on the calling thread, which must be the one
+        that steps: `TorchThread`) and ranks 1.. on actors on this node; CPU ranks only
+        (their socket collectives watch the other ranks' connections; NCCL's cannot be
+        interrupted by a rank that fails before its collectives). The caller reserves rank
+        0's CPUs; the placement group holds tp_size - 1 bundles.
         """
         _check_target(target, tp_size)
+        if local_rank0 and (use_gpu or tp_size < 2):
+            raise ValueError("local_rank0 runs rank 0 of a CPU group in this process: it needs "
+                             f"tp_size >= 2 (got {tp_size}) and use_gpu False (got {use_gpu})")
         use_tensor_wire()  # the arguments this process sends to the ranks
         self.tp_size, self.timeout_s = tp_size, timeout_s
         self.device = torch.device("cpu")  # where the engine's tensors live (the driver)
         self._lengths = torch.zeros(num_slots, dtype=torch.long)  # [slots] mirror of the ranks'
         self._own_placement = placement is None
+        # the ranks on actors (`actors[i]` is rank `remote[i]`): all, or 1.. with local_rank0
+        self.remote = list(range(1 if local_rank0 else 0, tp_size))
         if placement is None:
             bundle = {"CPU": cpus_per_rank, **({"GPU": gpu_per_rank} if use_gpu else {})}
-            placement = placement_group([dict(bundle) for _ in range(tp_size)],
+            if local_rank0:  # on this node: rank 0 reaches them over loopback
+                bundle[f"node:{ray.util.get_node_ip_address()}"] = 0.001
+            placement = placement_group([dict(bundle) for _ in self.remote],
                                         strategy="STRICT_PACK")
         self.placement = placement
+        self.local: TPRank | None = None  # rank 0 in this process (local_rank0)
         self.actors: list = []
         self.loops: list = []  # each rank's step loop (`TPRank.serve`): ends when it fails
         self._channel: DriverChannel | None = None
@@ -277,21 +310,32 @@ class ShardedRunner:
             self._gather([placement.ready()])
             # threaded: Ray calls beside the step loop (inject_fault, a pid) still run
             actor_cls = ray.remote(max_concurrency=4)(TPRank)
+            rank_args = (tp_size, target, dtype, num_slots, max_len, max(1, int(cpus_per_rank)),
+                         feature_layers, block_size, kv_cache_memory)
             self.actors = [actor_cls.options(
                 num_cpus=cpus_per_rank, num_gpus=gpu_per_rank if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement, placement_group_bundle_index=first_bundle + rank),
-            ).remote(rank, tp_size, target, dtype, num_slots, max_len,
-                     max(1, int(cpus_per_rank)), feature_layers, block_size, kv_cache_memory)
-                for rank in range(tp_size)]
-            master_addr, master_port = self._gather([self.actors[0].address.remote()])[0]
-            infos = self._gather([a.start.remote(master_addr, master_port) for a in self.actors])
+                    placement, placement_group_bundle_index=first_bundle + i),
+            ).remote(rank, *rank_args) for i, rank in enumerate(self.remote)]
+            if local_rank0:
+                self.local = TPRank(0, *rank_args, own_thread=False)
+                master_addr, master_port = self.local.address()
+            else:
+                master_addr, master_port = self._gather([self.actors[0].address.remote()])[0]
+            starts = [a.start.remote(master_addr, master_port, timeout_s) for a in self.actors]
+            # rank 0 here joins beside them (the join waits for every rank), then loads
+            infos = [self.local._start(master_addr, master_port, timeout_s)] if self.local \
+                else []
+            infos += self._gather(starts)
             # the cache every rank holds (`LocalRunner.capacity`)
-            self.capacity = _group_capacity(self._gather([a.capacity.remote()
-                                                          for a in self.actors]))
-            self._channel = DriverChannel(ray.util.get_node_ip_address(), tp_size)
+            self.capacity = _group_capacity(
+                ([self.local.capacity()] if self.local else [])
+                + self._gather([a.capacity.remote() for a in self.actors]))
+            self._channel = DriverChannel(ray.util.get_node_ip_address(), self.remote)
             self.loops = [a.serve.remote(*self._channel.address) for a in self.actors]
             self._channel.accept(timeout_s, alive=self._loops_alive)
+            if self.local is not None:  # a wait in rank 0's collectives ends when one fails
+                socket_group(self.local.runner.target.hf).watch(self._channel.sockets)
         except BaseException:
             self.shutdown()
             raise
@@ -371,8 +415,11 @@ class ShardedRunner:
     def inject_fault(self, rank: int, after_calls: int = 1) -> None:
         """Fault tests: rank `rank` raises at its `after_calls`-th call from now
         (`TPRank.inject_fault`); a rebuilt group has no fault."""
+        if self.local is not None and rank == 0:
+            self.local.inject_fault(after_calls)
+            return
         self.traffic["ray_calls"] += 1
-        self._gather([self.actors[rank].inject_fault.remote(after_calls)])
+        self._gather([self.actors[self.remote.index(rank)].inject_fault.remote(after_calls)])
 
     def check_health(self) -> None:
         """RankFailure if a rank died or its loop ended since the last call (no step needed:
@@ -391,12 +438,13 @@ class ShardedRunner:
             self._stepping.release()
 
     def shutdown(self) -> None:
-        """Close the channel (the loops end), kill the rank actors and release the placement
-        group (if this runner reserved it)."""
+        """Close the channel (the loops end), kill the rank actors, leave the group (rank 0
+        here) and release the placement group (if this runner reserved it)."""
         if self._channel is not None:
             self._channel.close()
             self._channel = None
         self._kill_ranks()
+        self._close_local()
         self.actors, self.loops, self._deferred = [], [], []
         if self._own_placement and self.placement is not None:
             remove_placement_group(self.placement)
@@ -420,11 +468,19 @@ class ShardedRunner:
                     break
                 time.sleep(0.05)
 
+    def _close_local(self) -> None:
+        """Rank 0 in this process leaves the group (a rebuild joins a new one)."""
+        if self.local is not None:
+            self.local.close()
+            self.local = None
+
     def _loops_alive(self) -> None:
         """Raise the error of a rank's step loop that has ended (it never ends by itself)."""
+        if not self.loops:
+            return
         done, _ = ray.wait(self.loops, num_returns=1, timeout=0)
         if done:
-            self.failed_rank = self.loops.index(done[0])
+            self.failed_rank = self.remote[self.loops.index(done[0])]
             ray.get(done[0])  # its error (a task that raised, an actor that died)
             raise RuntimeError(f"rank {self.failed_rank}'s step loop ended")
 
@@ -452,7 +508,11 @@ class ShardedRunner:
         try:
             with self._stepping:
                 self._channel.broadcast((deferred, method, args, every_rank))
-                results, busy = zip(*self._receive(ranks), strict=True)
+                if self.local is None:
+                    replies = self._receive(ranks)
+                else:
+                    replies = [self._run_local(deferred, method, args), *self._receive(ranks[1:])]
+                results, busy = zip(*replies, strict=True)
         except (RankError, RankLost, TimeoutError) as e:
             raise self._fail(method, e) from e
         self.traffic["wait_s"] += time.perf_counter() - t0
@@ -464,7 +524,19 @@ class ShardedRunner:
 
     def _receive(self, ranks: tuple[int, ...]) -> list:
         """The (result, busy seconds) replies of `ranks` to the message just sent."""
-        return self._channel.receive(ranks, self.timeout_s)
+        return self._channel.receive(ranks, self.timeout_s) if ranks else []
+
+    def _run_local(self, deferred: list, method: str, args: tuple) -> tuple:
+        """Rank 0's share of a call, in this process: (result, busy seconds). Its collectives
+        end early when another rank fails (`SocketGroup.watch`: PeerAlert, or the peer's
+        connection ends); that rank's error is raised (RankError / RankLost), else rank 0's
+        own as a rank's would be (RankError naming rank 0)."""
+        try:
+            return self.local.run(deferred, method, *args)
+        except Exception as e:
+            # the rank that failed first has written its error or closed its connection
+            self._channel.poll(timeout_s=5.0 if isinstance(e, ConnectionError) else 0.0)
+            raise RankError(0, type(e).__name__, str(e)[:500]) from e
 
     def rank_busy_s(self) -> float:
         """Seconds rank 0 spent inside the calls so far (as of the last one)."""
@@ -477,6 +549,7 @@ class ShardedRunner:
         if self._channel is not None:
             self._channel.close()
         self._kill_ranks()
+        self._close_local()
         self._deferred = []
         if isinstance(error, RankError):
             self.failed_rank, kind = error.rank, error.kind

@@ -170,15 +170,24 @@ def test_exceptions_map_to_statuses_without_internal_details():
         assert "10.0.0.7" not in err.message and "pid" not in err.message
 
 
-def test_target_placement_resolves_by_tp_size_and_engine_needs_tp_1():
+def test_target_placement_resolves_by_tp_size_and_device():
+    """auto: the whole target (tp 1) or rank 0 of it (CPU ranks) in the engine replica; GPU
+    ranks all on actors, where "engine" at tp > 1 is refused."""
     from services.config import ServiceConfig
 
     assert ServiceConfig().resolved_target_placement() == "engine"
-    assert ServiceConfig(tp_size=2).resolved_target_placement() == "ranks"
+    assert ServiceConfig().target_in_engine() and not ServiceConfig().rank0_in_engine()
+    tp2 = ServiceConfig(tp_size=2)
+    assert tp2.resolved_target_placement() == "engine"
+    assert tp2.rank0_in_engine() and not tp2.target_in_engine()
+    assert ServiceConfig(tp_size=2, use_gpu=True).resolved_target_placement() == "ranks"
+    assert ServiceConfig(tp_size=1, use_gpu=True).target_in_engine()
     assert not ServiceConfig(target_placement="ranks").target_in_engine()
+    assert not ServiceConfig(target_placement="ranks", tp_size=2).rank0_in_engine()
     assert ServiceConfig(target_placement="engine").target_in_engine()
-    with pytest.raises(ValueError, match=r"target_placement 'engine' .* needs tp_size 1"):
-        ServiceConfig(target_placement="engine", tp_size=2)
+    assert ServiceConfig(target_placement="engine", tp_size=2).rank0_in_engine()
+    with pytest.raises(ValueError, match=r"target_placement 'engine' at tp_size 2 .* only CPU"):
+        ServiceConfig(target_placement="engine", tp_size=2, use_gpu=True)
 
 
 def test_engine_replica_reserves_the_targets_resources_only_when_it_holds_it():
@@ -191,6 +200,9 @@ def test_engine_replica_reserves_the_targets_resources_only_when_it_holds_it():
 
     assert res(cpus_per_rank=4) == {"num_cpus": 4, "num_gpus": 0}
     assert res(cpus_per_rank=4, target_placement="ranks") == {"num_cpus": 1, "num_gpus": 0}
+    assert res(cpus_per_rank=2, tp_size=2) == {"num_cpus": 2, "num_gpus": 0}  # rank 0 here
+    assert res(cpus_per_rank=2, tp_size=2, target_placement="ranks") == \
+        {"num_cpus": 1, "num_gpus": 0}
     assert res(use_gpu=True) == {"num_cpus": 1, "num_gpus": 1.0}
     assert res(use_gpu=True, draft_gpu_fraction=0.1) == {"num_cpus": 1, "num_gpus": 0.9}
     assert res(use_gpu=True, tp_size=4) == {"num_cpus": 1, "num_gpus": 0}  # ranks have them

@@ -469,6 +469,120 @@ def test_a_rank_task_that_raises_fails_the_group_at_once(ray_cluster, tiny, tiny
         rebuilt.shutdown()
 
 
+# ---------------------------------------------------------------- rank 0 in the driver
+
+
+def local_rank0_runner(tiny, **kw):
+    from services.tp_runner import ShardedRunner
+
+    return ShardedRunner(2, MAX_BATCH, MAX_CONTEXT + Engine.tree_margin, target=tiny[1],
+                         dtype="float32", cpus_per_rank=1, local_rank0=True, **kw)
+
+
+def test_rank_0_in_the_driver_equals_unsharded_with_one_frame_a_step(ray_cluster, tiny,
+                                                                     tiny_expected):
+    """local_rank0 (the service's engine replica on CPUs): rank 0 runs in this process, rank
+    1 on an actor. Greedy (tree and plain) and seeded sampling give the unsharded target's
+    tokens; a step is one frame to rank 1 and nothing back (its only replies are the lengths
+    checks); the process group and the socket group are left on shutdown."""
+    import torch.distributed as dist
+
+    from conftest import run
+
+    prompts, expected = tiny_expected
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10, ignore_eos=True)
+    local = LocalRunner(tiny[0], MAX_BATCH, MAX_CONTEXT + Engine.tree_margin)
+    sampled = run(make_engine(local, tiny[0]), prompts, params, TINY_TREES["eagle2"],
+                  seeds=[1, 2, 3])
+    runner = local_rank0_runner(tiny)
+    try:
+        assert runner.local is not None and len(runner.actors) == 1 and dist.is_initialized()
+        assert runner.info["local_kv_heads"] == 1
+        for mode in ("vanilla", "eagle2"):
+            checks: list = []
+            lengths = runner.rank_lengths
+            runner.rank_lengths = lambda: checks.append(1) or lengths()  # noqa: B023
+            before = dict(runner.traffic)
+            got, accepted = generate(make_engine(runner, tiny[0]), prompts, TINY_TREES[mode])
+            del runner.rank_lengths
+            assert got == expected
+            steps = runner.traffic["steps"] - before.get("steps", 0)
+            assert runner.traffic["frames_out"] - before.get("frames_out", 0) == steps
+            assert runner.traffic["frames_in"] - before.get("frames_in", 0) == len(checks)
+        assert sum(n for depth, n in accepted.items() if depth > 0) > 0
+        assert run(make_engine(runner, tiny[0]), prompts, params, TINY_TREES["eagle2"],
+                   seeds=[1, 2, 3]) == sampled
+    finally:
+        runner.shutdown()
+    assert not dist.is_initialized() and runner.local is None
+
+
+def test_rank_0_in_the_driver_fails_at_once_with_the_rank_that_failed_and_rebuilds(
+        ray_cluster, tiny, tiny_expected):
+    """Rank 0 in this process waits in its collectives for rank 1; rank 1's step raising
+    (out of memory, injected) or its process killed ends that wait at once (rank 0 watches
+    the channel: `SocketGroup.watch`) with RankFailure naming rank 1, and rank 0's own error
+    names rank 0 (rank 1 is killed, not left in the collective). Every failure leaves the
+    process group, and a group rebuilt in this same process decodes the unsharded tokens."""
+    import os
+    import signal
+
+    import ray
+    import torch.distributed as dist
+
+    from services.tp_runner import RankFailure
+
+    prompts, expected = tiny_expected
+    cases = [(1, r"rank 1: OutOfMemoryError in verify_step"),
+             (0, r"rank 0: OutOfMemoryError in verify_step"),
+             ("kill", r"rank 1: process gone")]
+    for fault, message in cases:
+        runner = local_rank0_runner(tiny, timeout_s=300)
+        actor = runner.actors[0]
+        try:
+            if fault == "kill":
+                engine = make_engine(runner, tiny[0])
+                engine.add(Request("a", (1, 2, 3), SamplingParams(max_tokens=50,
+                                                                  ignore_eos=True),
+                                   TreeConfig("vanilla")))
+                engine.step()
+                runner.check_health()  # all alive
+                pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+                os.kill(pid, signal.SIGKILL)
+                run_it = engine.step
+            else:  # prefill, its lengths check, a step, its check, then the failing step
+                runner.inject_fault(fault, after_calls=5)
+
+                def run_it(r=runner):
+                    generate(make_engine(r, tiny[0]), prompts, TINY_TREES["vanilla"])
+            t0 = time.monotonic()
+            with pytest.raises(RankFailure, match=message):
+                for _ in range(100):
+                    run_it()
+            assert time.monotonic() - t0 < 30
+            assert not dist.is_initialized()
+            with pytest.raises(ray.exceptions.RayActorError):  # gone, not in a collective
+                ray.get(actor.lengths.remote(), timeout=60)
+        finally:
+            runner.shutdown()
+    rebuilt = local_rank0_runner(tiny)
+    try:
+        assert generate(make_engine(rebuilt, tiny[0]), prompts, TINY_TREES["eagle2"])[0] == \
+            expected
+    finally:
+        rebuilt.shutdown()
+
+
+def test_rank_0_in_the_driver_is_refused_on_gpus_and_alone(tiny):
+    from services.tp_runner import ShardedRunner
+
+    for kw in ({"use_gpu": True}, {"tp_size": 1}):
+        args = {"tp_size": 2, **kw}
+        with pytest.raises(ValueError, match="local_rank0 runs rank 0 of a CPU group"):
+            ShardedRunner(args.pop("tp_size"), MAX_BATCH, 64, target=tiny[1],
+                          local_rank0=True, **args)
+
+
 # ---------------------------------------------------------------- tp=3, embedded SmolLM2
 
 
