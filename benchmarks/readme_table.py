@@ -57,7 +57,9 @@ ROWS: list[tuple[str, str, str]] = [
      AVX2 + ", as the row above but behind Serve's Python proxy (`--no-ha-proxy`), run right "
      "after it"),
     ("tpot-tp1-epyc-avx2-s46.json", "tpot", AVX2 + ", one torch thread, behind HAProxy"),
-    ("tpot-tp2-epyc-avx2-s46.json", "tpot", AVX2 + ", one torch thread a rank, behind HAProxy"),
+    ("tpot-tp2-epyc-avx2-s47.json", "tpot", AVX2 + ", one torch thread a rank, behind HAProxy"),
+    ("tpot-tp2-ranks-epyc-avx2-s47.json", "tpot",
+     AVX2 + ", one torch thread a rank, behind HAProxy, run right after the row above"),
     ("service-cache-epyc-s44.json", "cache",
      "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 32 (the CPU default), chunks read in "
      "the running step's forward by the native attention over the paged cache"),
@@ -254,7 +256,11 @@ def tpot_row(res: dict) -> tuple[str, str, str]:
     """benchmarks/tp_service_tpot.py: what the service adds to a token of a ~1 ms forward."""
     if not res["tokens_equal"]:
         raise ValueError("a run whose tokens differ from in-process decoding's is no figure")
-    where = "in the engine replica" if res["tp_size"] == 1 else "on 2 rank actors"
+    placement = res.get("target_placement", "ranks")  # (runs before it: every rank an actor)
+    where = ("in the engine replica" if res["tp_size"] == 1 else
+             f"on {res['tp_size']} rank actors" if placement == "ranks" else
+             f"split over {res['tp_size']} ranks, rank 0 in the engine replica (the default on "
+             f"CPUs), the others on actors")
     setting = (f"the service's TPOT over gRPC against the same target in process: a tiny "
                f"random Llama (a ~1 ms forward, as short as a GPU's next to host work) "
                f"{where}, plain decoding, {res['max_tokens']} tokens x {res['rounds']} rounds")

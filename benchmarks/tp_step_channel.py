@@ -8,7 +8,9 @@ turns, in one process and one local Ray:
   - after: `ShardedRunner` at tp 2 (one message a rank per step on the step channel, one reply
     from rank 0; no Ray call per step), its CPU ranks all-reducing over their socket group
     (`eagle2.tp_comm`);
-  - after-gloo: the same runner with the ranks' all-reduces on gloo.
+  - after-gloo: the same runner with the ranks' all-reduces on gloo;
+  - rank0-here: `ShardedRunner(local_rank0=True)`, the service's default on CPUs: rank 0 in
+    this process, rank 1 on an actor (one message to it per step, no reply).
 Per concurrency (requests decoded together) it prints the median and mean milliseconds per
 decode step (prefill excluded), their excess over local, and what crossed processes per step
 (channel frames and bytes as the channel counts them). Every runner's tokens must equal
@@ -40,11 +42,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 class _GlooRank:
     """Rank start-up that leaves the layers' collectives on gloo (no `SocketGroup`)."""
 
-    def start(self, master_addr, master_port):
+    def start(self, master_addr, master_port, timeout_s=None):
         import eagle2.tp
 
         eagle2.tp.SocketGroup = lambda: None
-        return super().start(master_addr, master_port)
+        return super().start(master_addr, master_port, timeout_s)
 
 
 def on_gloo(runner_module, *args, **kwargs):
@@ -219,6 +221,8 @@ def main() -> None:
         if not args.embedded:
             runners["after-gloo"] = on_gloo(tp_runner, 2, max_batch, max_len, **kwargs)
         runners["after"] = ShardedRunner(args.embedded or 2, max_batch, max_len, **kwargs)
+        runners["rank0-here"] = ShardedRunner(args.embedded or 2, max_batch, max_len,
+                                              local_rank0=True, **kwargs)
         ok = True
         for c in args.concurrency:
             prompts = random_prompts(c, vocab, seed=c)
@@ -240,7 +244,7 @@ def main() -> None:
               "greedy tokens equal local's on every runner" if ok else "TOKENS DIFFER")
         print(f"load after: {os.getloadavg()}")
     finally:
-        for name in ("after-gloo", "after"):
+        for name in ("after-gloo", "after", "rank0-here"):
             if name in runners:
                 runners[name].shutdown()
         ray.shutdown()

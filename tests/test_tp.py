@@ -486,7 +486,6 @@ def test_rank_0_in_the_driver_equals_unsharded_with_one_frame_a_step(ray_cluster
     tokens; a step is one frame to rank 1 and nothing back (its only replies are the lengths
     checks); the process group and the socket group are left on shutdown."""
     import torch.distributed as dist
-
     from conftest import run
 
     prompts, expected = tiny_expected
