@@ -38,8 +38,9 @@ def add_arguments(p) -> None:
                    help="on Ctrl-C / SIGTERM: seconds running requests get to finish")
     p.add_argument("--draft-placement", choices=["worker", "inprocess"], default=None)
     p.add_argument("--target-placement", choices=["auto", "ranks", "engine"], default=None,
-                   help="engine: the target in the engine replica (tp 1); ranks: on rank "
-                        "actors; auto (default): engine at tp 1, else ranks")
+                   help="engine: the target in the engine replica (tp 1), or rank 0 of it "
+                        "with ranks 1.. on actors (tp > 1, CPUs only); ranks: every rank on "
+                        "an actor; auto (default): engine, except ranks for GPU ranks at tp > 1")
     p.add_argument("--mode", default=None, help="default speculation mode")
     p.add_argument("--ha-proxy", action=argparse.BooleanOptionalAction, default=None,
                    help="Serve's HAProxy ingress (the default where Ray finds its haproxy "

@@ -211,11 +211,13 @@ def test_small_block_pool_preempts_shares_prefixes_and_keeps_greedy_outputs(page
     assert after["prefix_hit_rate"] > 0
 
 
+@pytest.mark.parametrize("local_rank0", [False, True], ids=["actors", "rank0-here"])
 def test_tensor_parallel_ranks_page_preempt_and_keep_greedy_outputs(paged_service, tiny_model,
-                                                                    plain_greedy):
-    """Two rank actors (in the service's Ray cluster) over the same budget: each holds one KV
-    head, kv_cache_memory / 2 bytes and so the same 9 blocks; block tables reach them with the
-    next step; 4 requests of ~110 entries are preempted and every output is plain greedy's."""
+                                                                    plain_greedy, local_rank0):
+    """Two ranks (actors in the service's Ray cluster, or rank 0 in this process as in the
+    engine replica on CPUs) over the same budget: each holds one KV head, kv_cache_memory / 2
+    bytes and so the same 9 blocks; block tables reach them with the next step; 4 requests of
+    ~110 entries are preempted and every output is plain greedy's."""
     from eagle2.drafter import Drafter
     from eagle2.head import new_head
     from eagle2.target import TargetModel
@@ -224,7 +226,8 @@ def test_tensor_parallel_ranks_page_preempt_and_keep_greedy_outputs(paged_servic
     cfg = ServiceConfig(tp_size=2, kv_cache_memory=(NUM_BLOCKS + 1) * 32 * TOKEN_BYTES)
     runner = ShardedRunner(2, 4, MAX_CONTEXT + Engine.tree_margin, target=tiny_model,
                            dtype="float32", cpus_per_rank=1, block_size=cfg.block_size,
-                           kv_cache_memory=cfg.rank_kv_cache_memory())
+                           kv_cache_memory=cfg.rank_kv_cache_memory(),
+                           local_rank0=local_rank0)
     try:
         assert runner.paged == (NUM_BLOCKS, 32) and runner.capacity["num_slots"] == 4
         target = TargetModel.load(tiny_model, dtype="float32", device="cpu")
