@@ -26,7 +26,7 @@ Committed lengths are mirrored on the driver so that the engine reads them witho
 `traffic` counts the messages and bytes sent to and received from the ranks.
 
 With `local_rank0` (CPU ranks; docs/tensor-parallel.md "Rank 0 in the engine") the driver
-runs rank 0 itself, in its own thread of calls, and only ranks 1.. are actors: a step is one
+runs rank 0 itself, on the thread that calls it, and only ranks 1.. are actors: a step is one
 message to them and no reply, and rank 0's collectives also watch their connections, so that
 a rank that fails ends rank 0's wait at once.
 """
