@@ -66,10 +66,13 @@ class SocketGroup:
         self._watched: frozenset[int] = frozenset()
         self._pollers: dict[int, select.poll] = {}
 
-    def watch(self, socks: list[socket.socket]) -> None:
+    def watch(self, socks: list[socket.socket], timeout_s: float | None = None) -> None:
         """While waiting for a peer's bytes, also watch `socks` (the driver's connections to
         the other ranks, which they write to only to report an error, or close by dying): one
-        that becomes readable or ends raises PeerAlert. [] stops watching."""
+        that becomes readable or ends raises PeerAlert. [] stops watching. timeout_s: how long
+        a receive may then wait for a peer (TimeoutError; None: as before)."""
+        if timeout_s is not None:
+            self.timeout_s = timeout_s
         self._watched = frozenset(s.fileno() for s in socks)
         self._pollers = {}
         if not socks:

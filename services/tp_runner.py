@@ -335,7 +335,8 @@ class ShardedRunner:
             self.loops = [a.serve.remote(*self._channel.address) for a in self.actors]
             self._channel.accept(timeout_s, alive=self._loops_alive)
             if self.local is not None:  # a wait in rank 0's collectives ends when one fails
-                socket_group(self.local.runner.target.hf).watch(self._channel.sockets)
+                socket_group(self.local.runner.target.hf).watch(self._channel.sockets,
+                                                                timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -530,9 +531,13 @@ class ShardedRunner:
         """Rank 0's share of a call, in this process: (result, busy seconds). Its collectives
         end early when another rank fails (`SocketGroup.watch`: PeerAlert, or the peer's
         connection ends); that rank's error is raised (RankError / RankLost), else rank 0's
-        own as a rank's would be (RankError naming rank 0)."""
+        own as a rank's would be (RankError naming rank 0). A peer silent for timeout_s is a
+        timeout, as a reply that does not come."""
         try:
             return self.local.run(deferred, method, *args)
+        except TimeoutError:
+            self._channel.poll()
+            raise
         except Exception as e:
             # the rank that failed first has written its error or closed its connection
             self._channel.poll(timeout_s=5.0 if isinstance(e, ConnectionError) else 0.0)

@@ -521,8 +521,10 @@ def test_rank_0_in_the_driver_fails_at_once_with_the_rank_that_failed_and_rebuil
     """Rank 0 in this process waits in its collectives for rank 1; rank 1's step raising
     (out of memory, injected) or its process killed ends that wait at once (rank 0 watches
     the channel: `SocketGroup.watch`) with RankFailure naming rank 1, and rank 0's own error
-    names rank 0 (rank 1 is killed, not left in the collective). Every failure leaves the
-    process group, and a group rebuilt in this same process decodes the unsharded tokens."""
+    names rank 0 (rank 1 is killed, not left in the collective); rank 1 hanging in its step
+    fails the call after the runner's timeout (5 s here), not the socket group's 30 minutes.
+    Every failure leaves the process group, and a group rebuilt in this same process decodes
+    the unsharded tokens."""
     import os
     import signal
 
@@ -534,7 +536,8 @@ def test_rank_0_in_the_driver_fails_at_once_with_the_rank_that_failed_and_rebuil
     prompts, expected = tiny_expected
     cases = [(1, r"rank 1: OutOfMemoryError in verify_step"),
              (0, r"rank 0: OutOfMemoryError in verify_step"),
-             ("kill", r"rank 1: process gone")]
+             ("kill", r"rank 1: process gone"),
+             ("hang", r"no rank answered: TimeoutError in prefill_parts")]
     for fault, message in cases:
         runner = local_rank0_runner(tiny, timeout_s=300)
         actor = runner.actors[0]
@@ -549,6 +552,16 @@ def test_rank_0_in_the_driver_fails_at_once_with_the_rank_that_failed_and_rebuil
                 pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
                 os.kill(pid, signal.SIGKILL)
                 run_it = engine.step
+            elif fault == "hang":  # rank 1's next call sleeps (set beside its step loop)
+                from eagle2.tp import socket_group
+
+                runner.timeout_s = 5.0  # (after the start, which the timeout bounds too)
+                socket_group(runner.local.runner.target.hf).watch(runner._channel.sockets, 5.0)
+                ray.get(actor.__ray_call__.remote(
+                    lambda rank: setattr(rank, "run", lambda *a: time.sleep(3600))), timeout=60)
+
+                def run_it(r=runner):
+                    generate(make_engine(r, tiny[0]), prompts, TINY_TREES["vanilla"])
             else:  # prefill, its lengths check, a step, its check, then the failing step
                 runner.inject_fault(fault, after_calls=5)
 
