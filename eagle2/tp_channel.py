@@ -91,11 +91,14 @@ def _send_frame(sock: socket.socket, payload: bytes) -> int:
     return HEADER.size + len(payload)
 
 
-def recv_exact(sock: socket.socket, size: int) -> bytearray:
-    """`size` bytes from `sock`; ConnectionError when the peer closes first."""
+def recv_exact(sock: socket.socket, size: int, wait=None) -> bytearray:
+    """`size` bytes from `sock`; ConnectionError when the peer closes first. wait(): called
+    before each read (it may raise instead: `SocketGroup.watch`)."""
     out = bytearray(size)
     view, got = memoryview(out), 0
     while got < size:
+        if wait is not None:
+            wait()
         n = sock.recv_into(view[got:], size - got)
         if n == 0:
             raise ConnectionError("connection closed")

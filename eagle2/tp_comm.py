@@ -87,22 +87,18 @@ class SocketGroup:
         """`size` bytes from `peer`, watching the watched connections meanwhile."""
         if not self._pollers:
             return recv_exact(self.peers[peer], size)
-        sock, poller = self.peers[peer], self._pollers[peer]
-        out = bytearray(size)
-        view, got = memoryview(out), 0
+        poller = self._pollers[peer]
         deadline = time.monotonic() + self.timeout_s
-        while got < size:
+
+        def wait() -> None:
             ready = poller.poll(max(deadline - time.monotonic(), 0) * 1000)
             if not ready:
                 raise TimeoutError(f"rank {peer} sent nothing within {self.timeout_s} s")
             if any(fd in self._watched for fd, _ in ready):
                 raise PeerAlert(f"rank {self.rank}: another rank failed while this one waited "
                                 f"for rank {peer}")
-            n = sock.recv_into(view[got:], size - got)
-            if n == 0:
-                raise ConnectionError("connection closed")
-            got += n
-        return out
+
+        return recv_exact(self.peers[peer], size, wait)
 
     def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (same shape and dtype on all), in rank order. Pairs go in a global
