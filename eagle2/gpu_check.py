@@ -53,7 +53,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -756,10 +755,12 @@ def phase_tp2(c: Check) -> dict:
     spec = {"device": c.device, "dtype": str(c.dtype).removeprefix("torch."),
             "shape": c.pick("llama-3-8b", "tiny"), "prompt": 32, "reps": c.pick(10, 3)}
     worker = importlib.import_module("eagle2.gpu_check")._tp_worker  # picklable by name
+    from eagle2.tp_channel import free_port
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tp2.json"
-        ctx = mp.start_processes(worker, args=(2, _free_port(), spec, str(out)), nprocs=2,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(worker, args=(2, free_port("127.0.0.1"), spec, str(out)),
+                                 nprocs=2, join=False, start_method="spawn")
         try:
             while not ctx.join(timeout=1.0):
                 if c.left() < -30:
@@ -770,12 +771,6 @@ def phase_tp2(c: Check) -> dict:
                 if proc.is_alive():
                     proc.terminate()
         return json.loads(out.read_text())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _free(device: str) -> None:

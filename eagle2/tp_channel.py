@@ -81,6 +81,13 @@ class RankError(RuntimeError):
         self.rank, self.kind = rank, kind
 
 
+def free_port(host: str = "") -> int:
+    """A port nothing listens on now (on `host`; "": every interface), for a server to bind."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def _send_frame(sock: socket.socket, payload: bytes) -> int:
     """-> bytes written. A small frame goes as one write (one segment, one wake-up)."""
     if len(payload) < 65536:

@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import threading
 
@@ -188,12 +187,9 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
 
 def haproxy_ports() -> dict[str, str]:
     """HAPROXY_PORT_VARS: this process's environment's values, else free ports."""
-    def free() -> str:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return str(s.getsockname()[1])
+    from eagle2.tp_channel import free_port
 
-    return {k: os.environ.get(k) or free() for k in HAPROXY_PORT_VARS}
+    return {k: os.environ.get(k) or str(free_port()) for k in HAPROXY_PORT_VARS}
 
 
 def serve_env(ha_proxy: bool) -> dict[str, str]:

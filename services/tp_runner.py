@@ -34,7 +34,6 @@ a rank that fails ends rank 0's wait at once.
 from __future__ import annotations
 
 import io
-import socket
 import threading
 import time
 from collections import Counter
@@ -51,7 +50,7 @@ from eagle2.runner import BLOCK_SIZE, LocalRunner
 from eagle2.target import embedded_model_dir
 from eagle2.threads import TorchThread
 from eagle2.tp import check_tp_size, init_tp, socket_group
-from eagle2.tp_channel import DriverChannel, RankChannel, RankError, RankLost
+from eagle2.tp_channel import DriverChannel, RankChannel, RankError, RankLost, free_port
 from eagle2.tree import HOST, to_device
 
 
@@ -83,10 +82,7 @@ class TPRank:
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: the rendezvous of the process group (rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port()
 
     def start(self, master_addr: str, master_port: int, timeout_s: float | None = None
               ) -> dict:
