@@ -89,6 +89,16 @@ SERVE_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
              "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
              "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 
+# Ray's own settings for the processes it starts, read from the environment of the raylet
+# that starts them (so not `runtime_env`, which reaches the workers only): Ray runs every
+# worker process (the engine replica, the tensor-parallel ranks, the router) at niceness 15,
+# below its own daemons and below anything else on the node at 0 (a load generator, a sidecar),
+# which then take the engine's core whenever they wake, and a tensor-parallel step waits for
+# every rank at each all-reduce (docs/processes.md, "CPU beside the engine"). At 0 the service's
+# processes share the cores equally with them. A cluster `start` creates gets these unless the
+# environment sets them; the deploy configs set the same.
+RAY_ENV = {"RAY_worker_niceness": "0"}
+
 
 HA_PROXY_VAR = "RAY_SERVE_ENABLE_HA_PROXY"
 # HAProxy's statistics and metrics ports: Serve's defaults, 8404 and 9101 on every interface,
@@ -164,6 +174,8 @@ def start(conf: dict, blocking: bool = False, http_port: int = 8000,
                                       "OMP_WAIT_POLICY": "PASSIVE",
                                       # but catch a layer's next parallel region
                                       "GOMP_SPINCOUNT": eagle2.SPIN_COUNT}})
+        for key, value in RAY_ENV.items():  # the raylet a new cluster starts reads them
+            os.environ.setdefault(key, value)
         before = {p.pid for p in descendants()}
         try:
             init()

@@ -137,9 +137,10 @@ def test_deployments_run_serve_with_the_settings_eagle2_serve_uses(where):
     """A cluster that `serve deploy` or KubeRay starts never runs `eagle2 serve`, whose
     `ray.init` hands Serve its settings (services/cli_serve.py SERVE_ENV: gRPC between the
     proxies and replicas, the replicas' user code on their main loop, the controller's 0.5 s
-    loop, the 1 s metrics refresh; the HAProxy ingress, `use_ha_proxy`): the `ray up`
-    containers and the image set every one of them, with the same value."""
-    from services.cli_serve import HA_PROXY_VAR, SERVE_ENV
+    loop, the 1 s metrics refresh; the HAProxy ingress, `use_ha_proxy`) and Ray's (RAY_ENV:
+    workers at niceness 0): the `ray up` containers and the image set every one of them, with
+    the same value."""
+    from services.cli_serve import HA_PROXY_VAR, RAY_ENV, SERVE_ENV
 
     if where == "Dockerfile":
         env = _dockerfile_env()
@@ -147,7 +148,7 @@ def test_deployments_run_serve_with_the_settings_eagle2_serve_uses(where):
         options = _load(ROOT / "cluster" / where)["docker"]["run_options"]
         env = dict(o.removeprefix("--env ").split("=", 1) for o in options
                    if o.startswith("--env "))
-    expected = {**SERVE_ENV, HA_PROXY_VAR: "1"}
+    expected = {**SERVE_ENV, **RAY_ENV, HA_PROXY_VAR: "1"}
     assert {k: env.get(k) for k in expected} == expected
 
 
