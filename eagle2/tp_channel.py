@@ -102,7 +102,13 @@ def recv_exact(sock: socket.socket, size: int, wait=None) -> bytearray:
     """`size` bytes from `sock`; ConnectionError when the peer closes first. wait(): called
     before each read (it may raise instead: `SocketGroup.watch`)."""
     out = bytearray(size)
-    view, got = memoryview(out), 0
+    recv_into_exact(sock, memoryview(out), wait)
+    return out
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview, wait=None) -> None:
+    """Fill `view` (bytes) from `sock`, as `recv_exact`."""
+    got, size = 0, view.nbytes
     while got < size:
         if wait is not None:
             wait()
@@ -110,7 +116,6 @@ def recv_exact(sock: socket.socket, size: int, wait=None) -> bytearray:
         if n == 0:
             raise ConnectionError("connection closed")
         got += n
-    return out
 
 
 def _recv_frame(sock: socket.socket) -> bytearray:

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from eagle2.tp_channel import recv_exact
+from eagle2.tp_channel import recv_exact, recv_into_exact
 
 _RANK = struct.Struct("<Q")
 
@@ -59,12 +59,21 @@ class SocketGroup:
             (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size))
             self.peers[peer] = sock
         listener.close()
+        # a peer that hangs fails the op (as gloo's timeout), by the kernel's timeouts on a
+        # blocking socket: a read or write is then one system call (Python's own timeout
+        # polls before each)
+        self.io_timeout_s = timeout_s
+        limit = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))  # struct timeval
         for sock in self.peers.values():
-            sock.settimeout(timeout_s)  # a peer that hangs fails the op (as gloo's timeout)
+            sock.settimeout(None)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.timeout_s = timeout_s
         self._watched: frozenset[int] = frozenset()
         self._pollers: dict[int, select.poll] = {}
+        # per peer: a buffer for the bytes it sends (and a memoryview of it), reused
+        self._inbox: dict[int, tuple[torch.Tensor, memoryview]] = {}
 
     def watch(self, socks: list[socket.socket], timeout_s: float | None = None) -> None:
         """While waiting for a peer's bytes, also watch `socks` (the driver's connections to
@@ -83,11 +92,13 @@ class SocketGroup:
                 poller.register(s, select.POLLIN)
             self._pollers[peer] = poller
 
-    def _recv(self, peer: int, size: int) -> bytearray:
-        """`size` bytes from `peer`, watching the watched connections meanwhile."""
-        if not self._pollers:
-            return recv_exact(self.peers[peer], size)
-        poller = self._pollers[peer]
+    def _wait(self, peer: int):
+        """None, or what a receive from `peer` calls before each read while `watch` is on:
+        it waits for the peer's bytes, raising PeerAlert when a watched connection becomes
+        readable or ends first, TimeoutError after timeout_s."""
+        poller = self._pollers.get(peer)
+        if poller is None:
+            return None
         deadline = time.monotonic() + self.timeout_s
 
         def wait() -> None:
@@ -98,25 +109,41 @@ class SocketGroup:
                 raise PeerAlert(f"rank {self.rank}: another rank failed while this one waited "
                                 f"for rank {peer}")
 
-        return recv_exact(self.peers[peer], size, wait)
+        return wait
+
+    def _recv(self, peer: int, like: torch.Tensor) -> torch.Tensor:
+        """Peer's tensor of `like`'s shape and dtype, read into its inbox (valid until the
+        next receive from it)."""
+        size = like.numel() * like.element_size()
+        box, view = self._inbox.get(peer, (None, None))
+        if box is None or box.numel() < size:
+            box = torch.empty(max(size, 4096), dtype=torch.uint8)
+            view = memoryview(box.numpy())
+            self._inbox[peer] = box, view
+        recv_into_exact(self.peers[peer], view[:size], self._wait(peer))
+        return box[:size].view(like.dtype).view(like.shape)
 
     def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `t` (same shape and dtype on all), in rank order. Pairs go in a global
-        order (lower rank, higher rank) and within a pair the lower rank writes first, so big
-        tensors cannot leave two ranks both blocked writing."""
+        """Every rank's `t` (same shape and dtype on all), in rank order; the peers' are views
+        of their inboxes. Pairs go in a global order (lower rank, higher rank) and within a
+        pair the lower rank writes first, so big tensors cannot leave two ranks both blocked
+        writing."""
         t = t.detach().contiguous()
-        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        raw = memoryview(t.view(-1).view(torch.uint8).numpy())
         parts: list[torch.Tensor | None] = [None] * self.world_size
         parts[self.rank] = t
         for peer in sorted(self.peers):
             sock = self.peers[peer]
-            if self.rank < peer:
-                sock.sendall(raw)
-                data = self._recv(peer, len(raw))
-            else:
-                data = self._recv(peer, len(raw))
-                sock.sendall(raw)
-            parts[peer] = torch.frombuffer(data, dtype=torch.uint8).view(t.dtype).view(t.shape)
+            try:
+                if self.rank < peer:
+                    sock.sendall(raw)
+                    parts[peer] = self._recv(peer, t)
+                else:
+                    parts[peer] = self._recv(peer, t)
+                    sock.sendall(raw)
+            except BlockingIOError as e:  # the socket's timeout ran out (EAGAIN)
+                raise TimeoutError(f"rank {self.rank}: rank {peer} neither sent nor took bytes "
+                                   f"within {self.io_timeout_s} s") from e
         return parts
 
     def all_reduce(self, t: torch.Tensor) -> None:
@@ -124,8 +151,11 @@ class SocketGroup:
         if t.numel() == 0:
             return
         parts = self._exchange(t)
-        total = parts[0].clone()
-        for part in parts[1:]:
+        if len(parts) == 2:  # a + b and b + a are the same bits: add the peer's in place
+            t.add_(parts[1 - self.rank])
+            return
+        total = parts[0] + parts[1]
+        for part in parts[2:]:
             total += part
         t.copy_(total)
 
@@ -139,4 +169,4 @@ class SocketGroup:
     def close(self) -> None:
         for sock in self.peers.values():
             sock.close()
-        self.peers, self._pollers, self._watched = {}, {}, frozenset()
+        self.peers, self._pollers, self._watched, self._inbox = {}, {}, frozenset(), {}

@@ -138,6 +138,9 @@ def _collectives(rank: int, world: int, port: int, queue) -> None:
     mine = torch.randn(3, 5, generator=g)  # rank-dependent values
     summed = mine.clone()
     group.all_reduce(summed)
+    strided = mine.clone().t()  # not contiguous: summed all the same, in place
+    group.all_reduce(strided)
+    assert torch.equal(strided.t(), summed)
     big = torch.full((1 << 20,), float(rank + 1))  # 4 MiB: more than a socket buffer holds
     group.all_reduce(big)
     parts = [torch.empty(2, dtype=torch.bfloat16) for _ in range(world)]
@@ -167,3 +170,40 @@ def test_socket_group_sums_and_gathers_the_same_bits_on_every_rank(world):
         assert torch.equal(summed, expected)  # bitwise, on every rank
         assert torch.equal(big, torch.full((2,), float(sum(range(1, world + 1)))))
         assert [p.tolist() for p in parts] == [[r, -r] for r in range(world)]
+
+
+def _silent_peer(rank: int, port: int, queue) -> None:
+    import time
+
+    from eagle2.tp import init_tp
+    from eagle2.tp_comm import SocketGroup
+
+    init_tp(rank, 2, "127.0.0.1", port, backend="gloo")
+    group = SocketGroup(timeout_s=1.5)
+    if rank == 1:  # joins the group, then never takes part in an op
+        queue.get(timeout=60)
+        return
+    start = time.monotonic()
+    try:
+        group.all_reduce(torch.ones(4))
+        queue.put(("returned", None))
+    except TimeoutError as e:
+        queue.put((str(e), time.monotonic() - start))
+
+
+@pytest.mark.timeout(120)
+def test_socket_group_op_fails_with_timeout_error_when_a_peer_is_silent():
+    """A peer that joined but never sends fails the op within the group's timeout (the
+    kernel's socket timeouts), with TimeoutError naming the peer, instead of waiting forever."""
+    ctx = mp.get_context("spawn")
+    results, release, port = ctx.Queue(), ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_silent_peer, args=(0, port, results)),
+             ctx.Process(target=_silent_peer, args=(1, port, release))]
+    for p in procs:
+        p.start()
+    message, waited = results.get(timeout=90)
+    release.put("done")
+    for p in procs:
+        p.join(30)
+    assert message == "rank 0: rank 1 neither sent nor took bytes within 1.5 s"
+    assert 1.0 < waited < 10
