@@ -48,21 +48,34 @@ def loads(data: bytes | bytearray | memoryview):
     return pickle.loads(data)
 
 
+# dtypes numpy lacks travel as the same bits in an integer of their width
+_AS_INT = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
+           torch.float8_e5m2: torch.uint8}
+_NAMES: dict[torch.dtype, str] = {}
+
+
 class _TensorPickler(pickle.Pickler):
     def reducer_override(self, obj):
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
-        t = obj.detach().cpu().contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return _tensor, (raw, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        t = obj.detach()  # (no copy: what follows copies only what is not on the CPU in order)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        name = _NAMES.get(t.dtype) or _NAMES.setdefault(t.dtype,
+                                                        str(t.dtype).removeprefix("torch."))
+        array = (t.view(_AS_INT[t.dtype]) if t.dtype in _AS_INT else t).numpy()
+        # a writable buffer is written into the pickle as it is and read back as a bytearray
+        return _tensor, (pickle.PickleBuffer(array), name, tuple(t.shape))
 
 
-def _tensor(raw: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _tensor(raw: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor of its own (writable: the ranks write into positions and slots they get)."""
     dt = getattr(torch, dtype)
     if not raw:
         return torch.empty(shape, dtype=dt)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
+    return torch.frombuffer(raw, dtype=dt).reshape(shape)
 
 
 class RankLost(ConnectionError):
