@@ -123,7 +123,8 @@ def main() -> None:
                 steps = after["steps"] - before["steps"]
                 per = {k: (after[k] - before[k]) / steps * 1e3
                        for k in ("verify_s", "prefill_s", "other_s", "rank_wait_s",
-                                 "rank_busy_s", "loop_host_s", "loop_dispatch_s")
+                                 "rank_busy_s", "loop_host_s", "loop_dispatch_s",
+                                 "loop_step_cpu_s", "loop_host_cpu_s")
                        if after.get(k) is not None}
                 print(f"concurrency {c}: service TPOT median {s * 1e3:.2f} ms (mean "
                       f"{statistics.mean(svc) * 1e3:.2f}, {len(svc)} requests), in-process "

@@ -53,6 +53,7 @@ STAT_SCALARS = ("draft_s", "verify_s", "prefill_s", "other_s", "steps",
                 "draft_bytes_out", "draft_bytes_in", "rank_wait_s", "rank_busy_s")
 TRAFFIC = ("rank_bytes_out", "rank_bytes_in", "draft_bytes_out", "draft_bytes_in")
 LOOP_SCALARS = ("loop_steps", "loop_step_s", "loop_host_s", "loop_dispatch_s",
+                "loop_step_cpu_s", "loop_host_cpu_s",
                 "router_messages", "router_delivery_s", "router_work_s",
                 "event_frames", "event_messages", "event_bytes")
 
@@ -162,10 +163,13 @@ def engine_summary(delta: dict, tokens: int) -> dict:
         if rpc_s is not None and draft_s is not None else None,
         "rank_wait_ms_per_step": _ms(delta.get("rank_wait_s"), steps),
         # the service's step loop: Engine.step's wall, the loop's own host time around it
-        # (commands, events, metrics) and, of that, handing the events to the streams
+        # (commands, events, metrics) and, of that, handing the events to the streams; the
+        # CPU time its thread used in the step and around it
         "loop_step_ms_per_step": _ms(delta.get("loop_step_s"), loop_steps),
         "loop_host_ms_per_step": _ms(delta.get("loop_host_s"), loop_steps),
         "loop_dispatch_ms_per_step": _ms(delta.get("loop_dispatch_s"), loop_steps),
+        "loop_step_cpu_ms_per_step": _ms(delta.get("loop_step_cpu_s"), loop_steps),
+        "loop_host_cpu_ms_per_step": _ms(delta.get("loop_host_cpu_s"), loop_steps),
         # the router: engine handing a step's tokens -> the router holding them (the events
         # connection), and its own work per message (detokenize, stop strings, message)
         "router_delivery_ms_per_message": _ms(delta.get("router_delivery_s"), messages),

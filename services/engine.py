@@ -318,7 +318,7 @@ class TargetEngine:
                 time.sleep(0.1)
 
     def _once(self) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         block = not self.engine.has_work()
         if block:
             self.last_progress = time.monotonic()
@@ -327,19 +327,19 @@ class TargetEngine:
             while True:
                 cmd, arg = self.inbox.get(block=block, timeout=None if block else 0)
                 if block:  # idle until now: the wait is not the loop's host time
-                    t0, block = time.perf_counter(), False
+                    t0, c0, block = time.perf_counter(), time.thread_time(), False
                 self._command(cmd, arg)
         except queue.Empty:
             pass
         if not self.engine.has_work():
             return
-        t_step = time.perf_counter()
+        t_step, c_step = time.perf_counter(), time.thread_time()
         try:
             events = self.engine.step()
         except Exception as e:
             self._step_failed(e)
             return
-        t_events = time.perf_counter()
+        t_events, c_events = time.perf_counter(), time.thread_time()
         self.last_progress = time.monotonic()
         self._dispatch(events)
         t_sent = time.perf_counter()
@@ -353,7 +353,8 @@ class TargetEngine:
                            st.preemptions, st.prefix_query_tokens, st.prefix_hit_tokens)
         self.metrics.drafter(getattr(d, "fallbacks", 0), getattr(d, "reconnects", 0))
         self.times.add(t_events - t_step, time.perf_counter() - t0 - (t_events - t_step),
-                       t_sent - t_events)
+                       t_sent - t_events, c_events - c_step,
+                       time.thread_time() - c0 - (c_events - c_step))
 
     def _dispatch(self, events: list[Event]) -> None:
         """Hand a step's events to the event loop in one call, which sends each router one
@@ -474,21 +475,28 @@ def traffic_stats(runner, drafter) -> dict:
 class LoopTimes:
     """Where the step loop's time goes, summed over its steps: `Engine.step` (compute: draft,
     verify, commit, with their own host work), the loop's host time around it (commands,
-    events, metrics) and, of that, handing the events to the streams. Read from other threads
+    events, metrics) and, of that, handing the events to the streams; and the CPU time the
+    loop's thread used in each of the first two (`time.thread_time`: against the wall time it
+    shows how long the step waited, for a core, a rank or the GPU). Read from other threads
     as plain floats (a torn read is off by one step at most)."""
 
     def __init__(self):
         self.steps, self.step_s, self.host_s, self.dispatch_s = 0, 0.0, 0.0, 0.0
+        self.step_cpu_s, self.host_cpu_s = 0.0, 0.0
 
-    def add(self, step_s: float, host_s: float, dispatch_s: float) -> None:
+    def add(self, step_s: float, host_s: float, dispatch_s: float, step_cpu_s: float = 0.0,
+            host_cpu_s: float = 0.0) -> None:
         self.steps += 1
         self.step_s += step_s
         self.host_s += host_s
         self.dispatch_s += dispatch_s
+        self.step_cpu_s += step_cpu_s
+        self.host_cpu_s += host_cpu_s
 
     def as_dict(self) -> dict:
         return {"loop_steps": self.steps, "loop_step_s": self.step_s,
-                "loop_host_s": self.host_s, "loop_dispatch_s": self.dispatch_s}
+                "loop_host_s": self.host_s, "loop_dispatch_s": self.dispatch_s,
+                "loop_step_cpu_s": self.step_cpu_s, "loop_host_cpu_s": self.host_cpu_s}
 
 
 def _event_dict(ev: Event, now: float) -> dict:

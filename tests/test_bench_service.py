@@ -47,11 +47,13 @@ def test_stats_delta_and_engine_summary():
     before = {"draft_s": 1.0, "verify_s": 2.0, "prefill_s": 0.5, "other_s": 0.1, "steps": 10,
               "draft_rpc_calls": 10, "draft_rpc_s": 0.8, "batch_sizes": [1] * 10,
               "loop_steps": 12, "loop_step_s": 3.0, "loop_host_s": 0.1, "loop_dispatch_s": 0.05,
+              "loop_step_cpu_s": 2.0, "loop_host_cpu_s": 0.08,
               "router_messages": 20, "router_delivery_s": 0.2, "router_work_s": 0.02,
               "event_frames": 12, "event_messages": 20}
     after = {"draft_s": 1.5, "verify_s": 3.0, "prefill_s": 0.7, "other_s": 0.2, "steps": 14,
              "draft_rpc_calls": 14, "draft_rpc_s": 1.2, "batch_sizes": [1] * 10 + [4, 4, 3, 1],
              "loop_steps": 16, "loop_step_s": 4.0, "loop_host_s": 0.12, "loop_dispatch_s": 0.054,
+             "loop_step_cpu_s": 2.6, "loop_host_cpu_s": 0.096,
              "router_messages": 30, "router_delivery_s": 0.25, "router_work_s": 0.03,
              "event_frames": 16, "event_messages": 32, "rank_bytes_out": None}
     d = stats_delta(before, after)
@@ -62,6 +64,7 @@ def test_stats_delta_and_engine_summary():
     assert e["draft_rpc_ms_per_call"] == 100.0 and e["draft_outside_rpc_ms_per_step"] == 25.0
     assert e["loop_step_ms_per_step"] == 250.0 and e["loop_host_ms_per_step"] == 5.0
     assert e["loop_dispatch_ms_per_step"] == 1.0
+    assert e["loop_step_cpu_ms_per_step"] == 150.0 and e["loop_host_cpu_ms_per_step"] == 4.0
     assert e["router_delivery_ms_per_message"] == 5.0 and e["router_work_ms_per_message"] == 1.0
     assert e["rank_bytes_out_per_step"] is None and e["bytes_per_step"] is None
     assert e["events_per_frame"] == 3.0 and e["frames_per_step"] == 1.0
@@ -114,6 +117,7 @@ def test_tiny_run_against_a_real_service(tmp_path):
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert set(s[key]) == {"mean", "median", "p99"} and s[key]["mean"] is not None
         assert s["engine"]["steps"] >= 1 and s["engine"]["loop_step_ms_per_step"] > 0
+        assert 0 < s["engine"]["loop_step_cpu_ms_per_step"]
         assert s["engine"]["router_delivery_ms_per_message"] is not None
         cpu = s["cpu_ms_per_token"]  # the service's own processes, found and measured
         assert cpu["engine"] > 0 and cpu["router"] > 0 and cpu["proxy"] > 0

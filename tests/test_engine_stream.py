@@ -36,12 +36,14 @@ def test_merge_an_error_wins():
 
 def test_loop_times_sum_per_step():
     t = LoopTimes()
-    t.add(0.020, 0.001, 0.0002)
-    t.add(0.030, 0.002, 0.0003)
+    t.add(0.020, 0.001, 0.0002, 0.015, 0.0008)
+    t.add(0.030, 0.002, 0.0003, 0.010, 0.0012)
     d = t.as_dict()
     assert d["loop_steps"] == 2 and d["loop_step_s"] == pytest.approx(0.05)
     assert d["loop_host_s"] == pytest.approx(0.003)
     assert d["loop_dispatch_s"] == pytest.approx(0.0005)
+    assert d["loop_step_cpu_s"] == pytest.approx(0.025)
+    assert d["loop_host_cpu_s"] == pytest.approx(0.002)
 
 
 def run(coro):
