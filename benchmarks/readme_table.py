@@ -56,9 +56,12 @@ ROWS: list[tuple[str, str, str]] = [
     ("service-proxy-epyc-avx2-s46-concurrency.json", "service",
      AVX2 + ", as the row above but behind Serve's Python proxy (`--no-ha-proxy`), run right "
      "after it"),
-    ("tpot-tp1-epyc-avx2-s46.json", "tpot", AVX2 + ", one torch thread, behind HAProxy"),
-    ("tpot-tp2-epyc-avx2-s47.json", "tpot", AVX2 + ", one torch thread a rank, behind HAProxy"),
-    ("tpot-tp2-ranks-epyc-avx2-s47.json", "tpot",
+    ("tpot-tp1-epyc-avx2-s48.json", "tpot",
+     AVX2 + ", one torch thread, behind HAProxy, Ray's workers at niceness 0 (the default)"),
+    ("tpot-tp2-epyc-avx2-s48.json", "tpot",
+     AVX2 + ", one torch thread a rank, behind HAProxy, Ray's workers at niceness 0 (the "
+     "default); two more runs: 2.77 and 3.55 ms at c = 1, 4.32 and 6.45 ms at c = 8"),
+    ("tpot-tp2-ranks-epyc-avx2-s48.json", "tpot",
      AVX2 + ", one torch thread a rank, behind HAProxy, run right after the row above"),
     ("service-cache-epyc-s44.json", "cache",
      "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 32 (the CPU default), chunks read in "
@@ -261,9 +264,13 @@ def tpot_row(res: dict) -> tuple[str, str, str]:
              f"on {res['tp_size']} rank actors" if placement == "ranks" else
              f"split over {res['tp_size']} ranks, rank 0 in the engine replica (the default on "
              f"CPUs), the others on actors")
+    cache = res.get("inprocess_cache", "slotted")  # (runs before it: a slotted one)
+    same = ("the service's cache (" + cache.removeprefix("paged: ") + ")"
+            if cache.startswith("paged") else "a slotted cache")
     setting = (f"the service's TPOT over gRPC against the same target in process: a tiny "
                f"random Llama (a ~1 ms forward, as short as a GPU's next to host work) "
-               f"{where}, plain decoding, {res['max_tokens']} tokens x {res['rounds']} rounds")
+               f"{where}, plain decoding, {res['max_tokens']} tokens x {res['rounds']} "
+               f"rounds; in process with {same}")
     figure = "; ".join(
         f"concurrency {lv['concurrency']}: **{lv['overhead_ms']:.2f} ms** a token over "
         f"in-process (TPOT median {lv['service_tpot_ms_median']:.2f} against "

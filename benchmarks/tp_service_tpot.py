@@ -8,8 +8,9 @@ replica), behind the service's default ingress (HAProxy; --no-ha-proxy: Serve's 
 At each concurrency C, C clients stream `GenerateStream` over gRPC (token-id
 prompts, `max_tokens` new tokens each), several rounds; per request TPOT = (latency - time to
 first token) / (tokens - 1). In this process the same prompts are decoded together at batch C
-on `LocalRunner` through the engine (time per decode step = the in-process time per token), in
-turns with the service's rounds. Prints the medians and their difference (the bounds asked:
+on `LocalRunner` through the engine, with the service's target cache (its default: paged
+blocks; --inprocess-cache slotted for a slotted one) (time per decode step = the in-process
+time per token), in turns with the service's rounds. Prints the medians and their difference (the bounds asked:
 <= 2 ms at C = 1 and <= 6 ms at 8 for tp 1, <= 3 and <= 8 ms for tp 2), the engine's time per
 step and each service process's CPU per output token, writes them with --out (JSON), and
 checks that the service's tokens equal the in-process ones (exit 1 otherwise).
@@ -67,6 +68,9 @@ def main() -> None:
     ap.add_argument("--target-placement", choices=["auto", "ranks", "engine"], default="auto",
                     help="the service's target_placement (auto: at tp 2 rank 0 in the engine "
                          "replica, rank 1 on an actor; ranks: every rank on an actor)")
+    ap.add_argument("--inprocess-cache", choices=["service", "slotted"], default="service",
+                    help="the in-process engine's target cache: the service's (its default: "
+                         "1 GiB of paged blocks) or a slotted one (runs before this option)")
     ap.add_argument("--out", default=None, help="also write the figures here (JSON)")
     ap.add_argument("--ha-proxy", action=argparse.BooleanOptionalAction, default=None,
                     help="the service behind HAProxy or (--no-ha-proxy) Serve's Python proxy "
@@ -80,6 +84,7 @@ def main() -> None:
     from services.bench_service import add_cpu, cpu_seconds, per_token, service_processes
     from services.cli_serve import shutdown, start, use_ha_proxy
     from services.client import Eagle2Client
+    from services.config import ServiceConfig
 
     torch.set_num_threads(1)
     print(f"load: {os.getloadavg()}, cores: {os.cpu_count()}")
@@ -99,7 +104,13 @@ def main() -> None:
               "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
               "levels": []}
     try:
-        local = LocalRunner(target, max(args.concurrency), 256 + Engine.tree_margin)
+        cache = {} if args.inprocess_cache == "slotted" else {
+            "kv_cache_memory": ServiceConfig(**conf).kv_cache_budget(),
+            "block_size": ServiceConfig(**conf).block_size}  # the blocks every rank holds
+        local = LocalRunner(target, max(args.concurrency), 256 + Engine.tree_margin, **cache)
+        blocks = local.capacity["kv_blocks"]
+        report["inprocess_cache"] = (f"paged: {blocks} blocks of {cache['block_size']}"
+                                     if blocks else "slotted")
         with Eagle2Client(f"localhost:{PORT}", timeout_s=300) as client:
             service_round(client, random_prompts(1, 256, seed=99), 8)  # warm-up
             for c in args.concurrency:
