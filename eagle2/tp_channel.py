@@ -58,7 +58,7 @@ class _TensorPickler(pickle.Pickler):
     def reducer_override(self, obj):
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
-        t = obj.detach()  # (no copy: what follows copies only what is not on the CPU in order)
+        t = obj.detach()  # a view: copied below only when off the CPU or not contiguous
         if t.device.type != "cpu":
             t = t.cpu()
         if not t.is_contiguous():
