@@ -10,10 +10,11 @@ prompts, `max_tokens` new tokens each), several rounds; per request TPOT = (late
 first token) / (tokens - 1). In this process the same prompts are decoded together at batch C
 on `LocalRunner` through the engine, with the service's target cache (its default: paged
 blocks; --inprocess-cache slotted for a slotted one) (time per decode step = the in-process
-time per token), in turns with the service's rounds. Prints the medians and their difference (the bounds asked:
-<= 2 ms at C = 1 and <= 6 ms at 8 for tp 1, <= 3 and <= 8 ms for tp 2), the engine's time per
-step and each service process's CPU per output token, writes them with --out (JSON), and
-checks that the service's tokens equal the in-process ones (exit 1 otherwise).
+time per token), in turns with the service's rounds. Prints the medians and their difference
+(the bounds asked: <= 2 ms at C = 1 and <= 6 ms at 8 for tp 1, <= 3 and <= 8 ms for tp 2), the
+engine's time per step and each service process's CPU per output token, writes them with
+--out (JSON), and checks that the service's tokens equal the in-process ones (exit 1
+otherwise).
 
     .venv/bin/python benchmarks/tp_service_tpot.py --tp 1 --max-tokens 48 --rounds 3
     .venv/bin/python benchmarks/tp_service_tpot.py --tp 2 --max-tokens 48 --rounds 3

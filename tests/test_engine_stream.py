@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("ray")
 
 import asyncio
-import socket
 
+from eagle2.tp_channel import free_port
 from services.engine import LoopTimes
 from services.event_channel import LOST, EventClient, EventServer, frame, merge
 
@@ -97,7 +97,7 @@ def test_a_lost_engine_connection_fails_its_requests_with_unavailable():
             writer.transport.abort()
         assert await _next(box) == LOST
         other = client.open("s2")  # a request to a replica that cannot be reached
-        await client.attach("s2", ("127.0.0.1", _free_port()))
+        await client.attach("s2", ("127.0.0.1", free_port("127.0.0.1")))
         assert await _next(other) == LOST
         server.server.close()
 
@@ -157,12 +157,6 @@ def test_the_server_drops_a_connection_whose_hello_is_too_big_and_serves_the_nex
         server.server.close()
 
     run(main())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_router_fails_a_request_whose_engine_call_ended_without_its_last_event():

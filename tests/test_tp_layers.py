@@ -12,20 +12,14 @@ same bits, for tp 2 and 3.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from eagle2.tp_channel import free_port
+
 VOCAB, LAYERS = 63, 3  # 63 rows over 2 ranks: 32 and 31, the second padded
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs():
@@ -110,7 +104,7 @@ def test_tp2_layers_equal_the_whole_model_with_two_all_reduces_a_layer():
 
     expected = _run(tiny_target(vocab=VOCAB, layers=LAYERS, seed=3))
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port("127.0.0.1")
     procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
@@ -155,7 +149,7 @@ def _collectives(rank: int, world: int, port: int, queue) -> None:
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_socket_group_sums_and_gathers_the_same_bits_on_every_rank(world):
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port("127.0.0.1")
     procs = [ctx.Process(target=_collectives, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
@@ -196,7 +190,7 @@ def test_socket_group_op_fails_with_timeout_error_when_a_peer_is_silent():
     """A peer that joined but never sends fails the op within the group's timeout (the
     kernel's socket timeouts), with TimeoutError naming the peer, instead of waiting forever."""
     ctx = mp.get_context("spawn")
-    results, release, port = ctx.Queue(), ctx.Queue(), _free_port()
+    results, release, port = ctx.Queue(), ctx.Queue(), free_port("127.0.0.1")
     procs = [ctx.Process(target=_silent_peer, args=(0, port, results)),
              ctx.Process(target=_silent_peer, args=(1, port, release))]
     for p in procs:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+
+from eagle2.tp_channel import free_port
 
 NUM_SHARDS = 4
 CONFIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
@@ -111,9 +112,7 @@ def run_ranks(tp_size: int, path: Path) -> list[tuple]:
     # 6 runs): a fixed threshold makes the peak what the loader holds, the same in every run
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     procs = [ctx.Process(target=rank_main, args=(r, tp_size, port, str(path), out))
              for r in range(tp_size)]
     with pytest.MonkeyPatch.context() as env:
