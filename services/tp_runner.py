@@ -317,16 +317,17 @@ class ShardedRunner:
                 self.local = TPRank(0, *rank_args, own_thread=False)
                 master_addr, master_port = self.local.address()
             else:
-                master_addr, master_port = self._gather([self.actors[0].address.remote()])[0]
+                master_addr, master_port = self._gather([self.actors[0].address.remote()],
+                                                        self.remote[:1])[0]
             starts = [a.start.remote(master_addr, master_port, timeout_s) for a in self.actors]
             # rank 0 here joins beside them (the join waits for every rank), then loads
             infos = [self.local._start(master_addr, master_port, timeout_s)] if self.local \
                 else []
-            infos += self._gather(starts)
+            infos += self._gather(starts, self.remote)
             # the cache every rank holds (`LocalRunner.capacity`)
             self.capacity = _group_capacity(
                 ([self.local.capacity()] if self.local else [])
-                + self._gather([a.capacity.remote() for a in self.actors]))
+                + self._gather([a.capacity.remote() for a in self.actors], self.remote))
             self._channel = DriverChannel(ray.util.get_node_ip_address(), self.remote)
             self.loops = [a.serve.remote(*self._channel.address) for a in self.actors]
             self._channel.accept(timeout_s, alive=self._loops_alive)
@@ -416,7 +417,8 @@ class ShardedRunner:
             self.local.inject_fault(after_calls)
             return
         self.traffic["ray_calls"] += 1
-        self._gather([self.actors[self.remote.index(rank)].inject_fault.remote(after_calls)])
+        self._gather([self.actors[self.remote.index(rank)].inject_fault.remote(after_calls)],
+                     [rank])
 
     def check_health(self) -> None:
         """RankFailure if a rank died or its loop ended since the last call (no step needed:
@@ -565,10 +567,11 @@ class ShardedRunner:
         self.failed = f"{rank}: {kind} in {method}"
         return RankFailure(f"tensor-parallel call failed ({self.failed}): {str(error)[:200]}")
 
-    def _gather(self, refs: list) -> list:
+    def _gather(self, refs: list, ranks: list[int] | None = None) -> list:
         """ray.get, but a failed rank raises at once (its peers would wait in an all-reduce);
-        `failed_rank` says which one it was (None: the call timed out). For the start and
-        Ray calls beside the step loops."""
+        `failed_rank` says which one it was (ranks: each ref's rank; None where the refs are
+        not ranks' calls, or the call timed out). For the start and Ray calls beside the step
+        loops."""
         late = f"tensor-parallel call still running after {self.timeout_s} s"
         self.failed_rank = None
         if len(refs) == 1:  # one rank: nobody waits for it
@@ -577,7 +580,7 @@ class ShardedRunner:
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(late) from None
             except ray.exceptions.RayError:
-                self.failed_rank = 0
+                self.failed_rank = ranks[0] if ranks else None
                 raise
         pending = list(refs)
         while pending:
@@ -587,7 +590,7 @@ class ShardedRunner:
             try:
                 ray.get(done)
             except ray.exceptions.RayError:
-                self.failed_rank = refs.index(done[0])
+                self.failed_rank = ranks[refs.index(done[0])] if ranks else None
                 raise
         return ray.get(refs)
 
