@@ -67,6 +67,10 @@ class TargetEngine:
         self.last_rank_recovery_s: float | None = None
         self.metrics = EngineMetrics()
         self.times = LoopTimes()
+        if os.nice(0) > 0:  # a cluster started without RAY_ENV (services/cli_serve.py)
+            log.warning("the engine replica runs at niceness %d: every process on the node at "
+                        "0 takes its cores when it wakes; start Ray with "
+                        "RAY_worker_niceness=0 (docs/processes.md)", os.nice(0))
         address = None
         if draft_worker is not None and cfg.draft_placement != "inprocess":
             address = await draft_worker.address.remote()  # (the drafter: `_make_drafter`)
