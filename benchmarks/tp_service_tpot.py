@@ -105,9 +105,10 @@ def main() -> None:
               "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
               "levels": []}
     try:
+        served = ServiceConfig(**conf)
         cache = {} if args.inprocess_cache == "slotted" else {
-            "kv_cache_memory": ServiceConfig(**conf).kv_cache_budget(),
-            "block_size": ServiceConfig(**conf).block_size}  # the blocks every rank holds
+            "kv_cache_memory": served.kv_cache_budget(),
+            "block_size": served.block_size}  # the blocks every rank holds
         local = LocalRunner(target, max(args.concurrency), 256 + Engine.tree_margin, **cache)
         blocks = local.capacity["kv_blocks"]
         report["inprocess_cache"] = (f"paged: {blocks} blocks of {cache['block_size']}"

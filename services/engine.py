@@ -67,10 +67,11 @@ class TargetEngine:
         self.last_rank_recovery_s: float | None = None
         self.metrics = EngineMetrics()
         self.times = LoopTimes()
-        if os.nice(0) > 0:  # a cluster started without RAY_ENV (services/cli_serve.py)
+        niceness = os.nice(0)  # (adds 0: reads it)
+        if niceness > 0:  # a cluster started without RAY_ENV (services/cli_serve.py)
             log.warning("the engine replica runs at niceness %d: every process on the node at "
                         "0 takes its cores when it wakes; start Ray with "
-                        "RAY_worker_niceness=0 (docs/processes.md)", os.nice(0))
+                        "RAY_worker_niceness=0 (docs/processes.md)", niceness)
         address = None
         if draft_worker is not None and cfg.draft_placement != "inprocess":
             address = await draft_worker.address.remote()  # (the drafter: `_make_drafter`)
@@ -489,8 +490,8 @@ class LoopTimes:
         self.steps, self.step_s, self.host_s, self.dispatch_s = 0, 0.0, 0.0, 0.0
         self.step_cpu_s, self.host_cpu_s = 0.0, 0.0
 
-    def add(self, step_s: float, host_s: float, dispatch_s: float, step_cpu_s: float = 0.0,
-            host_cpu_s: float = 0.0) -> None:
+    def add(self, step_s: float, host_s: float, dispatch_s: float, step_cpu_s: float,
+            host_cpu_s: float) -> None:
         self.steps += 1
         self.step_s += step_s
         self.host_s += host_s
