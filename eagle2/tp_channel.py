@@ -54,6 +54,12 @@ _AS_INT = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
 _NAMES: dict[torch.dtype, str] = {}
 
 
+def as_numpy(t: torch.Tensor):
+    """A contiguous CPU tensor's memory as a numpy array (no copy): what sockets write from
+    and read into. Dtypes numpy lacks give the same bits as an integer of their width."""
+    return (t.view(_AS_INT[t.dtype]) if t.dtype in _AS_INT else t).numpy()
+
+
 class _TensorPickler(pickle.Pickler):
     def reducer_override(self, obj):
         if not isinstance(obj, torch.Tensor):
@@ -65,7 +71,7 @@ class _TensorPickler(pickle.Pickler):
             t = t.contiguous()
         name = _NAMES.get(t.dtype) or _NAMES.setdefault(t.dtype,
                                                         str(t.dtype).removeprefix("torch."))
-        array = (t.view(_AS_INT[t.dtype]) if t.dtype in _AS_INT else t).numpy()
+        array = as_numpy(t)
         # a writable buffer is written into the pickle as it is and read back as a bytearray
         return _tensor, (pickle.PickleBuffer(array), name, tuple(t.shape))
 
@@ -113,19 +119,26 @@ def _send_frame(sock: socket.socket, payload: bytes) -> int:
 
 def recv_exact(sock: socket.socket, size: int, wait=None) -> bytearray:
     """`size` bytes from `sock`; ConnectionError when the peer closes first. wait(): called
-    before each read (it may raise instead: `SocketGroup.watch`)."""
+    until bytes are there, before reading them (it may raise instead: `SocketGroup.watch`)."""
     out = bytearray(size)
     recv_into_exact(sock, memoryview(out), wait)
     return out
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, wait=None) -> None:
-    """Fill `view` (bytes) from `sock`, as `recv_exact`."""
+    """Fill `view` (bytes) from `sock`, as `recv_exact` (with `wait`: only when no bytes are
+    there yet, so bytes already there cost one system call)."""
     got, size = 0, view.nbytes
     while got < size:
-        if wait is not None:
-            wait()
-        n = sock.recv_into(view[got:], size - got)
+        rest = view[got:] if got else view
+        if wait is None:
+            n = sock.recv_into(rest, size - got)
+        else:
+            try:
+                n = sock.recv_into(rest, size - got, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                wait()
+                continue
         if n == 0:
             raise ConnectionError("connection closed")
         got += n

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from eagle2.tp_channel import recv_exact, recv_into_exact
+from eagle2.tp_channel import as_numpy, recv_exact, recv_into_exact
 
 _RANK = struct.Struct("<Q")
 
@@ -70,10 +70,16 @@ class SocketGroup:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.timeout_s = timeout_s
+        self.order = sorted(self.peers)
+        # tensors up to this size are written to every peer before reading theirs: a
+        # quarter of the smallest send buffer, room to spare for the kernel's bookkeeping
+        self.eager_bytes = min((s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                                for s in self.peers.values()), default=0) // 4
         self._watched: frozenset[int] = frozenset()
         self._pollers: dict[int, select.poll] = {}
-        # per peer: a buffer for the bytes it sends (and a memoryview of it), reused
-        self._inbox: dict[int, tuple[torch.Tensor, memoryview]] = {}
+        # per peer: a buffer for the bytes it sends, reused; its views by (peer, shape, dtype)
+        self._inbox: dict[int, torch.Tensor] = {}
+        self._views: dict[tuple, tuple[torch.Tensor, memoryview]] = {}
 
     def watch(self, socks: list[socket.socket], timeout_s: float | None = None) -> None:
         """While waiting for a peer's bytes, also watch `socks` (the driver's connections to
@@ -113,37 +119,55 @@ class SocketGroup:
 
     def _recv(self, peer: int, like: torch.Tensor) -> torch.Tensor:
         """Peer's tensor of `like`'s shape and dtype, read into its inbox (valid until the
-        next receive from it)."""
-        size = like.numel() * like.element_size()
-        box, view = self._inbox.get(peer, (None, None))
-        if box is None or box.numel() < size:
-            box = torch.empty(max(size, 4096), dtype=torch.uint8)
-            view = memoryview(box.numpy())
-            self._inbox[peer] = box, view
-        recv_into_exact(self.peers[peer], view[:size], self._wait(peer))
-        return box[:size].view(like.dtype).view(like.shape)
+        next receive from it). The inbox's views of each shape are kept (a decode step's
+        collectives repeat a few shapes), and dropped when it grows."""
+        key = (peer, like.shape, like.dtype)
+        got = self._views.get(key)
+        if got is None:
+            size = like.numel() * like.element_size()
+            box = self._inbox.get(peer)
+            if box is None or box.numel() < size:
+                box = self._inbox[peer] = torch.empty(max(size, 4096), dtype=torch.uint8)
+                self._views = {k: v for k, v in self._views.items() if k[0] != peer}
+            if len(self._views) >= 64:
+                self._views = {}
+            got = self._views[key] = (box[:size].view(like.dtype).view(like.shape),
+                                      memoryview(box.numpy())[:size])
+        part, view = got
+        recv_into_exact(self.peers[peer], view, self._wait(peer))
+        return part
 
     def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (same shape and dtype on all), in rank order; the peers' are views
-        of their inboxes. Pairs go in a global order (lower rank, higher rank) and within a
-        pair the lower rank writes first, so big tensors cannot leave two ranks both blocked
-        writing."""
-        t = t.detach().contiguous()
-        raw = memoryview(t.view(-1).view(torch.uint8).numpy())
+        of their inboxes. A small tensor (it fits the sockets' buffers) goes to every peer
+        before this rank reads theirs, so none waits for another to arrive before writing:
+        an exchange costs the later rank no wait at all. Bigger ones go pair by pair in a
+        global order (lower rank, higher rank), the lower rank writing first, so that two
+        ranks cannot both block writing."""
+        t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        out = as_numpy(t)
         parts: list[torch.Tensor | None] = [None] * self.world_size
         parts[self.rank] = t
-        for peer in sorted(self.peers):
-            sock = self.peers[peer]
-            try:
+        peer = None
+        try:
+            if out.nbytes <= self.eager_bytes:
+                for peer in self.order:
+                    self.peers[peer].sendall(out)
+                for peer in self.order:
+                    parts[peer] = self._recv(peer, t)
+                return parts
+            for peer in self.order:
                 if self.rank < peer:
-                    sock.sendall(raw)
+                    self.peers[peer].sendall(out)
                     parts[peer] = self._recv(peer, t)
                 else:
                     parts[peer] = self._recv(peer, t)
-                    sock.sendall(raw)
-            except BlockingIOError as e:  # the socket's timeout ran out (EAGAIN)
-                raise TimeoutError(f"rank {self.rank}: rank {peer} neither sent nor took bytes "
-                                   f"within {self.io_timeout_s} s") from e
+                    self.peers[peer].sendall(out)
+        except BlockingIOError as e:  # the socket's timeout ran out (EAGAIN)
+            raise TimeoutError(f"rank {self.rank}: rank {peer} neither sent nor took bytes "
+                               f"within {self.io_timeout_s} s") from e
         return parts
 
     def all_reduce(self, t: torch.Tensor) -> None:
@@ -169,4 +193,5 @@ class SocketGroup:
     def close(self) -> None:
         for sock in self.peers.values():
             sock.close()
-        self.peers, self._pollers, self._watched, self._inbox = {}, {}, frozenset(), {}
+        self.peers, self._pollers, self._watched = {}, {}, frozenset()
+        self._inbox, self._views = {}, {}

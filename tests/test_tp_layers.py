@@ -136,7 +136,12 @@ def _collectives(rank: int, world: int, port: int, queue) -> None:
     group.all_reduce(strided)
     assert torch.equal(strided.t(), summed)
     big = torch.full((1 << 20,), float(rank + 1))  # 4 MiB: more than a socket buffer holds
+    # small tensors go to every peer first, big ones pair by pair: both ways are taken here
+    assert summed.numel() * 4 <= group.eager_bytes < big.numel() * 4
     group.all_reduce(big)
+    again = mine.clone()  # a shape seen before, after the inbox grew for the big one
+    group.all_reduce(again)
+    assert torch.equal(again, summed)
     parts = [torch.empty(2, dtype=torch.bfloat16) for _ in range(world)]
     group.all_gather(parts, torch.tensor([rank, -rank], dtype=torch.bfloat16))
     queue.put((rank, mine, summed, big[:2].clone(), parts))
