@@ -25,6 +25,7 @@ from eagle2.verify import (
     first_tokens,
     verify_batch,
     verify_greedy_lazily,
+    verify_greedy_tokens,
     with_logprobs,
 )
 
@@ -102,6 +103,9 @@ class LocalRunner:
                                                      block_size, max_len)
         else:
             self.cache = target.allocate_cache(layout.num_slots, max_len)
+        # a tensor-parallel rank other than 0 (`load`): rank 0 reads every step's results, so
+        # this one's verifications run the forward and the collectives only (`verified`)
+        self.follower = False
 
     @classmethod
     def load(cls, spec: str | None, dtype: torch.dtype, device: torch.device, num_slots: int,
@@ -118,8 +122,10 @@ class LocalRunner:
 
         target = load_rank(spec, tp_size, rank, dtype, str(device))
         target.set_feature_layers(feature_layers)
-        return cls(target, num_slots, max_len, num_blocks=num_blocks, block_size=block_size,
-                   kv_cache_memory=kv_cache_memory)
+        runner = cls(target, num_slots, max_len, num_blocks=num_blocks,
+                     block_size=block_size, kv_cache_memory=kv_cache_memory)
+        runner.follower = rank != 0
+        return runner
 
     @property
     def info(self) -> dict:
@@ -184,7 +190,7 @@ class LocalRunner:
             return 1 << 30
         return getattr(self.target.backend.greedy_head, "first_rows", 0)
 
-    def _greedy_only(self, params) -> bool:
+    def greedy_only(self, params) -> bool:
         """Whether this step needs only argmaxes, which the target can find without logits
         (`TargetModel.greedy_tokens`): every request greedy, none asking log-probabilities."""
         return self.greedy_argmax and all(p.greedy and p.logprobs is None for p in params)
@@ -265,16 +271,52 @@ class LocalRunner:
                  logits: bool = False) -> tuple[Verified, torch.Tensor]:
         """Acceptance of the trees from their forward's output (where the logits are): what
         every verification here goes through (`eagle2.bench.calibrate` observes it).
-        -> (Verified, accepted features [B, A, H])."""
-        if not logits and self._greedy_only(params):
+        -> (Verified, accepted features [B, A, H]); (None, None) on a follower, which only
+        takes part in the collective."""
+        greedy = not logits and self.greedy_only(params)
+        if self.target.vocab_parallel:  # every node at once: one collective of all the ranks
+            got = self.gathered(out.hidden, tree.num_nodes, greedy)
+            if self.follower:
+                return None, None
+            verified = (verify_greedy_tokens(tree, got) if greedy else
+                        with_logprobs(verify_batch(tree, got, params, generators), got, params))
+        elif greedy:
             hidden = out.hidden
             verified = verify_greedy_lazily(
                 tree, lambda rows, nodes: self.target.greedy_tokens(hidden[rows, nodes]),
                 self.greedy_first_rows)
-            return verified, accepted_features(out.features, verified.nodes)
-        logits = self.target.logits(out.hidden)  # [B, N, V]
-        verified = with_logprobs(verify_batch(tree, logits, params, generators), logits, params)
+        else:
+            logits = self.target.logits(out.hidden)  # [B, N, V]
+            verified = with_logprobs(verify_batch(tree, logits, params, generators), logits,
+                                     params)
         return verified, accepted_features(out.features, verified.nodes)
+
+    def gathered(self, hidden: torch.Tensor, num_nodes: torch.Tensor, greedy: bool
+                 ) -> torch.Tensor:
+        """What a verification on a vocabulary-parallel shard gathers over the ranks (every
+        rank the same: `follow_verify`): greedy, the argmax at every tree's nodes, [B, N]
+        (-1 at padding); else the whole logits [B, N, V]."""
+        if not greedy:
+            return self.target.logits(hidden)
+        num_b, num_n = hidden.shape[:2]
+        counts = num_nodes.tolist()
+        if all(c == num_n for c in counts):
+            return self.target.greedy_tokens(hidden.reshape(num_b * num_n, -1)).view(num_b,
+                                                                                     num_n)
+        rows = [b for b, c in enumerate(counts) for _ in range(c)]
+        nodes = [n for c in counts for n in range(c)]
+        pred = torch.full((num_b, num_n), -1, dtype=torch.long, device=hidden.device)
+        pred[rows, nodes] = self.target.greedy_tokens(hidden[rows, nodes])
+        return pred
+
+    def follow_verify(self, tokens, positions, tree_mask, slots, num_nodes, greedy: bool
+                      ) -> None:
+        """A follower's share of a verification whose tree rank 0 holds: the forward over
+        the trees' tokens [B, N] (`tree_mask` [B, N, N], `num_nodes` [B]) and the collective
+        that ends it (`gathered`; greedy: every request greedy without log-probabilities,
+        as rank 0's `greedy_only`)."""
+        out = self.target_forward(tokens, positions, tree_mask, slots)
+        self.gathered(out.hidden, num_nodes, greedy)
 
     def _firsts(self, outs: list[TargetOutput], prompts: list[PromptBatch]) -> list[tuple]:
         """Prompt forwards' first tokens (each batch's rows at its last_idx), the lm_head (or
@@ -283,10 +325,12 @@ class LocalRunner:
         lasts = torch.cat([o.hidden[torch.arange(o.hidden.shape[0], device=o.hidden.device),
                                     p.last_idx] for o, p in zip(outs, prompts, strict=True)])
         params = [x for p in prompts for x in p.params]
-        if self._greedy_only(params):
+        if self.greedy_only(params):
             first, logprobs = self.target.greedy_tokens(lasts).tolist(), None
         else:
             last_logits = self.target.logits(lasts)  # [rows, V]
+            if self.follower:  # took part in the gather: rank 0 draws the first tokens
+                return [(o.features, None, None) for o in outs]
             first = first_tokens(last_logits, params, [g for p in prompts for g in p.generators])
             logprobs = first_logprobs(last_logits, first, params)
         out, start = [], 0

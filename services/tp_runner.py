@@ -121,6 +121,13 @@ class TPRank:
             return None
         return verified, to_device(feats, HOST), _states(gens)
 
+    def follow_verify(self, tokens, positions, tree_mask, slots, num_nodes, greedy):
+        """A rank other than 0 in a `verify_step` whose tree and results rank 0 holds (rank 0
+        in the driver): the forward and the gather that ends the verification
+        (`LocalRunner.follow_verify`); its message carries only their inputs."""
+        self.runner.follow_verify(*to_device((tokens, positions, tree_mask, slots, num_nodes),
+                                             self.runner.device), greedy)
+
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, gen_states):
         """Rank 0: (features [B, S, H] on CPU, first tokens, their TokenLogprobs where asked,
         generator states); others None."""
@@ -363,8 +370,15 @@ class ShardedRunner:
         return self._all("forward", tokens, positions, tree_mask, slots, logit_index)[0]
 
     def verify_step(self, tree, positions, slots, params, generators, logits=False):
-        verified, feats, states = self._all("verify_step", tree, positions, slots, params,
-                                            _states(_sampled(params, generators)), logits)[0]
+        call = ("verify_step", (tree, positions, slots, params,
+                                _states(_sampled(params, generators)), logits))
+        if self.local is None:
+            reply = self._all(call[0], *call[1])
+        else:  # ranks 1.. follow rank 0 here: the forward's inputs, the gather's kind
+            greedy = not logits and self.local.runner.greedy_only(params)
+            reply = self._all("follow_verify", tree.tokens, positions, tree.tree_mask, slots,
+                              tree.num_nodes, greedy, local=call)
+        verified, feats, states = reply[0]
         _restore(generators, states)
         return verified, feats
 
@@ -490,11 +504,13 @@ class ShardedRunner:
         if self._channel is None:
             raise RuntimeError("this ShardedRunner is shut down")
 
-    def _all(self, method: str, *args, wait: bool = True, every_rank: bool = False) -> list:
+    def _all(self, method: str, *args, wait: bool = True, every_rank: bool = False,
+             local: tuple[str, tuple] | None = None) -> list:
         """Run `method` on every rank with the same arguments: one message on the channel.
         -> [rank 0's result], or every rank's in rank order when every_rank; wait=False: none,
-        the call goes with the next message. Any rank's failure fails the group at once: the
-        ranks are killed and RankFailure raised (`_fail`)."""
+        the call goes with the next message. local: (method, args) rank 0 runs instead, when
+        it runs here. Any rank's failure fails the group at once: the ranks are killed and
+        RankFailure raised (`_fail`)."""
         self._check_usable()
         self.traffic["calls"] += 1
         if not wait:  # a snapshot, as a sent call would be
@@ -510,10 +526,11 @@ class ShardedRunner:
                 if self.local is None:
                     replies = self._receive(ranks)
                 else:
-                    replies = [self._run_local(deferred, method, args), *self._receive(ranks[1:])]
+                    replies = [self._run_local(deferred, *(local or (method, args))),
+                               *self._receive(ranks[1:])]
                 results, busy = zip(*replies, strict=True)
         except (RankError, RankLost, TimeoutError) as e:
-            raise self._fail(method, e) from e
+            raise self._fail(local[0] if local else method, e) from e  # the runner call's name
         self.traffic["wait_s"] += time.perf_counter() - t0
         self.traffic["steps"] += 1
         for key in ("bytes_out", "bytes_in", "frames_out", "frames_in"):
