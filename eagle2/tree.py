@@ -80,7 +80,9 @@ def to_device(x, device: torch.device | str):
         return None
     if isinstance(x, torch.Tensor):
         return x.to(device)
-    if isinstance(x, DraftTree):
+    if isinstance(x, DraftTree):  # its fields live on one device
+        if x.tokens.device == torch.device(device):
+            return x
         return DraftTree(*(t.to(device) for t in x._fields()))
     if isinstance(x, (tuple, list)):
         return type(x)(to_device(t, device) for t in x)
