@@ -57,12 +57,12 @@ ROWS: list[tuple[str, str, str]] = [
     ("service-proxy-epyc-avx2-s48-concurrency.json", "service",
      AVX2 + ", as the row above but behind Serve's Python proxy (`--no-ha-proxy`), run right "
      "after it"),
-    ("tpot-tp1-epyc-avx2-s48.json", "tpot",
+    ("tpot-tp1-epyc-avx2-s49.json", "tpot",
      AVX2 + ", one torch thread, behind HAProxy, Ray's workers at niceness 0 (the default)"),
-    ("tpot-tp2-epyc-avx2-s48.json", "tpot",
+    ("tpot-tp2-epyc-avx2-s49.json", "tpot",
      AVX2 + ", one torch thread a rank, behind HAProxy, Ray's workers at niceness 0 (the "
-     "default); two more runs: 2.77 and 3.55 ms at c = 1, 4.32 and 6.45 ms at c = 8"),
-    ("tpot-tp2-ranks-epyc-avx2-s48.json", "tpot",
+     "default); RUNS"),
+    ("tpot-tp2-ranks-epyc-avx2-s49.json", "tpot",
      AVX2 + ", one torch thread a rank, behind HAProxy, run right after the row above"),
     ("service-cache-epyc-s44.json", "cache",
      "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 32 (the CPU default), chunks read in "

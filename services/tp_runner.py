@@ -75,6 +75,7 @@ class TPRank:
         self.runner: LocalRunner | None = None
         self.device = pick_device()  # cuda:0 when Ray gave this actor a GPU
         self.busy_s = 0.0  # seconds inside the calls (deferred cache updates included)
+        self.calls: Counter = Counter()  # the methods `run` ran, by name
         self.fault_in = 0  # fault tests: `run` calls until this rank raises (0: never)
         # loading (`start`) and the step loop (`serve`) on one thread, whichever of the
         # actor's threads Ray calls them on (`TorchThread`)
@@ -218,6 +219,7 @@ class TPRank:
         for name, update_args in deferred:
             getattr(self, name)(*update_args)
         out = getattr(self, method)(*args)
+        self.calls[method] += 1
         self.busy_s += time.perf_counter() - t0
         return out, self.busy_s
 

@@ -484,7 +484,10 @@ def test_rank_0_in_the_driver_equals_unsharded_with_one_frame_a_step(ray_cluster
     """local_rank0 (the service's engine replica on CPUs): rank 0 runs in this process, rank
     1 on an actor. Greedy (tree and plain) and seeded sampling give the unsharded target's
     tokens; a step is one frame to rank 1 and nothing back (its only replies are the lengths
-    checks); the process group and the socket group are left on shutdown."""
+    checks), and rank 1 follows (its verifications are the forward and the gather, from a
+    message without the trees); the process group and the socket group are left on
+    shutdown."""
+    import ray
     import torch.distributed as dist
     from conftest import run
 
@@ -511,6 +514,10 @@ def test_rank_0_in_the_driver_equals_unsharded_with_one_frame_a_step(ray_cluster
         assert sum(n for depth, n in accepted.items() if depth > 0) > 0
         assert run(make_engine(runner, tiny[0]), prompts, params, TINY_TREES["eagle2"],
                    seeds=[1, 2, 3]) == sampled
+        follower, calls = ray.get(runner.actors[0].__ray_call__.remote(
+            lambda rank: (rank.runner.follower, dict(rank.calls))))
+        assert follower and not runner.local.runner.follower
+        assert calls["follow_verify"] > 0 and "verify_step" not in calls
     finally:
         runner.shutdown()
     assert not dist.is_initialized() and runner.local is None
