@@ -61,7 +61,8 @@ ROWS: list[tuple[str, str, str]] = [
      AVX2 + ", one torch thread, behind HAProxy, Ray's workers at niceness 0 (the default)"),
     ("tpot-tp2-epyc-avx2-s49.json", "tpot",
      AVX2 + ", one torch thread a rank, behind HAProxy, Ray's workers at niceness 0 (the "
-     "default); RUNS"),
+     "default); two more runs: 3.10 and 4.01 ms at c = 1, 5.21 and 6.65 ms at c = 8, the "
+     "whole model in process 1.98 and 2.61 ms a token"),
     ("tpot-tp2-ranks-epyc-avx2-s49.json", "tpot",
      AVX2 + ", one torch thread a rank, behind HAProxy, run right after the row above"),
     ("service-cache-epyc-s44.json", "cache",

@@ -17,18 +17,20 @@ See docs/tensor-parallel.md "Tensor parallelism".
 Ray still places, starts, health-checks and kills the ranks; a rank that dies closes its
 connection, one whose step raises reports the error, and either fails the call at once
 (`RankFailure`).
-Every rank verifies (the vocabulary-parallel lm_head gathers over all of them: greedy tokens as
-one (max, index) pair a row and rank, whole logits only for sampled rows) and reaches the same
-tokens; rank 0's `verify_step` and `prefill_step` return token ids, node indices and accepted
-features only. A sampled request's generator state goes to every rank with the step and comes
-back advanced from rank 0, so results equal in-process verification.
+Every rank takes part in a verification's gather (the vocabulary-parallel lm_head: greedy
+tokens as one (max, index) pair a row and rank, whole logits only for sampled rows); rank 0
+verifies, and its `verify_step` and `prefill_step` return token ids, node indices and accepted
+features only, while the other ranks follow (`LocalRunner.follower`: the forward and the
+gather, nothing after it). A sampled request's generator state goes to the ranks with the
+step and comes back advanced from rank 0, so results equal in-process verification.
 Committed lengths are mirrored on the driver so that the engine reads them without a call;
 `traffic` counts the messages and bytes sent to and received from the ranks.
 
 With `local_rank0` (CPU ranks; docs/tensor-parallel.md "Rank 0 in the engine") the driver
 runs rank 0 itself, on the thread that calls it, and only ranks 1.. are actors: a step is one
-message to them and no reply, and rank 0's collectives also watch their connections, so that
-a rank that fails ends rank 0's wait at once.
+message to them and no reply (a verification's carries only the followers' inputs:
+`TPRank.follow_verify`), and rank 0's collectives also watch their connections, so that a
+rank that fails ends rank 0's wait at once.
 """
 
 from __future__ import annotations
