@@ -483,13 +483,16 @@ def test_rank_0_in_the_driver_equals_unsharded_with_one_frame_a_step(ray_cluster
                                                                      tiny_expected):
     """local_rank0 (the service's engine replica on CPUs): rank 0 runs in this process, rank
     1 on an actor. Greedy (tree and plain) and seeded sampling give the unsharded target's
-    tokens; a step is one frame to rank 1 and nothing back (its only replies are the lengths
-    checks), and rank 1 follows (its verifications are the forward and the gather, from a
-    message without the trees); the process group and the socket group are left on
-    shutdown."""
+    tokens, and log-probabilities the whole text's; a step is one frame to rank 1 and nothing
+    back (its only replies are the lengths checks), and rank 1 follows (its verifications are
+    the forward and the gather, from a message without the trees); the process group and the
+    socket group are left on shutdown."""
     import ray
     import torch.distributed as dist
     from conftest import run
+    from test_logprobs import check as check_logprobs
+    from test_logprobs import generate as generate_logprobs
+    from test_logprobs import reference
 
     prompts, expected = tiny_expected
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10, ignore_eos=True)
@@ -514,6 +517,13 @@ def test_rank_0_in_the_driver_equals_unsharded_with_one_frame_a_step(ray_cluster
         assert sum(n for depth, n in accepted.items() if depth > 0) > 0
         assert run(make_engine(runner, tiny[0]), prompts, params, TINY_TREES["eagle2"],
                    seeds=[1, 2, 3]) == sampled
+        # log-probabilities (the logits' gather, then rank 0 alone reads them) are the
+        # target's own: a forward of the whole text through the unsharded model
+        asked = [SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)] * len(prompts)
+        for tree in (TINY_TREES["eagle2"], TINY_TREES["vanilla"]):
+            got = generate_logprobs(make_engine(runner, tiny[0]), prompts, asked, tree)
+            for prompt, (tokens, lps) in zip(prompts, got, strict=True):
+                check_logprobs(reference(tiny[0], prompt, tokens), tokens, lps, 3)
         follower, calls = ray.get(runner.actors[0].__ray_call__.remote(
             lambda rank: (rank.runner.follower, dict(rank.calls))))
         assert follower and not runner.local.runner.follower
