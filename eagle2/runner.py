@@ -431,6 +431,8 @@ def accepted_features(features: torch.Tensor, nodes: list[list[int]]) -> torch.T
     """features [B, N, H] -> [B, A, H] of the accepted nodes, A = the longest path, 0-padded.
     E.g. nodes [[0, 2], [0]] -> rows [f[0, 0], f[0, 2]] and [f[1, 0], 0]."""
     width = max(len(n) for n in nodes)
+    if width == 1:  # every path the root alone (plain decoding): a copy of the first column
+        return features[:, :1].clone()
     idx = torch.tensor([n + [0] * (width - len(n)) for n in nodes], device=features.device)
     rows = torch.arange(features.shape[0], device=features.device)[:, None]
     return features[rows, idx]  # [B, A, H]

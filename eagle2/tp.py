@@ -119,11 +119,14 @@ class VocabParallelLMHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [rows or fewer, H]
         self.group: SocketGroup | None = None  # CPU ranks: the socket collectives
 
-    def _gather(self, parts: list[torch.Tensor], local: torch.Tensor) -> None:
+    def _gather(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `local`, in rank order (the socket group's: read only until its next
+        collective, as here, where they are joined at once)."""
         if self.group is not None:
-            self.group.all_gather(parts, local)
-        else:
-            dist.all_gather(parts, local)
+            return self.group.gather(local)
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local)
+        return parts
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """[..., H] -> this rank's logits [..., rows], -inf past the vocabulary's end."""
@@ -133,8 +136,7 @@ class VocabParallelLMHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self._local(x)  # [..., rows]
-        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-        self._gather(parts, local.contiguous())
+        parts = self._gather(local.contiguous())
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]  # [..., V]
 
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,9 +144,7 @@ class VocabParallelLMHead(torch.nn.Module):
         `torch.argmax` on them gives)."""
         best, idx = self._local(x).float().max(dim=-1)  # [...] each
         pair = torch.stack([best, (idx + self.start).float()], dim=-1)  # [..., 2]
-        parts = [torch.empty_like(pair) for _ in range(self.tp_size)]
-        self._gather(parts, pair.contiguous())
-        every = torch.stack(parts)  # [tp, ..., 2]: ranks in vocabulary order
+        every = torch.stack(self._gather(pair))  # [tp, ..., 2]: ranks in vocabulary order
         rank = every[..., 0].argmax(dim=0, keepdim=True)  # first maximum = lowest index
         return every[..., 1].gather(0, rank)[0].long()
 

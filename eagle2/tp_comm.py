@@ -183,6 +183,11 @@ class SocketGroup:
             total += part
         t.copy_(total)
 
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's t, in rank order, without copies: the peers' are views of their
+        inboxes, valid until the next collective."""
+        return self._exchange(t)
+
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
         """out[r] <- rank r's t."""
         if t.numel() == 0:

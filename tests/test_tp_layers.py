@@ -56,18 +56,18 @@ def _rank(rank: int, port: int, queue) -> None:
 
     torch.set_num_threads(1)
     init_tp(rank, 2, "127.0.0.1", port, backend="gloo")
-    counts = {"all_reduce": 0, "all_gather": 0, "gathered": [], "gloo": 0}
-    reduce, gather = SocketGroup.all_reduce, SocketGroup.all_gather
+    counts = {"all_reduce": 0, "gather": 0, "gathered": [], "gloo": 0}
+    reduce, gather = SocketGroup.all_reduce, SocketGroup.gather
     gloo_reduce, gloo_gather = dist.all_reduce, dist.all_gather
 
     def counted_reduce(self, t):
         counts["all_reduce"] += 1
         return reduce(self, t)
 
-    def counted_gather(self, parts, t):
-        counts["all_gather"] += 1
+    def counted_gather(self, t):
+        counts["gather"] += 1
         counts["gathered"].append(t.shape[-1])
-        return gather(self, parts, t)
+        return gather(self, t)
 
     def gloo(*a, **k):
         counts["gloo"] += 1
@@ -76,7 +76,7 @@ def _rank(rank: int, port: int, queue) -> None:
     attn = target.layers[0].self_attn
     assert attn.qkv_proj.weight.shape[0] == sum(attn.qkv_sizes)
     assert isinstance(target.lm_head, VocabParallelLMHead)
-    SocketGroup.all_reduce, SocketGroup.all_gather = counted_reduce, counted_gather
+    SocketGroup.all_reduce, SocketGroup.gather = counted_reduce, counted_gather
     dist.all_reduce, dist.all_gather = gloo, gloo
     try:
         out = _run(target)
@@ -86,9 +86,9 @@ def _rank(rank: int, port: int, queue) -> None:
         cache = target.allocate_cache(2, 64)
         target.forward(tokens, positions, mask, cache, torch.arange(2))
         layer_reduces = counts["all_reduce"] - before["all_reduce"]
-        layer_gathers = counts["all_gather"] - before["all_gather"]
+        layer_gathers = counts["gather"] - before["gather"]
     finally:
-        SocketGroup.all_reduce, SocketGroup.all_gather = reduce, gather
+        SocketGroup.all_reduce, SocketGroup.gather = reduce, gather
         dist.all_reduce, dist.all_gather = gloo_reduce, gloo_gather
     assert counts["gloo"] == 0
     if rank == 0:
