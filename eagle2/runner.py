@@ -190,10 +190,16 @@ class LocalRunner:
             return 1 << 30
         return getattr(self.target.backend.greedy_head, "first_rows", 0)
 
-    def greedy_only(self, params) -> bool:
+    def _greedy_only(self, params) -> bool:
         """Whether this step needs only argmaxes, which the target can find without logits
         (`TargetModel.greedy_tokens`): every request greedy, none asking log-probabilities."""
         return self.greedy_argmax and all(p.greedy and p.logprobs is None for p in params)
+
+    def greedy_verification(self, params, logits: bool = False) -> bool:
+        """Whether a verification of these requests takes the argmaxes alone (`verified`; on a
+        vocabulary-parallel shard it decides which gather every rank makes, so a follower is
+        told this rank 0's answer): greedy-only requests and no logits asked."""
+        return not logits and self._greedy_only(params)
 
     @torch.inference_mode()
     def head_seconds(self, rows: tuple[int, ...], passes: int = 4, argmax: bool = False,
@@ -273,7 +279,7 @@ class LocalRunner:
         every verification here goes through (`eagle2.bench.calibrate` observes it).
         -> (Verified, accepted features [B, A, H]); (None, None) on a follower, which only
         takes part in the collective."""
-        greedy = not logits and self.greedy_only(params)
+        greedy = self.greedy_verification(params, logits)
         if self.target.vocab_parallel:  # every node at once: one collective of all the ranks
             got = self.gathered(out.hidden, tree.num_nodes, greedy)
             if self.follower:
@@ -313,8 +319,7 @@ class LocalRunner:
                       ) -> None:
         """A follower's share of a verification whose tree rank 0 holds: the forward over
         the trees' tokens [B, N] (`tree_mask` [B, N, N], `num_nodes` [B]) and the collective
-        that ends it (`gathered`; greedy: every request greedy without log-probabilities,
-        as rank 0's `greedy_only`)."""
+        that ends it (`gathered`; greedy: rank 0's `greedy_verification`)."""
         out = self.target_forward(tokens, positions, tree_mask, slots)
         self.gathered(out.hidden, num_nodes, greedy)
 
@@ -325,7 +330,7 @@ class LocalRunner:
         lasts = torch.cat([o.hidden[torch.arange(o.hidden.shape[0], device=o.hidden.device),
                                     p.last_idx] for o, p in zip(outs, prompts, strict=True)])
         params = [x for p in prompts for x in p.params]
-        if self.greedy_only(params):
+        if self._greedy_only(params):
             first, logprobs = self.target.greedy_tokens(lasts).tolist(), None
         else:
             last_logits = self.target.logits(lasts)  # [rows, V]

@@ -188,13 +188,6 @@ class SocketGroup:
         inboxes, valid until the next collective."""
         return self._exchange(t)
 
-    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
-        """out[r] <- rank r's t."""
-        if t.numel() == 0:
-            return
-        for dst, part in zip(out, self._exchange(t), strict=True):
-            dst.copy_(part)
-
     def close(self) -> None:
         for sock in self.peers.values():
             sock.close()

@@ -379,7 +379,7 @@ class ShardedRunner:
         if self.local is None:
             reply = self._all(call[0], *call[1])
         else:  # ranks 1.. follow rank 0 here: the forward's inputs, the gather's kind
-            greedy = not logits and self.local.runner.greedy_only(params)
+            greedy = self.local.runner.greedy_verification(params, logits)
             reply = self._all("follow_verify", tree.tokens, positions, tree.tree_mask, slots,
                               tree.num_nodes, greedy, local=call)
         verified, feats, states = reply[0]

@@ -142,8 +142,7 @@ def _collectives(rank: int, world: int, port: int, queue) -> None:
     again = mine.clone()  # a shape seen before, after the inbox grew for the big one
     group.all_reduce(again)
     assert torch.equal(again, summed)
-    parts = [torch.empty(2, dtype=torch.bfloat16) for _ in range(world)]
-    group.all_gather(parts, torch.tensor([rank, -rank], dtype=torch.bfloat16))
+    parts = [p.clone() for p in group.gather(torch.tensor([rank, -rank], dtype=torch.bfloat16))]
     queue.put((rank, mine, summed, big[:2].clone(), parts))
     dist.barrier()
     group.close()
