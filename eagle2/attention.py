@@ -152,16 +152,21 @@ class KVCache:
     def commit(self, slots: torch.Tensor, node_idx: torch.Tensor, num_kept: torch.Tensor) -> None:
         """Move the accepted nodes' K/V to the end of each prefix and advance the lengths.
 
-        slots: [B] cache slots; node_idx: [B, A] tree-node indices to keep in order (root
-        first), padded arbitrarily past num_kept[b]; num_kept: [B].
+        slots: [B] cache slots (distinct); node_idx: [B, A] tree-node indices to keep in order
+        (root first), padded arbitrarily past num_kept[b]; num_kept: [B]. node_idx and
+        num_kept are best on the host (the engine's: they are read there, and a copy from a
+        GPU waits for it); any of the three may be on either device.
         E.g. length 7, node_idx [0, 2, 5] -> entries at 7, 9, 12 move to 7, 8, 9; length 10.
         """
+        dev = self.lengths.device
         keep = num_kept.tolist()
+        slots, num_kept = slots.to(dev), num_kept.to(dev)
         if all(row[:k] == list(range(k)) for row, k in zip(node_idx.tolist(), keep, strict=True)):
             # every kept node already sits where it goes (a plain step, or a chain accepted
             # from its start): nothing moves (the move cost ~0.25 ms a step at batch 1)
-            self.lengths[slots] += num_kept
+            self.lengths.index_add_(0, slots, num_kept)  # (one operation: `+=` is three)
             return
+        node_idx = node_idx.to(dev)
         base = self.lengths[slots]  # [B]
         src = base[:, None] + node_idx  # [B, A]
         dst = base[:, None] + torch.arange(node_idx.shape[1], device=node_idx.device)
@@ -171,12 +176,12 @@ class KVCache:
                                                           self.entries(slots, dst))
             for kv in (self.k, self.v):
                 kv[:, dst_block, :, dst_off] = kv[:, src_block, :, src_off]  # [B, A, L, KVH, D]
-            self.lengths[slots] += num_kept
+            self.lengths.index_add_(0, slots, num_kept)
             return
         for kv in (self.k, self.v):
             moved = kv[:, slots[:, None], :, src]  # [B, A, L, KVH, Dh] (advanced dims first)
             kv[:, slots[:, None], :, dst] = moved
-        self.lengths[slots] += num_kept
+        self.lengths.index_add_(0, slots, num_kept)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Slot src's committed entries (only those: a whole slot of the embedded model is

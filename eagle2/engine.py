@@ -427,8 +427,9 @@ class Engine(TreeBudget, Admission):
         dev = self.runner.device
         features = to_device(features, dev)  # from the runner (rank 0's copy: the driver's)
         width = max(len(n) for n in verified.nodes)
-        node_idx = torch.tensor([n + [0] * (width - len(n)) for n in verified.nodes], device=dev)
-        kept = torch.tensor([len(n) for n in verified.nodes], device=dev)
+        # on the host, where the cache reads them (`KVCache.commit`)
+        node_idx = torch.tensor([n + [0] * (width - len(n)) for n in verified.nodes])
+        kept = torch.tensor([len(n) for n in verified.nodes])
         slots = torch.arange(len(self.seqs), device=dev)
         self.runner.commit(slots, node_idx, kept)
         events = []

@@ -177,7 +177,7 @@ class TPRank:
                 for (f, first, logprobs), p in zip(read, prompts, strict=True)]
 
     def commit(self, slots, node_idx, kept) -> None:
-        self.runner.commit(*to_device((slots, node_idx, kept), self.runner.device))
+        self.runner.commit(slots, node_idx, kept)  # (the cache moves what it needs)
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.runner.copy_slot(src, dst)
@@ -410,7 +410,7 @@ class ShardedRunner:
     # first in it, in the order made; that call raises their errors.
     def commit(self, slots, node_idx, kept) -> None:
         self._all("commit", slots, node_idx, kept, wait=False)
-        self._lengths[slots.cpu()] += kept.cpu()
+        self._lengths.index_add_(0, slots.cpu(), kept.cpu())
 
     def copy_slot(self, src: int, dst: int) -> None:
         self._all("copy_slot", src, dst, wait=False)
