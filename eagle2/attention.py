@@ -104,12 +104,18 @@ class KVCache:
         size = self.block_size
         return self.block_tables[slots[:, None], pos // size], pos % size
 
-    def gather(self, layer_idx: int, slots: torch.Tensor, width: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def table_rows(self, slots: torch.Tensor, width: int) -> torch.Tensor:
+        """The blocks [B, nb] that hold each slot's first `width` entries."""
+        return self.block_tables[slots, : -(-width // self.block_size)]
+
+    def gather(self, layer_idx: int, slots: torch.Tensor, width: int,
+               blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's first `width` entries of each slot's K and V (all columns), read
         through the block tables into rows of the slotted layout: [B, KVH, width, Dh(+1)]
-        (a copy; what attention kernels without a block table read)."""
-        blocks = self.block_tables[slots, : -(-width // self.block_size)]  # [B, nb]
+        (a copy; what attention kernels without a block table read). blocks: `table_rows`
+        of the slots and width, where the caller has them."""
+        if blocks is None:
+            blocks = self.table_rows(slots, width)  # [B, nb]
 
         def rows(kv: torch.Tensor) -> torch.Tensor:
             got = kv[layer_idx][blocks]  # [B, nb, KVH, bs, D]
@@ -234,6 +240,11 @@ class StepInputs:
     # gets with those rows (slots 0..B-1, contiguous)
     gather_len: int = 0
     gathered: StepInputs | None = None
+    # paged cache, the same for every layer (made once a forward, not once a layer): the
+    # (block, offset) [B, N] each new entry goes to, and the blocks [B, nb] holding each slot's
+    # first gather_len entries
+    write_entries: tuple[torch.Tensor, torch.Tensor] | None = None
+    read_blocks: torch.Tensor | None = None
 
 
 def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
@@ -289,6 +300,8 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     if paged:
         inp.gathered = StepInputs(rows, write_pos, mask, cos, sin, True, None, found, base,
                                   tree_mask, gather_len)
+        inp.write_entries = cache.entries(slots, write_pos)
+        inp.read_blocks = cache.table_rows(slots, gather_len)
     return inp
 
 
@@ -428,11 +441,12 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
                      layer_idx: int, inp: StepInputs) -> torch.Tensor:
     """`cached_attention` over a paged cache: the new k, v [B, KVH, N, Dh] go to their blocks,
     then the attention reads each slot's entries gathered through its block table."""
-    block, off = cache.entries(inp.slots, inp.write_pos)  # [B, N]
+    block, off = inp.write_entries if inp.write_entries is not None else \
+        cache.entries(inp.slots, inp.write_pos)  # [B, N]
     head_dim = k.shape[-1]
     cache.k[layer_idx][block, :, off] = k.transpose(1, 2).to(cache.k.dtype)  # [B, N, KVH, Dh]
     cache.v[layer_idx][block, :, off, :head_dim] = v.transpose(1, 2).to(cache.v.dtype)
-    keys, values = cache.gather(layer_idx, inp.slots, inp.gather_len)
+    keys, values = cache.gather(layer_idx, inp.slots, inp.gather_len, inp.read_blocks)
     if inp.window is not None:
         return inp.window.attend(q, keys, values, inp.gathered)
     s_used = inp.mask.shape[-1]

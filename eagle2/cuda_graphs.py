@@ -120,8 +120,13 @@ def padded_step_inputs(cache: KVCache, step: PaddedStep, rope: tuple[torch.Tenso
     cos, sin = rope[0][step.positions], rope[1][step.positions]  # [Bb, Nb, Dh]
     # a paged cache: the layers write through the block tables (the scratch slot's are all
     # the null block) and read each row's first S entries gathered through them
-    return StepInputs(slots, scratch[:, num_t - num_n:], mask[:, None], cos, sin, contiguous,
-                      None, None, base, tree_mask, gather_len=keys if cache.paged else 0)
+    write_pos = scratch[:, num_t - num_n:]
+    inp = StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, None, None, base,
+                     tree_mask, gather_len=keys if cache.paged else 0)
+    if cache.paged:  # (as `attention.step_inputs`: once a forward, not once a layer)
+        inp.write_entries = cache.entries(slots, write_pos)
+        inp.read_blocks = cache.table_rows(slots, keys)
+    return inp
 
 
 def padded_forward(target: TargetModel, cache: KVCache, step: PaddedStep,
