@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 
 @dataclass
@@ -308,6 +308,22 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
 # a paged forward gathers each slot's entries rounded up to this (the CPU's exact attention
 # rounds the keys it scores up to 64, FlexAttention's blocks are 128)
 PAGED_GATHER = 128
+
+
+class HeadRotary(LlamaRotaryEmbedding):
+    """A draft head's RoPE, whose frequencies stay fp32 whatever dtype the head is cast to, as
+    the target's do (transformers keeps them fp32 in a model loaded in bf16) and as the heads
+    were trained. `head.to(torch.bfloat16)` had rounded `inv_freq` to bf16 (8 bits): an
+    angle pos * f off by up to pos * f * 2^-9, ~0.7 rad at position 500 for f ~ 0.75, so the
+    head's attention over its own cache drifted as the context grew. Moves between devices
+    still apply."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        super()._apply(fn, recurse)
+        for name, buf in kept.items():
+            self._buffers[name] = buf.to(self._buffers[name].device)
+        return self
 
 
 class RopeTable:

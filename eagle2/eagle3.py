@@ -22,11 +22,10 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
-    LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
 
-from eagle2.attention import KVCache, StepInputs, cached_attention, sequence_inputs
+from eagle2.attention import HeadRotary, KVCache, StepInputs, cached_attention, sequence_inputs
 from eagle2.calibration import Calibration
 from eagle2.ngram import NgramStore
 
@@ -84,7 +83,7 @@ class Eagle3Head(nn.Module):
         self.midlayer = _MidLayer(config, self.head_dim)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
-        self.rotary = LlamaRotaryEmbedding(config=config)
+        self.rotary = HeadRotary(config=config)  # fp32 frequencies in a bf16 head
         self.aux_layer_ids = aux_layer_ids  # output ids from the config, None = the default
         # absolute target ids of the draft vocabulary (the file stores offsets)
         self.register_buffer("d2t", torch.arange(draft_vocab_size), persistent=False)

@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from eagle2.attention import KVCache, StepInputs, decoder_layer, sequence_inputs
+from eagle2.attention import HeadRotary, KVCache, StepInputs, decoder_layer, sequence_inputs
 from eagle2.calibration import Calibration
 from eagle2.eagle3 import (
     AUX_IDS_KEY,
@@ -57,7 +57,7 @@ class DraftHead(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=bias)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, layer_idx=0)])
         self.layers[0].input_layernorm = nn.Identity()  # skipped in EAGLE heads; not in the file
-        self.rotary = LlamaRotaryEmbedding(config=config)
+        self.rotary = HeadRotary(config=config)  # fp32 frequencies in a bf16 head
         self.register_buffer("d2t", torch.empty(0, dtype=torch.long), persistent=False)
         self.calibration: Calibration | None = None  # `calibration.json` beside the weights
         self.ngram: NgramStore | None = None  # `ngram.npz` beside the weights

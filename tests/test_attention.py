@@ -291,3 +291,24 @@ def test_forward_parts_equals_each_groups_own_forward(kind, paged):
         assert same(g.features, w.features)
     for kv_a, kv_p in ((alone.k, parts.k), (alone.v, parts.v)):
         assert same(kv_p, kv_a)
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_a_head_cast_to_bf16_keeps_its_rope_frequencies_fp32(kind):
+    """The heads are trained with fp32 RoPE frequencies (as the target keeps them); cast to
+    bf16 with the head they had moved each angle by up to pos * f * 2^-9. The bf16 head's
+    cos/sin must be the fp32 head's, rounded once to bf16."""
+    from eagle2.eagle3 import Eagle3Head
+    from eagle2.head import new_head
+
+    config = tiny_target().config
+    make = (lambda: new_head(config)) if kind == "eagle2" else \
+        (lambda: Eagle3Head(config, draft_vocab_size=32))
+    ref, head = make(), make().to(torch.bfloat16)
+    assert head.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(head.rotary.inv_freq, ref.rotary.inv_freq)
+    positions = torch.arange(4096)[None]
+    like = torch.zeros(1, dtype=torch.bfloat16)
+    for got, want in zip(head.rotary(like, positions),
+                         ref.rotary(like.float(), positions), strict=True):
+        assert torch.equal(got, want.to(torch.bfloat16))
