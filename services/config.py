@@ -59,7 +59,8 @@ class ServiceConfig(BaseModel):
     # --layouts` ranks replicas x tp for a node, e.g. 2 x tp4 on 8 GPUs.
     num_replicas: int = Field(1, ge=1, le=64)
     # The draft worker's GPU share: 1.0 = a GPU of its own; below 1 it shares a GPU with a TP
-    # rank, and every rank then asks for 1 - draft_gpu_fraction (Ray packs the fractions).
+    # rank, and every rank then asks for 1 - draft_gpu_fraction (Ray packs the fractions; at
+    # tp_size > 1 it must be below 0.5, so that no two ranks fit on one GPU).
     draft_gpu_fraction: float = Field(1.0, gt=0, le=1)
     # CPUs reserved per TP rank (its placement-group bundle, or the engine replica when it
     # holds the target); also a rank actor's torch threads.
@@ -172,6 +173,14 @@ class ServiceConfig(BaseModel):
                              f"in the engine replica, which only CPU ranks can do (a failed "
                              f"rank cannot interrupt NCCL's collectives there); use "
                              f"target_placement 'ranks' or 'auto' with use_gpu")
+        if self.use_gpu and self.tp_size > 1 and 0.5 <= self.draft_gpu_fraction < 1.0:
+            # ranks asking for 1 - f <= 0.5 of a GPU each: Ray may pack two on one GPU, where
+            # NCCL refuses the group ("Duplicate GPU detected") and both size their KV cache
+            # from the same free memory
+            raise ValueError(f"draft_gpu_fraction {self.draft_gpu_fraction} at tp_size "
+                             f"{self.tp_size} leaves each rank {1 - self.draft_gpu_fraction:g} "
+                             f"of a GPU, so two ranks could share one; use a fraction below "
+                             f"0.5 (the draft worker beside one rank) or 1.0 (its own GPU)")
         return self
 
     def resolved_target_placement(self) -> Literal["ranks", "engine"]:

@@ -300,3 +300,15 @@ def test_the_engine_replicas_cpu_target_takes_the_measured_count_and_follows_the
                 assert engine.threads.most == want
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_draft_share_that_would_let_two_ranks_share_a_gpu_is_refused():
+    """Ranks asking for 1 - draft_gpu_fraction <= 0.5 of a GPU could be packed two to a GPU by
+    Ray, where NCCL refuses the group: the config says so before anything starts."""
+    from services.config import ServiceConfig
+
+    with pytest.raises(ValueError, match="two ranks could share one"):
+        ServiceConfig(use_gpu=True, tp_size=2, draft_gpu_fraction=0.5)
+    assert ServiceConfig(use_gpu=True, tp_size=2, draft_gpu_fraction=0.45).gpu_per_rank() == 0.55
+    assert ServiceConfig(use_gpu=True, tp_size=1, draft_gpu_fraction=0.5).gpu_per_rank() == 0.5
+    assert ServiceConfig(use_gpu=False, tp_size=2, draft_gpu_fraction=0.5).gpu_per_rank() == 0.0

@@ -114,6 +114,8 @@ def _layout(model: ModelSpec, draft: DraftSpec | None, placement: str, tp: int,
     step = verify + draft_s
     fraction = 0.0 if placement == "none" else 1.0 if placement == "own" else \
         math.ceil(20 * (head + head_kv * work.context_len * batch) / (hw.gpu_mem_gib * GIB)) / 20
+    if placement == "shared" and tp > 1 and fraction >= 0.5:
+        return None  # ranks of 1 - fraction <= 0.5 GPU: Ray could put two on one GPU
     reasons = [
         f"{replicas} x tp{tp} on {replicas * per_replica} of {num_gpus} GPUs",
         f"weights {weights / GIB:.1f} GiB per GPU; KV room for {free // per_seq} sequences of "
