@@ -66,6 +66,19 @@ def module_layers(target: TargetModel, x: torch.Tensor, cache: KVCache, inp: Ste
     return TargetOutput(hidden, torch.cat([kept[i] for i in keep], dim=-1) if keep else hidden)
 
 
+WHOLE_TREE = 1 << 30  # a greedy head's first_rows: every node of the trees in one round
+
+
+class WholeTreeArgmax:
+    """The greedy head of the torch backends (GPUs): `Backend.greedy_tokens` over every node
+    of a verification at once (`LocalRunner.verified`), one launch and one read back a step,
+    instead of the fp32 logits [B, N, V] (at 64 requests x 16 nodes of a 128k vocabulary,
+    ~0.5 GB written and read again for their argmax)."""
+
+    first_rows = WHOLE_TREE
+    every_row = True  # padding rows too (cheaper on a GPU than reading the node counts back)
+
+
 class Backend:
     """torch operations only; one instance per model it serves (it may keep per-model state)."""
 
@@ -73,7 +86,9 @@ class Backend:
     # attention whose result for a token does not depend on the tree or batch around it
     # (bitwise plain decoding's): the CPU backend's bf16 kernels; SDPA here
     exact = False
-    greedy_head = None  # a backend's argmax without logits (`greedy_tokens`), None: none
+    # a backend's argmax without logits (`greedy_tokens`; `first_rows`: the rows its first
+    # round takes, `verify.verify_greedy_lazily`), None: none
+    greedy_head: object | None = WholeTreeArgmax()
 
     def prepare(self, target: TargetModel, measure: bool | None = None,
                 refresh: bool = False) -> None:
@@ -141,8 +156,10 @@ class Backend:
         return target.lm_head(features).float()
 
     def greedy_tokens(self, target: TargetModel, features: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [...]: the argmax of `logits(features)` (ties: the lowest index)."""
-        return self.logits(target, features).argmax(-1)
+        """[..., H] -> [...]: the argmax of `logits(features)` (ties: the lowest index),
+        taken on the lm_head's own output: `logits` is its exact fp32 copy (same maximum, same
+        first index), which is not made."""
+        return target.lm_head(features).argmax(-1)
 
     def head_kernels(self, head: torch.nn.Module, draft_lm_head: torch.Tensor,
                      embed: torch.Tensor, d2t: torch.Tensor | None, cache: KVCache,

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from eagle2.backend import StepPart, TargetOutput
+from eagle2.backend import WHOLE_TREE, StepPart, TargetOutput
 from eagle2.config import SamplingParams
 from eagle2.target import TargetModel
 from eagle2.tree import DraftTree, to_device
@@ -187,7 +187,7 @@ class LocalRunner:
         first_rows`, `verify.verify_greedy_lazily`; the cost model prices them so). On a
         shard every node in one round: each round is a collective of all the ranks."""
         if self.target.vocab_parallel:
-            return 1 << 30
+            return WHOLE_TREE
         return getattr(self.target.backend.greedy_head, "first_rows", 0)
 
     def _greedy_only(self, params) -> bool:
@@ -280,7 +280,8 @@ class LocalRunner:
         -> (Verified, accepted features [B, A, H]); (None, None) on a follower, which only
         takes part in the collective."""
         greedy = self.greedy_verification(params, logits)
-        if self.target.vocab_parallel:  # every node at once: one collective of all the ranks
+        if self.target.vocab_parallel or (greedy and self.greedy_first_rows >= WHOLE_TREE):
+            # every node at once (on a shard: one collective of all the ranks)
             got = self.gathered(out.hidden, tree.num_nodes, greedy)
             if self.follower:
                 return None, None
@@ -300,11 +301,16 @@ class LocalRunner:
     def gathered(self, hidden: torch.Tensor, num_nodes: torch.Tensor, greedy: bool
                  ) -> torch.Tensor:
         """What a verification on a vocabulary-parallel shard gathers over the ranks (every
-        rank the same: `follow_verify`): greedy, the argmax at every tree's nodes, [B, N]
-        (-1 at padding); else the whole logits [B, N, V]."""
+        rank the same: `follow_verify`), or a greedy head takes in one round: greedy, the
+        argmax at every tree's nodes, [B, N] (-1 at padding); else the whole logits [B, N, V]."""
         if not greedy:
             return self.target.logits(hidden)
         num_b, num_n = hidden.shape[:2]
+        if getattr(self.target.backend.greedy_head, "every_row", False):
+            # padding rows too, then masked: no node count read back from the device
+            pred = self.target.greedy_tokens(hidden.reshape(num_b * num_n, -1))
+            pad = torch.arange(num_n, device=hidden.device) >= num_nodes.to(hidden.device)[:, None]
+            return pred.view(num_b, num_n).masked_fill(pad, -1)
         counts = num_nodes.tolist()
         if all(c == num_n for c in counts):
             return self.target.greedy_tokens(hidden.reshape(num_b * num_n, -1)).view(num_b,
