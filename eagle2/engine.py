@@ -436,9 +436,9 @@ class Engine(TreeBudget, Admission):
         for b, s in enumerate(self.seqs):
             n = len(verified.nodes[b])
             new_feats = features[b, :n]
-            new_tokens = torch.tensor(verified.tokens[b], device=dev)
+            new_tokens = torch.tensor(verified.tokens[b])  # on HOST (`SeqState`)
             if s.auto and not s.drafted:  # the drafter has not seen the pending pairs yet
-                s.backlog.append((s.pending_feats, s.pending_tokens.to(dev)))
+                s.backlog.append((s.pending_feats, s.pending_tokens))
             s.pending_feats, s.pending_tokens = new_feats, new_tokens
             if s.auto and s.drafted:
                 self.stats.accepted += n - 1

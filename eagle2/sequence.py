@@ -15,7 +15,7 @@ import torch
 
 from eagle2.config import SamplingParams, TreeConfig
 from eagle2.lookup import TokenHistory
-from eagle2.tree import HOST, to_device
+from eagle2.tree import HOST
 from eagle2.verify import TokenLogprobs
 
 
@@ -47,7 +47,9 @@ class SeqState:
     req: Request
     generator: torch.Generator
     pending_feats: torch.Tensor  # [A, H] features of the positions committed last
-    pending_tokens: torch.Tensor  # [A] the token after each of them (last = next root)
+    # [A] the token after each of them (last = next root), on HOST: read there every step (the
+    # next root, `pad_pending`), where on a GPU each read had been a copy back
+    pending_tokens: torch.Tensor
     # earlier pending pairs the drafter has not seen (plain steps of an auto request), joined
     # in front of the pending ones only when it drafts: a plain step then costs what it costs
     # in vanilla mode (copying the growing backlog every step cost 2 ms a step at batch 4)
@@ -116,5 +118,5 @@ def pad_pending(seqs: list[SeqState]) -> tuple[torch.Tensor, torch.Tensor, torch
     toks = torch.zeros(len(seqs), width, dtype=torch.long, device=HOST)
     for b, s in enumerate(seqs):
         feats[b, : len(s.pending_tokens)] = s.pending_feats
-        toks[b, : len(s.pending_tokens)] = to_device(s.pending_tokens, HOST)
+        toks[b, : len(s.pending_tokens)] = s.pending_tokens
     return feats, toks, counts
