@@ -57,14 +57,15 @@ ROWS: list[tuple[str, str, str]] = [
     ("service-proxy-epyc-avx2-s48-concurrency.json", "service",
      AVX2 + ", as the row above but behind Serve's Python proxy (`--no-ha-proxy`), run right "
      "after it"),
-    ("tpot-tp1-epyc-avx2-s49.json", "tpot",
+    ("tpot-tp1-epyc-avx2-s50.json", "tpot",
      AVX2 + ", one torch thread, behind HAProxy, Ray's workers at niceness 0 (the default)"),
-    ("tpot-tp2-epyc-avx2-s49.json", "tpot",
+    ("tpot-tp2-epyc-avx2-s50.json", "tpot",
      AVX2 + ", one torch thread a rank, behind HAProxy, Ray's workers at niceness 0 (the "
-     "default); two more runs: 3.10 and 4.01 ms at c = 1, 5.21 and 6.65 ms at c = 8, the "
-     "whole model in process 1.98 and 2.61 ms a token"),
+     "default); a second run right after, in a slower phase of the machine: 5.55 ms at "
+     "c = 1, 7.39 ms at c = 8, the whole model in process 2.80 ms a token"),
     ("tpot-tp2-ranks-epyc-avx2-s49.json", "tpot",
-     AVX2 + ", one torch thread a rank, behind HAProxy, run right after the row above"),
+     AVX2 + ", one torch thread a rank, behind HAProxy, measured on the release before "
+     "(session 49's)"),
     ("service-cache-epyc-s44.json", "cache",
      "AMD EPYC with AVX512-BF16, head v8, prefill_chunk 32 (the CPU default), chunks read in "
      "the running step's forward by the native attention over the paged cache"),
