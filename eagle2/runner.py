@@ -242,8 +242,10 @@ class LocalRunner:
         """logits: take the logits even where the target finds greedy argmaxes without them
         (the cost grid times steps so: `budget.time_grid`)."""
         dev = self.device
-        tree = to_device(tree, dev)  # from the engine's HOST: greedy acceptance on the device
-        out = self.target_forward(tree.tokens, positions.to(dev), tree.tree_mask, slots.to(dev))
+        # the forward's inputs to the device; the tree stays where the engine keeps it (HOST),
+        # where greedy acceptance reads it (`verified` moves it for sampled acceptance)
+        out = self.target_forward(tree.tokens.to(dev), positions.to(dev),
+                                  tree.tree_mask.to(dev), slots.to(dev))
         return self.verified(tree, out, params, generators, logits)
 
     def prefill_step(self, tokens, positions, mask, slots, last_idx, params, generators):
@@ -280,6 +282,8 @@ class LocalRunner:
         -> (Verified, accepted features [B, A, H]); (None, None) on a follower, which only
         takes part in the collective."""
         greedy = self.greedy_verification(params, logits)
+        if not greedy:  # sampled acceptance reads the trees beside the logits
+            tree = to_device(tree, out.hidden.device)
         if self.target.vocab_parallel or (greedy and self.greedy_first_rows >= WHOLE_TREE):
             # every node at once (on a shard: one collective of all the ranks)
             got = self.gathered(out.hidden, tree.num_nodes, greedy)

@@ -117,8 +117,7 @@ class TPRank:
         """Every rank runs the forward and the verification; rank 0 returns (Verified,
         accepted features [B, A, H] on CPU, advanced generator states), the others None.
         logits: the logits even for greedy rows (`LocalRunner.verify_step`)."""
-        tree, positions, slots = to_device((tree, positions, slots), self.runner.device)
-        gens = _generators(gen_states)
+        gens = _generators(gen_states)  # (the runner moves what its forward reads)
         verified, feats = self.runner.verify_step(tree, positions, slots, params, gens, logits)
         if self.rank != 0:
             return None
