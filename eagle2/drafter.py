@@ -232,13 +232,14 @@ class Drafter:
         """
         num_b, num_a = tokens.shape
         assert features.shape[:2] == (num_b, num_a), "features and tokens disagree"
-        new_tokens = [t[:n] for t, n in zip(tokens.tolist(), counts.tolist(), strict=True)]
+        count_list = counts.tolist()  # (read here, on the host: not back from the device)
+        new_tokens = [t[:n] for t, n in zip(tokens.tolist(), count_list, strict=True)]
         features, tokens, counts = (t.to(self.device) for t in (features, tokens, counts))
         if config.depth * config.top_k > self.tree_margin:
             raise ValueError(f"depth x top_k = {config.depth * config.top_k} exceeds the draft "
                              f"cache's tree margin ({self.tree_margin})")
         slots = self._slots(seq_ids)
-        if config.catch_up and int(counts.max()) > config.catch_up:
+        if config.catch_up and max(count_list) > config.catch_up:
             features, tokens, counts = self._restart(seq_ids, slots, features, tokens, counts,
                                                      config.catch_up)
             num_a = config.catch_up
