@@ -530,3 +530,37 @@ def test_verify_sampling_returns_token_sized_tensors_on_the_logits_device():
     assert path.shape == (2, tree.size) and path.dtype == torch.bool
     assert token.shape == (2,) and token.dtype == torch.long
     assert isinstance(path, OnDevice) and isinstance(token, OnDevice)
+
+
+def test_greedy_verification_on_a_gpu_backend_reads_back_only_the_argmaxes():
+    """The torch backends' greedy head (GPUs): the argmax at every node in one call, with the
+    tree left on the host, so the one read from the device is the [B, N] argmax table (no node
+    counts, no tree, no logits); acceptance equals the walk over the full logits' argmax."""
+    from conftest import tiny_target
+
+    from eagle2.backend import Backend, TargetOutput
+    from eagle2.runner import LocalRunner
+    from eagle2.verify import verify_greedy_tokens
+
+    g = torch.Generator().manual_seed(3)
+    target = tiny_target(vocab=64)
+    target.backend = Backend()
+    runner = LocalRunner(target, 4, 64)
+    tree = make_tree([random_tree(g, n, 64) for n in (9, 5, 12, 1)])
+    num_b, num_n = tree.tokens.shape
+    hidden = torch.randn(num_b, num_n, target.config.hidden_size, generator=g)
+    for b, (toks, par) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(),
+                                        strict=True)):  # the target agrees with a few nodes
+        for c in range(1, int(tree.num_nodes[b])):
+            if c % 2:
+                hidden[b, par[c]] = target.lm_head.weight[toks[c]].float() * 4
+    pred = target.logits(hidden).argmax(-1)
+    pred[torch.arange(num_n)[None] >= tree.num_nodes[:, None]] = -1
+    expected = verify_greedy_tokens(tree, pred)
+    assert max(len(n) for n in expected.nodes) > 1
+    READS.clear()
+    got, feats = runner.verified(tree, TargetOutput(on_device(hidden), on_device(hidden)),
+                                 [SamplingParams()] * num_b, [None] * num_b)
+    assert got == expected
+    assert READS == [num_b * num_n], READS
+    assert feats.shape[:2] == (num_b, max(len(n) for n in got.nodes))
