@@ -428,15 +428,16 @@ class Engine(TreeBudget, Admission):
         features = to_device(features, dev)  # from the runner (rank 0's copy: the driver's)
         width = max(len(n) for n in verified.nodes)
         # on the host, where the cache reads them (`KVCache.commit`)
-        node_idx = torch.tensor([n + [0] * (width - len(n)) for n in verified.nodes])
-        kept = torch.tensor([len(n) for n in verified.nodes])
+        node_idx = torch.tensor([n + [0] * (width - len(n)) for n in verified.nodes],
+                                device=HOST)
+        kept = torch.tensor([len(n) for n in verified.nodes], device=HOST)
         slots = torch.arange(len(self.seqs), device=dev)
         self.runner.commit(slots, node_idx, kept)
         events = []
         for b, s in enumerate(self.seqs):
             n = len(verified.nodes[b])
             new_feats = features[b, :n]
-            new_tokens = torch.tensor(verified.tokens[b])  # on HOST (`SeqState`)
+            new_tokens = torch.tensor(verified.tokens[b], device=HOST)  # (`SeqState`)
             if s.auto and not s.drafted:  # the drafter has not seen the pending pairs yet
                 s.backlog.append((s.pending_feats, s.pending_tokens))
             s.pending_feats, s.pending_tokens = new_feats, new_tokens

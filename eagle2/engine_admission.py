@@ -330,7 +330,7 @@ class Admission:
         last one's token the next root (the first new token, or a resumed request's newest
         token). -> a new request's first-token event; None for a resumed one."""
         root = resumed.output[-1] if resumed is not None else tok
-        following = torch.tensor(toks[cached + 1:] + [root])  # on HOST (`SeqState`)
+        following = torch.tensor(toks[cached + 1:] + [root], device=HOST)  # (`SeqState`)
         self._admitted += 1
         if resumed is not None:
             resumed.pending_feats, resumed.pending_tokens = feats, following
