@@ -457,8 +457,7 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
                      layer_idx: int, inp: StepInputs) -> torch.Tensor:
     """`cached_attention` over a paged cache: the new k, v [B, KVH, N, Dh] go to their blocks,
     then the attention reads each slot's entries gathered through its block table."""
-    block, off = inp.write_entries if inp.write_entries is not None else \
-        cache.entries(inp.slots, inp.write_pos)  # [B, N]
+    block, off = inp.write_entries  # [B, N] (`step_inputs`)
     head_dim = k.shape[-1]
     cache.k[layer_idx][block, :, off] = k.transpose(1, 2).to(cache.k.dtype)  # [B, N, KVH, Dh]
     cache.v[layer_idx][block, :, off, :head_dim] = v.transpose(1, 2).to(cache.v.dtype)

@@ -310,15 +310,17 @@ class LocalRunner:
         if not greedy:
             return self.target.logits(hidden)
         num_b, num_n = hidden.shape[:2]
-        if getattr(self.target.backend.greedy_head, "every_row", False):
-            # padding rows too, then masked: no node count read back from the device
-            pred = self.target.greedy_tokens(hidden.reshape(num_b * num_n, -1))
-            pad = torch.arange(num_n, device=hidden.device) >= num_nodes.to(hidden.device)[:, None]
-            return pred.view(num_b, num_n).masked_fill(pad, -1)
-        counts = num_nodes.tolist()
-        if all(c == num_n for c in counts):
-            return self.target.greedy_tokens(hidden.reshape(num_b * num_n, -1)).view(num_b,
+        # every_row: padding rows too, then masked (no node count read back from the device)
+        every_row = getattr(self.target.backend.greedy_head, "every_row", False)
+        counts = None if every_row else num_nodes.tolist()
+        if counts is None or all(c == num_n for c in counts):
+            pred = self.target.greedy_tokens(hidden.reshape(num_b * num_n, -1)).view(num_b,
                                                                                      num_n)
+            if every_row:
+                pad = torch.arange(num_n, device=hidden.device) >= \
+                    num_nodes.to(hidden.device)[:, None]
+                pred = pred.masked_fill(pad, -1)
+            return pred
         rows = [b for b, c in enumerate(counts) for _ in range(c)]
         nodes = [n for c in counts for n in range(c)]
         pred = torch.full((num_b, num_n), -1, dtype=torch.long, device=hidden.device)
