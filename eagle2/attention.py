@@ -17,7 +17,7 @@ Attention of query i of request b sees key position j iff
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -245,6 +245,23 @@ class StepInputs:
     # first gather_len entries
     write_entries: tuple[torch.Tensor, torch.Tensor] | None = None
     read_blocks: torch.Tensor | None = None
+    # `packed_bias`'s masks, made by the first layer that asks and shared by the others
+    packed: dict = field(default_factory=dict)
+
+    def packed_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask [B, 1, N, S] as an additive bias in `dtype` (0 where a token may attend,
+        -inf elsewhere), its rows repeated for `group` query heads: [B, 1, group N, S], row
+        g N + n is token n's (`masked_sdpa`'s packed query heads). Its rows start 16-element
+        aligned (a view of wider rows), as CUDA's memory-efficient kernel wants a bias (SDPA
+        pads a copy of an unaligned one in every call)."""
+        key = (group, dtype)
+        if key not in self.packed:
+            num_b, _, num_n, keys = self.mask.shape
+            bias = torch.zeros(num_b, 1, group, num_n, -(-keys // 16) * 16, dtype=dtype,
+                               device=self.mask.device)
+            bias[..., :keys].masked_fill_(~self.mask[:, :, None], float("-inf"))
+            self.packed[key] = bias.view(num_b, 1, group * num_n, -1)[..., :keys]
+        return self.packed[key]
 
 
 def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
@@ -447,10 +464,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
     else:
         keys = cache.k[layer_idx][inp.slots, :, :s_used]  # a copy
         values = cache_v[inp.slots, :, :s_used]
-    return F.scaled_dot_product_attention(
-        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=inp.mask,
-        enable_gqa=q.shape[1] != keys.shape[1],
-    )
+    return masked_sdpa(q, keys.to(q.dtype), values.to(q.dtype), inp)
 
 
 def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -465,9 +479,39 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
     if inp.window is not None:
         return inp.window.attend(q, keys, values, inp.gathered)
     s_used = inp.mask.shape[-1]
-    return F.scaled_dot_product_attention(
-        q, keys[:, :, :s_used].to(q.dtype), values[:, :, :s_used, :head_dim].to(q.dtype),
-        attn_mask=inp.mask, enable_gqa=q.shape[1] != keys.shape[1])
+    return masked_sdpa(q, keys[:, :, :s_used].to(q.dtype),
+                       values[:, :, :s_used, :head_dim].to(q.dtype), inp)
+
+
+# devices on which `masked_sdpa` packs GQA's query heads into the query dimension
+PACK_GQA_DEVICES = frozenset({"cuda"})
+
+
+def masked_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                inp: StepInputs) -> torch.Tensor:
+    """SDPA of q [B, Hq, N, Dh] over keys, values [B, KVH, S, Dh] where inp.mask [B, 1, N, S]
+    allows -> [B, Hq, N, Dh].
+
+    GQA (Hq = G KVH, G > 1) with a mask: on CUDA, SDPA takes `enable_gqa` only in its flash
+    kernel, which takes no mask, so a masked GQA call runs the math kernel (K/V repeated G
+    times, fp32 scores [B, Hq, N, S] in memory; docs/architecture.md "On GPUs"). There (on
+    `PACK_GQA_DEVICES`) the G query heads that share a KV head are packed into the query
+    dimension instead, as the decode kernels of FlashInfer and vLLM do: q [B, KVH, G N, Dh]
+    against the K/V as they are, under the mask's rows repeated per head as an additive bias
+    (`StepInputs.packed_bias`, made once a forward): a masked SDPA without GQA, which the
+    memory-efficient kernel runs, reading each KV head once. Every query row still attends
+    over its own KV head's keys under its own mask row: the same attention, rows batched
+    differently. Elsewhere (the CPU) SDPA takes `enable_gqa`."""
+    num_b, num_hq, num_n, head_dim = q.shape
+    num_kv = keys.shape[1]
+    if num_hq == num_kv or q.device.type not in PACK_GQA_DEVICES:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=inp.mask,
+                                              enable_gqa=num_hq != num_kv)
+    group = num_hq // num_kv
+    packed = q.reshape(num_b, num_kv, group * num_n, head_dim)  # row g N + n: head kv G + g
+    out = F.scaled_dot_product_attention(packed, keys, values,
+                                         attn_mask=inp.packed_bias(group, q.dtype))
+    return out.view(num_b, num_hq, num_n, out.shape[-1])
 
 
 def sequence_inputs(cache: KVCache, lengths: torch.Tensor, num_t: int,

@@ -11,7 +11,9 @@ tiny shapes in fp32, so the whole check runs on any machine. The phases, in orde
 
 - setup: builds the random target (lm_head scaled x20 so that logits spread out and bf16 noise
   rarely flips an argmax) and the EAGLE head; backend: `target.backend.info` (the attention
-  kernels in use) and torch's SDPA switches;
+  kernels in use), torch's SDPA switches, and the masked tree attention of the torch backend's
+  layers at a verification shape with the query heads packed and with `enable_gqa` (ms and the
+  kernels each runs: on CUDA a masked GQA call is expected to take the math kernel);
 - lossless: greedy eagle2 / static / chain / cost-aware eagle2 equal vanilla in the same engine
   (a mismatch is reported with its position), and the sampling path runs;
 - divergence: greedy eagle2 against vanilla over more prompts on the scaled model and on the
@@ -491,6 +493,59 @@ def verify_step_ms(target, num_b: int, sizes: dict, reps: int) -> dict:
     return out
 
 
+def masked_attention(shape: str, num_b: int, num_n: int, keys: int, dtype: torch.dtype,
+                     device: str, reps: int) -> dict:
+    """The tree attention of the torch backend's layers (`attention.masked_sdpa`: SDPA under
+    a dense mask) at one verification shape, with the query heads packed (what CUDA runs) and
+    with SDPA's `enable_gqa` (what the CPU runs): ms per call, the kernels (CUDA) or aten
+    operators (CPU) one call ran, as the profiler names them, and the largest difference of
+    their outputs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eagle2 import attention
+
+    heads, kv_heads = SHAPES[shape]["num_attention_heads"], SHAPES[shape]["num_key_value_heads"]
+    head_dim = SHAPES[shape]["hidden_size"] // heads
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(num_b, heads, num_n, head_dim, generator=gen, device=dev, dtype=dtype)
+    k, v = (torch.randn(num_b, kv_heads, keys, head_dim, generator=gen, device=dev,
+                        dtype=dtype) for _ in range(2))
+    mask = torch.rand(num_b, 1, num_n, keys, generator=gen, device=dev) < 0.9
+    mask[..., -1] = True
+    out: dict = {"shape": shape, "batch": num_b, "tokens": num_n, "keys": keys}
+    results = {}
+    default = attention.PACK_GQA_DEVICES
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    try:
+        for name, devices in (("packed", frozenset({dev.type})), ("enable_gqa", frozenset())):
+            attention.PACK_GQA_DEVICES = devices
+
+            inp = attention.StepInputs(None, None, mask, None, None, True)
+
+            def call(inp=inp):  # a layer's call: the packed bias is made once a forward
+                return attention.masked_sdpa(q, k, v, inp)
+
+            results[name] = call()
+            with profile(activities=activities) as prof:
+                call()
+                _sync(dev)
+            if dev.type == "cuda":
+                names = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+            else:
+                names = sorted({e.name for e in prof.events() if "attention" in e.name})
+            out[name] = {"ms": time_calls(call, reps, dev), "kernels": names}
+    finally:
+        attention.PACK_GQA_DEVICES = default
+    group = heads // kv_heads
+    out["packed_bias_ms"] = time_calls(  # once a forward, shared by the layers
+        lambda: attention.StepInputs(None, None, mask, None, None, True).packed_bias(group, dtype),
+        reps, dev)
+    out["max_abs_diff"] = float((results["packed"].float() - results["enable_gqa"].float())
+                                .abs().max())
+    return out
+
+
 def prefill_peak(target, num_tokens: int) -> dict:
     """One prefill of num_tokens (greedy, the runner's path) in a fresh one-slot cache: its
     time and, on CUDA, the peak memory it allocated above what was held before it."""
@@ -586,6 +641,9 @@ def phase_backend(c: Check) -> dict:
                                "mem_efficient": cuda.mem_efficient_sdp_enabled(),
                                "cudnn": cuda.cudnn_sdp_enabled(), "math": cuda.math_sdp_enabled()}
         out["capability"] = list(torch.cuda.get_device_capability())
+    out["masked_attention"] = masked_attention(
+        c.pick("llama-3-8b", "tiny"), 8, c.pick(32, 8), c.pick(1024, 128), c.dtype, c.device,
+        c.pick(20, 3))
     return out
 
 

@@ -312,3 +312,78 @@ def test_a_head_cast_to_bf16_keeps_its_rope_frequencies_fp32(kind):
     for got, want in zip(head.rotary(like, positions),
                          ref.rotary(like.float(), positions), strict=True):
         assert torch.equal(got, want.to(torch.bfloat16))
+
+
+def _reference_attention(q, k, v, mask):
+    """Masked attention with K/V repeated per query head, in fp64: q [B, Hq, N, D], k, v
+    [B, KVH, S, D], mask [B, 1, N, S] -> [B, Hq, N, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = (q.double() @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_packed_gqa_sdpa_equals_per_head_attention(group, monkeypatch):
+    """`masked_sdpa` with the query heads packed (what CUDA runs: no masked GQA call) and
+    with `enable_gqa` both give each query head its KV head's masked attention."""
+    from eagle2 import attention
+    from eagle2.attention import StepInputs
+
+    gen = torch.Generator().manual_seed(group)
+    num_b, num_kv, num_n, keys, dim = 3, 2, 5, 19, 16
+    q = torch.randn(num_b, num_kv * group, num_n, dim, generator=gen)
+    k, v = (torch.randn(num_b, num_kv, keys, dim, generator=gen) for _ in range(2))
+    mask = torch.rand(num_b, 1, num_n, keys, generator=gen) < 0.5
+    mask[..., -1] = True  # every row sees a key; some see only that one
+    mask[0, 0, 1] = False
+    mask[0, 0, 1, 7] = True
+    inp = StepInputs(torch.arange(num_b), None, mask, None, None, True)
+    want = _reference_attention(q, k, v, mask)
+    plain = attention.masked_sdpa(q, k, v, inp)
+    monkeypatch.setattr(attention, "PACK_GQA_DEVICES", frozenset({"cpu"}))
+    packed = attention.masked_sdpa(q, k, v, inp)
+    for got in (plain, packed):
+        assert got.shape == q.shape
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert list(inp.packed) == ([] if group == 1 else [(group, torch.float32)])
+    for bias in inp.packed.values():  # rows aligned as CUDA's memory-efficient kernel wants
+        assert bias.shape == (num_b, 1, group * num_n, keys)
+        assert all(stride % 16 == 0 for stride in bias.stride()[:-1])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["slotted", "paged"])
+def test_tree_forward_with_packed_query_heads_equals_enable_gqa(paged, monkeypatch):
+    """The torch backend's forward over a tree after a prompt (two requests at different
+    lengths, slotted or paged cache): features and the K/V written are the same with the
+    query heads packed (CUDA's path) as with SDPA's `enable_gqa` (the CPU's)."""
+    from eagle2 import attention
+    from eagle2.backend import Backend
+
+    target = tiny_target(seed=44, heads=8, kv_heads=2)
+    target.backend = Backend()
+    tree = sample_tree()
+
+    def run():
+        cache = (target.allocate_paged_cache(2, 24, 16, 128) if paged
+                 else target.allocate_cache(2, 128))
+        if paged:
+            order = torch.randperm(24, generator=torch.Generator().manual_seed(2)).tolist()
+            for s in range(2):
+                cache.set_blocks(s, order[8 * s:8 * s + 8])
+        for s, prompt in enumerate(([5, 9, 2, 7, 1, 3, 3, 8, 6, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+                                    [4, 4, 1])):
+            n = len(prompt)
+            target.forward(torch.tensor([prompt]), torch.arange(n)[None],
+                           causal_mask(torch.tensor([n]), n), cache, torch.tensor([s]))
+            cache.lengths[s] = n
+        out = target.forward(tree.tokens.expand(2, -1), cache.lengths[:, None] + tree.depths,
+                             tree.tree_mask.expand(2, -1, -1), cache, torch.tensor([1, 0]))
+        return out.features, cache
+
+    want, cache_want = run()
+    monkeypatch.setattr(attention, "PACK_GQA_DEVICES", frozenset({"cpu"}))
+    got, cache_got = run()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache_got.k, cache_want.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache_got.v, cache_want.v, atol=1e-5, rtol=1e-5)
