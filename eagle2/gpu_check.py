@@ -14,8 +14,11 @@ tiny shapes in fp32, so the whole check runs on any machine. The phases, in orde
   kernels in use), torch's SDPA switches, and the masked tree attention of the torch backend's
   layers at a verification shape with the query heads packed and with `enable_gqa` (ms and the
   kernels each runs: on CUDA a masked GQA call is expected to take the math kernel);
+- warmup: the process's first engine runs (eager and through CUDA graphs), each twice: what
+  torch.compile and the captures cost, kept out of the later phases' budgets;
 - lossless: greedy eagle2 / static / chain / cost-aware eagle2 equal vanilla in the same engine
-  (a mismatch is reported with its position), and the sampling path runs;
+  (a mismatch is reported with its position and vanilla's top-2 logit gap there), and the
+  sampling path runs;
 - divergence: greedy eagle2 against vanilla over more prompts on the scaled model and on the
   unscaled one (the HF init as it is, logits close together): the fraction of prompts whose
   outputs differ, each first differing position, and the top-2 logit gaps that explain them.
@@ -197,7 +200,9 @@ def fixed_tree(mode: str, sizes: dict):
 def check_lossless(target, head, sizes: dict, num_tokens: int,
                    modes: tuple[str, ...] = ("eagle2", "static", "chain"),
                    sampling: bool = True, over: Callable[[], bool] = lambda: False) -> dict:
-    """Greedy eagle2 / static / chain against vanilla, and one sampling run per mode."""
+    """Greedy eagle2 / static / chain against vanilla, and one sampling run per mode. A mismatch
+    is reported with vanilla's top-1 minus top-2 logit where it happened: near 0, a flip of a
+    near-tie by the GPU's rounding (docs/architecture.md "On GPUs"); large, a defect."""
     from eagle2.config import SamplingParams, TreeConfig
 
     prompts = random_prompts(target.vocab_size, [7, 12, 5])
@@ -217,6 +222,10 @@ def check_lossless(target, head, sizes: dict, num_tokens: int,
         mismatch = [(i, d) for i, d in enumerate(diffs) if d is not None]
         out[f"greedy_{mode}"] = {"equal_to_vanilla": not mismatch,
                                  "first_mismatch": mismatch[:3]}
+        if mismatch:  # a near-tie (bf16 rounding) or a defect: the margin tells them apart
+            out[f"greedy_{mode}"]["top2_gap_at_mismatch"] = [
+                logit_gaps(target, [prompts[i] + ref[i][:d]])["top2_gap_min"]
+                for i, d in mismatch[:3]]
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=num_tokens,
                             ignore_eos=True, seed=3)
     for mode in ("eagle2", "vanilla") if sampling else ():
@@ -337,7 +346,9 @@ def arrivals(target, head, sizes: dict, budget: int, long_len: int, num_tokens: 
     on the service's paged runner (CUDA graphs for the plain steps on CUDA): per variant the ms
     of steps that read no prompt tokens and of those that read some (median), the steps until
     the long prompt's first token, and whether the outputs are the other variant's (reported:
-    on a GPU the two batch the same tokens differently)."""
+    on a GPU the two batch the same tokens differently). On CUDA a step with prompt tokens may
+    fit no graph bucket and run eagerly while plain steps replay graphs: `step_ms_by_launch`
+    gives the medians per kind of step and launch, to compare like with like."""
     from eagle2.config import SamplingParams
     from eagle2.engine import Request
 
@@ -359,18 +370,23 @@ def arrivals(target, head, sizes: dict, budget: int, long_len: int, num_tokens: 
             engine.add(Request(f"s{i}", tuple(p), SamplingParams(max_tokens=num_tokens,
                                                                  ignore_eos=True), tree))
         plain, reading, steps, first = [], [], 0, None
+        kinds: dict[str, list[float]] = {}  # (plain | prompt)_(graphed | eager) -> step ms
+        counts = getattr(engine.runner, "counts", None)
         while engine.has_work():
             if steps == 2:  # the streams are decoding
                 for j, p in enumerate(late):
                     engine.add(Request(f"late{j}", tuple(p),
                                        SamplingParams(max_tokens=8, ignore_eos=True), tree))
             running, before = bool(engine.seqs), engine.stats.prefill_tokens
+            graphed = counts["graph"] if counts is not None else 0
             t0 = time.perf_counter()
             events = engine.step()
             _sync(target.device)
             if running:
-                (reading if engine.stats.prefill_tokens > before else plain).append(
-                    1000 * (time.perf_counter() - t0))
+                ms, prompt = 1000 * (time.perf_counter() - t0), engine.stats.prefill_tokens > before
+                (reading if prompt else plain).append(ms)
+                launch = "graphed" if counts is not None and counts["graph"] > graphed else "eager"
+                kinds.setdefault(f"{'prompt' if prompt else 'plain'}_{launch}", []).append(ms)
             steps += 1
             for ev in events:
                 got.setdefault(ev.seq_id, []).extend(ev.token_ids)
@@ -379,7 +395,9 @@ def arrivals(target, head, sizes: dict, budget: int, long_len: int, num_tokens: 
         outputs[name] = got
         out[name] = {"steps_to_long_first_token": first, "mixed_steps": engine.stats.mixed_steps,
                      "plain_step_ms": _median(plain), "prompt_step_ms": _median(reading),
-                     "prompt_steps": len(reading)}
+                     "prompt_steps": len(reading),
+                     "step_ms_by_launch": {k: _median(v) for k, v in sorted(kinds.items())},
+                     "steps_by_launch": {k: len(v) for k, v in sorted(kinds.items())}}
     if len(outputs) == 2:
         out["outputs_equal"] = outputs["mixed"] == outputs["own_forward"]
     return out
@@ -647,6 +665,32 @@ def phase_backend(c: Check) -> dict:
     return out
 
 
+def phase_warmup(c: Check) -> dict:
+    """The first engine runs of the process, eager and (CUDA) through CUDA graphs, each run
+    twice: the first pays for torch.compile (FlexAttention's kernels, compiled once per
+    process), the captures and the allocator's growth, which would otherwise land in the
+    later phases' budgets. Reports the seconds of each run."""
+    from eagle2.config import SamplingParams
+
+    prompts = random_prompts(c.target.vocab_size, [9, 14], seed=5)
+    params = SamplingParams(max_tokens=c.pick(8, 4), ignore_eos=True)
+    out: dict = {"skipped_for_budget": []}
+    for on in (False, True) if c.device == "cuda" else (False,):
+        for mode in ("eagle2", "vanilla"):
+            name = f"{mode}_{'graphs' if on else 'eager'}"
+            if c.over():
+                out["skipped_for_budget"].append(name)
+                continue
+            engine = make_engine(c.target, c.head, 2, 256, cuda_graphs=on)
+            runs = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                generate(engine, prompts, params, fixed_tree(mode, c.sizes))
+                runs.append(round(time.perf_counter() - t0, 3))
+            out[name] = {"first_s": runs[0], "again_s": runs[1]}
+    return out
+
+
 def phase_lossless(c: Check) -> dict:
     return check_lossless(c.target, c.head, c.sizes, c.pick(24, 8), over=c.over)
 
@@ -862,6 +906,7 @@ class Phase:
 PHASES: list[Phase] = [
     Phase("setup", phase_setup, 60, needs_model=False),
     Phase("backend", phase_backend, 10),
+    Phase("warmup", phase_warmup, 90),
     Phase("lossless", phase_lossless, 60),
     Phase("divergence", phase_divergence, 60),
     Phase("sampling_speed", phase_sampling_speed, 30),

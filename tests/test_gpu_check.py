@@ -84,6 +84,15 @@ def _check_results(res: dict) -> None:
     assert arr["own_forward"]["mixed_steps"] == 0 < arr["own_forward"]["prompt_steps"]
     assert arr["mixed"]["steps_to_long_first_token"] == 5  # 150 tokens, 32 a step
     assert all(arr[v]["plain_step_ms"] > 0 for v in ("mixed", "own_forward"))
+    for v in ("mixed", "own_forward"):  # eager on the CPU: every step counted once
+        by_launch = arr[v]["steps_by_launch"]
+        assert set(by_launch) == {"plain_eager", "prompt_eager"}
+        assert by_launch["prompt_eager"] == arr[v]["prompt_steps"]
+        assert arr[v]["step_ms_by_launch"]["plain_eager"] > 0
+    warm = res["warmup"]
+    assert set(warm) == {"eagle2_eager", "vanilla_eager", "skipped_for_budget"}
+    assert all(warm[k]["first_s"] > 0 and warm[k]["again_s"] > 0 for k in warm if "_" in k
+               and k != "skipped_for_budget")
     assert all(r["eager_ms"] > 0 for r in res["forward_cost"]["rows"])
     assert len(res["forward_cost"]["rows"]) == 6 and res["forward_cost_70b_4_layers"]["rows"]
     assert {r["mode"] for r in res["eagle3_vs_vanilla"]["rows"]} == {"vanilla", "eagle2"}
@@ -167,3 +176,31 @@ def test_graphed_forward_falls_back_to_eager_on_cpu():
     out = graphed(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]),
                   torch.ones(1, 2, 2, dtype=torch.bool).tril())
     assert out.shape == (1, 2, 64)
+
+
+def test_a_lossless_mismatch_is_reported_with_the_margin_where_it_happened(monkeypatch):
+    """A greedy output that differs from vanilla's (one token flipped here) is a failed check
+    whose entry names where it differs and vanilla's top-1 minus top-2 logit there, which
+    tells a near-tie flipped by rounding (~0) from a defect."""
+    target = gpu_check.random_target("tiny", torch.float32, "cpu")
+    from eagle2.head import new_head
+
+    head = new_head(target.config, seed=0, dtype=torch.float32)
+    real, seen = gpu_check.generate, {}
+
+    def flipped(engine, prompts, params, tree):
+        tokens, stats = real(engine, prompts, params, tree)
+        seen.setdefault(tree.mode, [list(t) for t in tokens])
+        if tree.mode == "chain":
+            tokens[1][3] = (tokens[1][3] + 1) % target.vocab_size
+        return tokens, stats
+
+    monkeypatch.setattr(gpu_check, "generate", flipped)
+    out = gpu_check.check_lossless(target, head, {"total_tokens": 8, "depth": 3, "top_k": 2}, 6,
+                                   sampling=False)
+    assert out["greedy_eagle2"]["equal_to_vanilla"] and out["greedy_static"]["equal_to_vanilla"]
+    chain = out["greedy_chain"]
+    assert not chain["equal_to_vanilla"] and chain["first_mismatch"] == [(1, 3)]
+    want = gpu_check.logit_gaps(target, [gpu_check.random_prompts(target.vocab_size, [7, 12, 5])[1]
+                                         + seen["vanilla"][1][:3]])
+    assert chain["top2_gap_at_mismatch"] == [want["top2_gap_min"]] and want["top2_gap_min"] > 0
