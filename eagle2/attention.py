@@ -511,7 +511,8 @@ def masked_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     packed = q.reshape(num_b, num_kv, group * num_n, head_dim)  # row g N + n: head kv G + g
     out = F.scaled_dot_product_attention(packed, keys, values,
                                          attn_mask=inp.packed_bias(group, q.dtype))
-    return out.view(num_b, num_hq, num_n, out.shape[-1])
+    # (CUDA's kernels return [B, L, H, D] memory transposed: a copy where a view cannot be)
+    return out.reshape(num_b, num_hq, num_n, out.shape[-1])
 
 
 def sequence_inputs(cache: KVCache, lengths: torch.Tensor, num_t: int,

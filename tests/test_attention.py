@@ -343,6 +343,13 @@ def test_packed_gqa_sdpa_equals_per_head_attention(group, monkeypatch):
     plain = attention.masked_sdpa(q, k, v, inp)
     monkeypatch.setattr(attention, "PACK_GQA_DEVICES", frozenset({"cpu"}))
     packed = attention.masked_sdpa(q, k, v, inp)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):  # the output in [B, L, H, D] memory, as CUDA's kernels
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cuda_layout)
+    torch.testing.assert_close(attention.masked_sdpa(q, k, v, inp), packed, atol=0, rtol=0)
     for got in (plain, packed):
         assert got.shape == q.shape
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
