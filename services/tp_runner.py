@@ -35,7 +35,6 @@ rank that fails ends rank 0's wait at once.
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from collections import Counter
@@ -52,7 +51,15 @@ from eagle2.runner import BLOCK_SIZE, LocalRunner
 from eagle2.target import embedded_model_dir
 from eagle2.threads import TorchThread
 from eagle2.tp import check_tp_size, init_tp, socket_group
-from eagle2.tp_channel import DriverChannel, RankChannel, RankError, RankLost, free_port
+from eagle2.tp_channel import (
+    DriverChannel,
+    RankChannel,
+    RankError,
+    RankLost,
+    dumps,
+    free_port,
+    loads,
+)
 from eagle2.tree import HOST, to_device
 
 
@@ -627,34 +634,12 @@ def _group_capacity(ranks: list[dict]) -> dict:
 
 
 def use_tensor_wire() -> None:
-    """Send CPU tensors to and from the ranks as raw bytes in numpy arrays: torch's own
-    pickling costs ~100 us per tensor each way (a verify step sends a dozen), numpy's ~10.
-    Ray's serializer for this process; the receiving side only needs this module."""
-    ray.util.register_serializer(torch.Tensor, serializer=tensor_to_wire,
-                                 deserializer=tensor_from_wire)
-
-
-def tensor_to_wire(t: torch.Tensor) -> tuple:
-    """-> (bytes as uint8 [numel * itemsize], dtype name, shape); any dtype (bf16 included).
-    A tensor on a GPU goes as torch.save's bytes (and comes back on its device)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        buf = io.BytesIO()
-        torch.save(t, buf)
-        return buf.getvalue(), None, None
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), t.shape
-
-
-def tensor_from_wire(wire: tuple) -> torch.Tensor:
-    data, dtype, shape = wire
-    if dtype is None:
-        return torch.load(io.BytesIO(data))
-    dtype = getattr(torch, dtype)
-    if data.size == 0:
-        return torch.empty(shape, dtype=dtype)
-    # a copy: the array may be a read-only view of Ray's buffer, and the rank writes in place
-    return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
+    """Send tensors to and from the ranks through Ray (the calls beside the step channel:
+    start-up, capacity, lengths) as the step channel frames them (`eagle2.tp_channel.dumps`:
+    raw bytes, dtype and shape, moved to the CPU; torch's own pickling costs ~100 us per
+    tensor each way). Ray's serializer for this process; the receiving side only needs this
+    module."""
+    ray.util.register_serializer(torch.Tensor, serializer=dumps, deserializer=loads)
 
 
 PROMPT_TENSORS = ("tokens", "positions", "mask", "slots", "last_idx")  # a PromptBatch's

@@ -123,14 +123,14 @@ def test_tp2_shards_hold_one_kv_head_each(tiny_tp2):
     ids=["int64", "empty", "scalar", "bf16", "bool", "sliced", "transposed"])
 def test_tensor_wire_round_trip_is_exact_and_writable(tensor):
     """What crosses to and from the ranks (the step channel's frames, and Ray's calls beside
-    it): same dtype, shape and values; a tensor of its own."""
+    it, as Ray carries what the serializer gives it): same dtype, shape and values; a tensor
+    of its own."""
     import pickle
 
     from eagle2.tp_channel import dumps, loads
-    from services.tp_runner import tensor_from_wire, tensor_to_wire
 
-    ray_wire = tensor_from_wire(pickle.loads(pickle.dumps(tensor_to_wire(tensor), protocol=5)))
-    channel, = loads(dumps((tensor,)))  # a step message's tensors (`eagle2.tp_channel`)
+    ray_wire = loads(pickle.loads(pickle.dumps(dumps(tensor), protocol=5)))
+    channel, = loads(dumps((tensor,)))  # a step message's tensors
     for back in (ray_wire, channel):
         assert back.dtype == tensor.dtype and back.shape == tensor.shape
         assert torch.equal(back, tensor)
