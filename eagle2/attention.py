@@ -55,24 +55,35 @@ class KVCache:
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 ones_column: bool = False) -> KVCache:
+                 ones_column: bool = False, heads_outer: bool = False) -> KVCache:
         """ones_column: V gets a last column of ones (the CPU backend's exact attention reads
         the sums of its probabilities from the same matmul as the values). The CPU backend
-        adds the key blocks it keeps (`eagle2.cpu.attention.with_key_blocks`)."""
+        adds the key blocks it keeps (`eagle2.cpu.attention.with_key_blocks`). heads_outer:
+        the same [L, slots, KVH, S, Dh] tensors as views of memory laid out [L, KVH, slots,
+        S, Dh], so that one layer's KV head is one run of slots x S entries
+        (`KVCache.head_runs`)."""
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        v = torch.zeros(*shape[:-1], head_dim + int(ones_column), dtype=dtype, device=device)
+
+        def zeros(dim: int) -> torch.Tensor:
+            if not heads_outer:
+                return torch.zeros(*shape[:-1], dim, dtype=dtype, device=device)
+            return torch.zeros(num_layers, num_kv_heads, num_slots, max_len, dim, dtype=dtype,
+                               device=device).transpose(1, 2)
+
+        v = zeros(head_dim + int(ones_column))
         v[..., head_dim:] = 1
-        return cls(torch.zeros(shape, dtype=dtype, device=device), v,
-                   torch.zeros(num_slots, dtype=torch.long, device=device))
+        return cls(zeros(head_dim), v, torch.zeros(num_slots, dtype=torch.long, device=device))
 
     @classmethod
     def allocate_paged(cls, num_layers: int, num_slots: int, num_blocks: int, block_size: int,
                        max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       device: torch.device | str, ones_column: bool = False) -> KVCache:
+                       device: torch.device | str, ones_column: bool = False,
+                       heads_outer: bool = False) -> KVCache:
         """num_blocks blocks of block_size entries (and the null block after them) shared by
-        num_slots sequences of at most max_len entries each; every table entry null."""
+        num_slots sequences of at most max_len entries each; every table entry null.
+        heads_outer: as `allocate`'s (FlexAttention then reads the blocks in place)."""
         cache = cls.allocate(num_layers, num_blocks + 1, num_kv_heads, block_size, head_dim,
-                             dtype, device, ones_column)
+                             dtype, device, ones_column, heads_outer)
         cache.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
         cache.block_tables = torch.full((num_slots, -(-max_len // block_size)), num_blocks,
                                         dtype=torch.long, device=device)
@@ -148,6 +159,23 @@ class KVCache:
         """V without the column of ones, if it has one."""
         return self.v[..., : self.k.shape[-1]]
 
+    def head_runs(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V (V's column of ones left out) as [1, KVH, blocks x S, Dh]
+        views: every block's entries of a KV head in one run (entry p of block j at
+        j x S + p), what FlexAttention reads a paged cache through. Needs the heads-outer
+        layout (`allocate(heads_outer=True)`); raises otherwise (a copy of the whole cache
+        a layer would defeat the purpose)."""
+        dim = self.k.shape[-1]
+        runs = []
+        for kv in (self.k[layer_idx], self.v[layer_idx, ..., :dim]):
+            heads = kv.transpose(0, 1)  # [KVH, blocks, S, Dh]
+            if heads.stride(1) != heads.shape[2] * heads.stride(2) or heads.stride(3) != 1:
+                raise ValueError("the cache is not laid out heads-outer "
+                                 "(KVCache.allocate_paged(heads_outer=True))")
+            runs.append(heads.as_strided((1, heads.shape[0], heads.shape[1] * heads.shape[2],
+                                          dim), (0, heads.stride(0), heads.stride(2), 1)))
+        return runs[0], runs[1]
+
     @property
     def max_len(self) -> int:
         """The most entries one slot holds."""
@@ -206,7 +234,11 @@ class KVCache:
 
 
 class AttentionWindow(Protocol):
-    """What a backend's exact attention keeps per forward (`StepInputs.window`)."""
+    """What a backend's attention keeps per forward (`StepInputs.window`). Over a paged cache
+    `attend` gets each slot's entries gathered into rows, unless the window `reads_blocks`:
+    then the layer's blocks in place (`KVCache.head_runs`) with the step's own inputs."""
+
+    reads_blocks: bool
 
     def attend(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                inp: StepInputs) -> torch.Tensor: ...
@@ -470,11 +502,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
 def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                      layer_idx: int, inp: StepInputs) -> torch.Tensor:
     """`cached_attention` over a paged cache: the new k, v [B, KVH, N, Dh] go to their blocks,
-    then the attention reads each slot's entries gathered through its block table."""
+    then the attention reads each slot's entries gathered through its block table, or (a
+    window that `reads_blocks`) the blocks where they are."""
     block, off = inp.write_entries  # [B, N] (`step_inputs`)
     head_dim = k.shape[-1]
     cache.k[layer_idx][block, :, off] = k.transpose(1, 2).to(cache.k.dtype)  # [B, N, KVH, Dh]
     cache.v[layer_idx][block, :, off, :head_dim] = v.transpose(1, 2).to(cache.v.dtype)
+    if inp.window is not None and inp.window.reads_blocks:  # FlexAttention: blocks in place
+        return inp.window.attend(q, *cache.head_runs(layer_idx), inp)
     keys, values = cache.gather(layer_idx, inp.slots, inp.gather_len, inp.read_blocks)
     if inp.window is not None:
         return inp.window.attend(q, keys, values, inp.gathered)

@@ -1,6 +1,6 @@
 """Tree attention through PyTorch's FlexAttention: the attention of EAGLE-2's verification
 step (the target's one forward over the whole draft tree) and of the draft head's tree
-expansion, over the slotted KV cache without a dense mask.
+expansion, over the slotted or paged KV cache without a dense mask.
 
 The torch backend (`eagle2.backend.Backend`) builds a [B, 1, N, S] bool mask per forward for
 `F.scaled_dot_product_attention`; with a mask (and GQA) SDPA may fall back to its math kernel
@@ -22,6 +22,19 @@ blocks). Elsewhere it runs eagerly unless asked (`FlexBackend(compiled=True)`; t
 compiles it too, but each new shape costs ~20 s): the eager kernel materialises the scores of
 the used prefix (not of the whole cache) and ignores the block lists, so the CPU checks the
 mask_mod (and, compiled, the block lists) against the dense reference, not the GPU's speed.
+
+Over a paged cache (docs/kv-cache.md) a compiled FlexBackend reads the blocks where they lie
+(`PagedFlexWindow`), as torch's experimental PagedAttention does, instead of copying each
+layer's used entries into rows first (per layer [B, KVH, S, Dh] for K and V: at 64 requests
+of 2k tokens, a 70B layer's share of a GPU copied ~67 MB twice, read once more by the
+kernel). Its caches are laid out heads-outer (`KVCache.allocate_paged(heads_outer=True)`), so
+that a layer's KV head is one run of every block (`KVCache.head_runs`, [1, KVH, blocks x S,
+Dh]: key j x S + p is entry p of block j) that all requests' queries attend to;
+`paged_block_mask` maps each request's block lists through its block table, and its
+mask_mod maps a key back to the request's position (blocks that are not the request's are
+never seen). Eager, the kernel would score every block of the cache, so only tests ask for
+it (`FlexBackend(paged_in_place=True)`), with small caches. CUDA graphs' padded steps still
+attend by SDPA over gathered entries (docs/architecture.md "On GPUs").
 """
 
 from __future__ import annotations
@@ -84,11 +97,66 @@ def tree_block_mask(base: torch.Tensor, tree_mask: torch.Tensor, kv_len: int,
     are full (every query sees every key: the kernel skips mask_mod); blocks holding a ragged
     end of the prefix, or a scratch entry some query of the block sees, are partial (mask_mod
     decides each key); all others (the unused cache past the tree) are skipped."""
+    return BlockMask.from_kv_blocks(
+        *_tree_blocks(base, tree_mask, kv_len, window, block, block), BLOCK_SIZE=block,
+        mask_mod=tree_mask_mod(base, tree_mask, window),
+        seq_lengths=(tree_mask.shape[1], kv_len), compute_q_blocks=False)
+
+
+def paged_block_mask(base: torch.Tensor, tree_mask: torch.Tensor, tables: torch.Tensor,
+                     num_blocks: int, block_size: int, window: int | None = None
+                     ) -> BlockMask:
+    """The BlockMask of `tree_mask_mod` over a paged cache read in place: the keys are every
+    block's entries, entry p of block j at j * block_size + p (`KVCache.head_runs`). tables:
+    [B, nb] each request's blocks holding its first nb * block_size positions
+    (`KVCache.table_rows`); num_blocks: the cache's blocks, the null block (the last)
+    included.
+
+    The lists are `tree_block_mask`'s over each request's positions with KV blocks of
+    block_size, mapped through its table to the blocks that hold them (as torch's
+    experimental PagedAttention converts a logical block mask); the mask_mod maps a key back
+    to its request's position through the inverse table [B, num_blocks] (-1: a block not the
+    request's, never seen)."""
+    num_b, num_n, _ = tree_mask.shape
+    nb, dev = tables.shape[1], tables.device
+    num_partial, partial_idx, num_full, full_idx = _tree_blocks(
+        base, tree_mask, nb * block_size, window, BLOCK, block_size)
+    rows = tables[:, None, None, :]  # [B, 1, 1, nb]
+
+    def held(idx: torch.Tensor) -> torch.Tensor:
+        """Logical block indices [B, 1, Qb, nb] -> the blocks holding them [B, 1, Qb, blocks]
+        (the kernel reads only the first `num` of each row; the lists span every block)."""
+        out = torch.zeros(*idx.shape[:-1], num_blocks, dtype=torch.int32, device=dev)
+        out[..., :nb] = rows.expand_as(idx).gather(-1, idx.long())
+        return out
+
+    logical = torch.full((num_b, num_blocks), -1, dtype=torch.int32, device=dev)
+    logical.scatter_(1, tables, torch.arange(nb, dtype=torch.int32, device=dev)
+                     .expand(num_b, nb))
+    logical[:, num_blocks - 1] = -1  # the null block fills the tables' unused tail
+    inner = tree_mask_mod(base, tree_mask, window)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = logical[b, (kv_idx // block_size).clamp(max=num_blocks - 1)]
+        return (j >= 0) & inner(b, h, q_idx, j * block_size + kv_idx % block_size)
+
+    return BlockMask.from_kv_blocks(
+        num_partial, held(partial_idx), num_full, held(full_idx),
+        BLOCK_SIZE=(BLOCK, block_size), mask_mod=mask_mod,
+        seq_lengths=(num_n, num_blocks * block_size), compute_q_blocks=False)
+
+
+def _tree_blocks(base: torch.Tensor, tree_mask: torch.Tensor, kv_len: int, window: int | None,
+                 block: int, kv_block: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tree_block_mask`'s lists for query blocks of `block` and KV blocks of `kv_block`:
+    (partial count [B, 1, Qb], partial blocks [B, 1, Qb, K], full count, full blocks), each
+    row's listed blocks first."""
     num_b, num_n, num_t = tree_mask.shape
     dev = base.device
-    num_q, num_kv = -(-num_n // block), -(-kv_len // block)
-    starts = _block_starts(num_kv, block, dev)  # [K]
-    ends = starts + block
+    num_q, num_kv = -(-num_n // block), -(-kv_len // kv_block)
+    starts = _block_starts(num_kv, kv_block, dev)  # [K]
+    ends = starts + kv_block
     lo = (base - window).clamp(min=0) if window is not None else torch.zeros_like(base)  # [B]
     full = (starts >= lo[:, None]) & (ends <= base[:, None])  # [B, K]
     ragged = (ends > lo[:, None]) & (starts < base[:, None]) & ~full  # [B, K]
@@ -96,7 +164,7 @@ def tree_block_mask(base: torch.Tensor, tree_mask: torch.Tensor, kv_len: int,
     rows = tree_mask.new_zeros(num_b, num_q * block, num_t)  # [B, Qb * block, T]
     rows[:, :num_n] = tree_mask
     seen = rows.view(num_b, num_q, block, num_t).any(2)  # [B, Qb, T]
-    at = (base[:, None] + torch.arange(num_t, device=dev)) // block  # [B, T] their KV blocks
+    at = (base[:, None] + torch.arange(num_t, device=dev)) // kv_block  # [B, T] their blocks
     hits = torch.zeros(num_b, num_q, num_kv, dtype=torch.int32, device=dev)  # [B, Qb, K]
     hits.scatter_add_(2, at[:, None, :].expand(num_b, num_q, num_t), seen.to(torch.int32))
     partial = ((hits > 0) | ragged[:, None, :]) & ~full[:, None, :]  # [B, Qb, K]
@@ -108,12 +176,7 @@ def tree_block_mask(base: torch.Tensor, tree_mask: torch.Tensor, kv_len: int,
         return (blocks.sum(-1, dtype=torch.int32)[:, None],
                 order.to(torch.int32)[:, None].contiguous())
 
-    num_partial, partial_idx = listed(partial)
-    num_full, full_idx = listed(full)
-    return BlockMask.from_kv_blocks(
-        num_partial, partial_idx, num_full, full_idx, BLOCK_SIZE=block,
-        mask_mod=tree_mask_mod(base, tree_mask, window), seq_lengths=(num_n, kv_len),
-        compute_q_blocks=False)
+    return (*listed(partial), *listed(full))
 
 
 @functools.cache
@@ -129,6 +192,8 @@ def compiled_flex_attention(dynamic: bool) -> Callable:
 class FlexWindow:
     """One forward's FlexAttention over the cache (`attention.AttentionWindow`): the block
     mask, shared by all layers, and how many cache rows each layer reads."""
+
+    reads_blocks = False  # a paged cache's entries come gathered into rows
 
     def __init__(self, block_mask: BlockMask, kv_len: int, compiled: bool):
         self.block_mask, self.kv_len, self.compiled = block_mask, kv_len, compiled
@@ -150,18 +215,55 @@ class FlexWindow:
                       enable_gqa=q.shape[1] != keys.shape[1])
 
 
+class PagedFlexWindow:
+    """One forward's FlexAttention over a paged cache's blocks where they lie (no per-layer
+    copy of the used entries): each layer's K/V as one run of every block per KV head
+    (`KVCache.head_runs`, [1, KVH, blocks x S, Dh]), the queries of all requests against
+    it, and `paged_block_mask` listing, per request, the blocks its tree sees."""
+
+    reads_blocks = True
+
+    def __init__(self, block_mask: BlockMask, block_size: int, compiled: bool):
+        self.block_mask, self.compiled = block_mask, compiled
+        # CUDA's kernel takes keys in tiles that must divide the KV blocks (64 or 128 keys
+        # by default): smaller cache blocks ask for tiles of their size
+        self.kernel_options = {"BLOCK_N": block_size} if block_size < 64 else None
+
+    def attend(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+               inp: StepInputs) -> torch.Tensor:
+        """q [B, Hq, N, Dh] over one layer's runs cache_k, cache_v [1, KVH, blocks x S, Dh]
+        (the new K/V already written) -> [B, Hq, N, Dh]."""
+        if self.compiled:
+            extra = ({"kernel_options": self.kernel_options}
+                     if self.kernel_options and q.device.type == "cuda" else {})
+            return compiled_flex_attention(q.device.type == "cuda")(
+                q, cache_k.to(q.dtype), cache_v.to(q.dtype), block_mask=self.block_mask,
+                enable_gqa=q.shape[1] != cache_k.shape[1], **extra)
+        return flex_attention(q, cache_k.to(q.dtype), cache_v.to(q.dtype),
+                              block_mask=self.block_mask,
+                              enable_gqa=q.shape[1] != cache_k.shape[1])
+
+
 def flex_step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
                      positions: torch.Tensor, rotary: Callable, like: torch.Tensor,
-                     window: int | None = None, compiled: bool = False) -> StepInputs:
+                     window: int | None = None, compiled: bool = False,
+                     in_place: bool = False) -> StepInputs:
     """`attention.step_inputs` without the dense mask: the layers attend through FlexAttention
     (`StepInputs.window` is a `FlexWindow`). Arguments as `step_inputs`'s.
 
     The keys each layer reads: compiled over contiguous slots, the whole cache rows (a view
     of fixed shape; the block mask skips the unused blocks); compiled over other slots, the
     used rows rounded up to whole blocks (gathered); eager, only the used rows (its kernel
-    computes every score)."""
+    computes every score). in_place, over a paged cache laid out heads-outer: the blocks
+    where they lie (a `PagedFlexWindow`; what compiled kernels should read: eager, every
+    block's scores are computed)."""
     inp = step_inputs(cache, slots, tree_mask, positions, rotary, like, window,
                       dense_mask=False)
+    if in_place and cache.paged:  # (read_blocks: the tables over the used entries)
+        inp.window = PagedFlexWindow(
+            paged_block_mask(inp.base, tree_mask, inp.read_blocks, cache.k.shape[1],
+                             cache.block_size, window), cache.block_size, compiled)
+        return inp
     if compiled and inp.contiguous:
         kv_len = cache.max_len
     else:
@@ -178,7 +280,7 @@ def flex_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
     """`attention.cached_attention`'s contract through FlexAttention: write the new k, v
     [B, KVH, N, Dh] into the cache, attend q [B, Hq, N, Dh] over the prefix and the tree
     -> [B, Hq, N, Dh]. inp: from `flex_step_inputs`."""
-    if not isinstance(inp.window, FlexWindow):
+    if not isinstance(inp.window, FlexWindow | PagedFlexWindow):
         raise ValueError("flex_cached_attention needs inputs from flex_step_inputs")
     return cached_attention(q, k, v, cache, layer_idx, inp)
 
@@ -224,16 +326,31 @@ class FlexBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, compiled: bool | None = None):
-        """compiled: run `flex_attention` through torch.compile; None: on CUDA only."""
-        self.compiled = compiled
+    def __init__(self, compiled: bool | None = None, paged_in_place: bool | None = None):
+        """compiled: run `flex_attention` through torch.compile; None: on CUDA only.
+        paged_in_place: read a paged cache's blocks where they lie (`PagedFlexWindow`; its
+        caches are laid out heads-outer) instead of gathering each layer's used entries;
+        None: where compiled (eager, the kernel would score every block of the cache)."""
+        self.compiled, self.paged_in_place = compiled, paged_in_place
 
     def compiles(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compiled is None else self.compiled
 
+    def reads_blocks(self, device: torch.device) -> bool:
+        return self.compiles(device) if self.paged_in_place is None else self.paged_in_place
+
+    def allocate_paged_cache(self, target, num_slots: int, num_blocks: int, block_size: int,
+                             max_len: int) -> KVCache:
+        """Laid out heads-outer where the blocks are read in place (`KVCache.head_runs`)."""
+        return KVCache.allocate_paged(
+            target.num_layers, num_slots, num_blocks, block_size, max_len,
+            target.local_kv_heads(), target.head_dim, target.dtype, target.device,
+            ones_column=self.exact, heads_outer=self.reads_blocks(target.device))
+
     def info(self, target) -> dict:
         return {**super().info(target), "attention": "flex",
-                "attention_compiled": self.compiles(target.device)}
+                "attention_compiled": self.compiles(target.device),
+                "paged_in_place": self.reads_blocks(target.device)}
 
     def cost_key(self, target) -> str:
         return "|flex" + ("-compiled" if self.compiles(target.device) else "")
@@ -242,7 +359,8 @@ class FlexBackend(Backend):
                        tree_mask: torch.Tensor, positions: torch.Tensor,
                        x: torch.Tensor) -> StepInputs:
         return flex_step_inputs(cache, slots, tree_mask, positions, target.rope, x,
-                                compiled=self.compiles(x.device))
+                                compiled=self.compiles(x.device),
+                                in_place=self.reads_blocks(x.device))
 
     def head_kernels(self, head: torch.nn.Module, draft_lm_head: torch.Tensor,
                      embed: torch.Tensor, d2t: torch.Tensor | None, cache: KVCache,

@@ -24,6 +24,7 @@ from eagle2.flex import (
     FlexBackend,
     FlexHeadKernels,
     FlexWindow,
+    PagedFlexWindow,
     flex_cached_attention,
     flex_step_inputs,
 )
@@ -97,23 +98,26 @@ def compare(lengths: list[int], slots: list[int], num_n: int, heads: int, kv_hea
     return inp.window
 
 
-def check_block_lists(found: FlexWindow, dense: torch.Tensor, num_n: int) -> None:
+def check_block_lists(found: FlexWindow, dense: torch.Tensor, num_n: int,
+                      kv_block: int = BLOCK, kv_len: int | None = None) -> None:
     """The block mask against the dense one (dense: [B, N, S_used] bool): the listed blocks
     are exactly those with a key some query of the query block sees (so the unused cache
     and, with a window, the hidden prefix are skipped), none is listed twice, and every block
-    listed as full is all visible."""
-    bm, kv_len = found.block_mask, found.kv_len
+    listed as full is all visible. kv_block, kv_len: the key blocks' size and the keys (a
+    paged window's: the cache's blocks, all of them)."""
+    bm = found.block_mask
+    kv_len = kv_len or found.kv_len
     num_b, _, s_used = dense.shape
-    num_kv, num_q = -(-kv_len // BLOCK), -(-num_n // BLOCK)
-    padded = torch.zeros(num_b, num_q * BLOCK, num_kv * BLOCK, dtype=torch.bool)
+    num_kv, num_q = -(-kv_len // kv_block), -(-num_n // BLOCK)
+    padded = torch.zeros(num_b, num_q * BLOCK, num_kv * kv_block, dtype=torch.bool)
     padded[:, :num_n, :s_used] = dense
-    blocks = padded.view(num_b, num_q, BLOCK, num_kv, BLOCK)
+    blocks = padded.view(num_b, num_q, BLOCK, num_kv, kv_block)
     rows = torch.zeros(num_b, num_q * BLOCK, dtype=torch.bool)
     rows[:, :num_n] = True
     rows = rows.view(num_b, num_q, BLOCK, 1, 1)
-    cols = torch.zeros(num_kv * BLOCK, dtype=torch.bool)
+    cols = torch.zeros(num_kv * kv_block, dtype=torch.bool)
     cols[:kv_len] = True
-    cols = cols.view(1, 1, 1, num_kv, BLOCK)
+    cols = cols.view(1, 1, 1, num_kv, kv_block)
     needed = blocks.any(4).any(2)  # [B, Qb, K]
     all_seen = (blocks | ~(rows & cols)).all(4).all(2)  # [B, Qb, K] (padding counts as seen)
 
@@ -156,6 +160,98 @@ def test_flex_sliding_window_equals_dense_reference(window):
     blocks are skipped at both ends and a ragged block opens the prefix."""
     compare([1000, 129, 40, 700], [1, 3, 0], 7, heads=4, kv_heads=2, window=window,
             seed=window)
+
+
+def compare_paged(lengths: list[int], slots: list[int], num_n: int, heads: int, kv_heads: int,
+                  block_size: int = 16, compiled: bool = False, seed: int = 0,
+                  device: str = "cpu", dtype: torch.dtype = torch.float32,
+                  atol: float = ATOL) -> None:
+    """Flex reading a paged cache's blocks in place (`PagedFlexWindow`) against the dense
+    reference over the same cache laid out as by default: outputs, the cache after the
+    writes, and the block lists against the dense mask moved to where each position's entry
+    lies. The blocks are handed out in a random order; a block is shared by two requests
+    (a cached prefix) where their lengths allow."""
+    gen = torch.Generator().manual_seed(seed)
+    max_len = max(lengths) + num_n + 3
+    per_slot = -(-max_len // block_size)
+    num_blocks = len(lengths) * per_slot + 3
+    caches = [KVCache.allocate_paged(1, len(lengths), num_blocks, block_size, max_len,
+                                     kv_heads, HEAD_DIM, dtype, device, heads_outer=h)
+              for h in (False, True)]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [order[s * per_slot:(s + 1) * per_slot] for s in range(len(lengths))]
+    if len(lengths) > 1 and min(lengths[:2]) >= block_size:
+        tables[1][0] = tables[0][0]  # a shared first block, as prefix caching makes
+    k_all = torch.randn(caches[0].k.shape, generator=gen)
+    v_all = torch.randn(caches[0].v.shape, generator=gen)
+    for cache in caches:
+        cache.k.copy_(k_all)
+        cache.v.copy_(v_all)
+        cache.lengths.copy_(torch.tensor(lengths))
+        for s, blocks in enumerate(tables):
+            cache.set_blocks(s, blocks)
+    ref_cache, flex_cache = caches
+    slot_t = torch.tensor(slots, device=device)
+    num_b = len(slots)
+    tree = torch.stack([random_tree_mask(num_n, gen) for _ in range(num_b)]).to(device)
+    positions = ref_cache.lengths[slot_t][:, None] + tree.sum(-1) - 1  # [B, N]
+    q, k, v = (torch.randn(num_b, h, num_n, HEAD_DIM, generator=gen).to(device, dtype)
+               for h in (heads, kv_heads, kv_heads))
+
+    def rope(like, pos):  # no rotation (the attention, not RoPE, is under test)
+        shape = (*pos.shape, HEAD_DIM)
+        return (torch.ones(shape, device=device, dtype=dtype),
+                torch.zeros(shape, device=device, dtype=dtype))
+
+    ref_inp = step_inputs(ref_cache, slot_t, tree, positions, rope, q)
+    ref = cached_attention(q, k, v, ref_cache, 0, ref_inp)
+    inp = flex_step_inputs(flex_cache, slot_t, tree, positions, rope, q, compiled=compiled,
+                           in_place=True)
+    assert isinstance(inp.window, PagedFlexWindow) and inp.mask is None
+    out = flex_cached_attention(q, k, v, flex_cache, 0, inp)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=max(atol, 1e-5))
+    assert torch.equal(flex_cache.k, ref_cache.k) and torch.equal(flex_cache.v, ref_cache.v)
+    dense = ref_inp.mask[:, 0].cpu()  # [B, N, S] by position
+    pool = (num_blocks + 1) * block_size
+    where = torch.zeros(num_b, num_n, pool, dtype=torch.bool)  # by where the entry lies
+    for b, slot in enumerate(slots):
+        pos = torch.arange(dense.shape[-1])
+        table = flex_cache.block_tables[slot].cpu()
+        where[b][:, table[pos // block_size] * block_size + pos % block_size] = dense[b]
+    bm = inp.window.block_mask
+    lists = PagedFlexWindow(bm.to("cpu") if device != "cpu" else bm, block_size, compiled)
+    check_block_lists(lists, where, num_n, kv_block=block_size, kv_len=pool)
+
+
+@pytest.mark.parametrize("num_n", [1, 9, 130])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_flex_reading_paged_blocks_in_place_equals_dense_reference(num_n, block_size):
+    """Ragged prefixes across block boundaries, scattered slots, GQA, a shared block, trees
+    of one node, of nine and of two query blocks."""
+    compare_paged([31, 32, 47, 100], [2, 0, 3], num_n, heads=4, kv_heads=2,
+                  block_size=block_size, seed=num_n + block_size)
+
+
+def test_the_cache_blocks_are_read_where_they_lie():
+    """`KVCache.head_runs` views the heads-outer cache without a copy (a write to the cache
+    shows through it) and refuses the default layout, which it could only copy."""
+    cache = KVCache.allocate_paged(2, 2, 6, 4, 16, 2, HEAD_DIM, torch.float32, "cpu",
+                                   heads_outer=True)
+    keys, values = cache.head_runs(1)
+    assert keys.shape == values.shape == (1, 2, 7 * 4, HEAD_DIM)
+    cache.k[1, 5, 1, 2] = 3.0
+    cache.v[1, 0, 0, 1] = 4.0
+    assert bool((keys[0, 1, 5 * 4 + 2] == 3.0).all()) and bool((values[0, 0, 1] == 4.0).all())
+    default = KVCache.allocate_paged(2, 2, 6, 4, 16, 2, HEAD_DIM, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="heads-outer"):
+        default.head_runs(0)
+
+
+@pytest.mark.slow  # torch.compile of FlexAttention, ~12 s; the eager tests above stay
+def test_compiled_flex_visits_only_the_listed_paged_blocks():
+    """The compiled CPU kernel over the blocks in place (it follows the lists: the eager one
+    scores every block) equals the reference."""
+    compare_paged([31, 32, 47, 300], [2, 0, 3], 9, heads=4, kv_heads=2, compiled=True, seed=5)
 
 
 @pytest.mark.slow  # torch.compile of FlexAttention, ~12 s; the eager tests above stay
@@ -282,6 +378,21 @@ def test_backend_for_picks_and_logs_the_attention(monkeypatch, caplog):
     target.backend = FlexBackend()
     assert target.backend.info(target)["attention"] == "flex"
     assert target.backend.cost_key(target) != Backend().cost_key(target)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_compiled_flex_reads_paged_blocks_in_place(dtype, block_size):
+    """On a GPU: the compiled (Triton) FlexAttention over the paged cache's blocks in place
+    (the serving path's eager steps) against SDPA over the gathered entries, one and 33
+    nodes (the decoding and the main kernel), block sizes under and at the default tile."""
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for num_n in (1, 33):
+        compare_paged([127, 128, 129, 1000], [3, 1, 0], num_n, heads=8, kv_heads=2,
+                      block_size=block_size, compiled=True, seed=num_n, device="cuda",
+                      dtype=dtype, atol=tol)
 
 
 @pytest.mark.gpu

@@ -481,3 +481,40 @@ def test_the_running_requests_preempted_beside_an_older_chunked_prompt_resume_ex
     assert engine.stats.preemptions >= 2
     assert out == calm and all(len(v) == 60 for v in out.values())
     assert engine.paging.blocks.num_free == 60
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_reading_blocks_in_place_pages_preempts_and_caches_prefixes():
+    """FlexAttention over the paged cache's blocks where they lie (what compiled kernels do on
+    CUDA; eager here): with room, prefix-cache hits; with a pool too small, preemptions; a
+    long prompt read in chunks beside the running requests; the CUDA-graph runner's padded
+    steps over the same cache; every output plain decoding's."""
+    from eagle2.flex import FlexBackend
+
+    target = tiny_target(vocab=48, seed=37)
+    prompts = shared_prefix_prompts(4, 48, 40, seed=10) + random_prompts(4, 48, seed=11)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    vanilla = run(paged_engine(target, None, max_context=128), prompts, params,
+                  TREES["vanilla"])
+    whole = paged_engine(target, 200, max_context=384)
+    whole.prefill_chunk = 10**6
+    expected, _, _ = _late_long_prompt(whole)
+    target.backend = FlexBackend(compiled=False, paged_in_place=True)
+    for num_blocks in (400, 18):
+        engine = paged_engine(target, num_blocks, max_context=128)
+        assert engine.runner.cache.head_runs(0)[0].shape[2] == (num_blocks + 1) * 16
+        got = run(engine, prompts[:1], params, TREES["eagle2"])
+        assert got + run(engine, prompts[1:], params, TREES["eagle2"]) == vanilla, num_blocks
+        assert engine.paging.blocks.num_free == num_blocks
+        if num_blocks == 400:
+            assert engine.stats.prefix_hit_tokens > 0
+        else:
+            assert engine.stats.preemptions > 0
+    chunked = paged_engine(target, 200, max_context=384)
+    chunked.prefill_chunk, chunked.mix_prompts = 48, True
+    assert _late_long_prompt(chunked)[0] == expected
+    assert chunked.stats.mixed_steps == 5
+    # CUDA's runner: padded steps gather from the heads-outer blocks, the others read them
+    graphed = paged_engine(target, 400, max_context=128, runner_cls=GraphedRunner)
+    assert run(graphed, prompts, params, TREES["eagle2"]) == vanilla
+    assert graphed.runner.counts["padded"] > 0

@@ -66,6 +66,7 @@ class CanonicalWindow:
     bias: torch.Tensor  # [B, 1, N, 1, W] fp32 mask of the window keys
     rows: torch.Tensor  # [B * KVH * Np * W] rows of one layer's V cache viewed [-1, Dh + 1]
     group: int  # queries per block-diagonal matmul of the window; Np = N rounded up to it
+    reads_blocks = False  # a paged cache's entries come gathered into rows
 
     def attend(self, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                inp: StepInputs) -> torch.Tensor:
