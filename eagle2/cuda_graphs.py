@@ -97,20 +97,37 @@ def padded_wanted(cuda_graphs: bool | str | None, device: torch.device,
 
 
 def padded_step_inputs(cache: KVCache, step: PaddedStep, rope: tuple[torch.Tensor, torch.Tensor],
-                       keys: int, contiguous: bool, window: int | None = None) -> StepInputs:
+                       keys: int, contiguous: bool, window: int | None = None,
+                       flex: bool | None = None) -> StepInputs:
     """`attention.step_inputs` for a padded step (`buckets.pad_step`), graph-safe: no host
     synchronisation and every shape fixed by the bucket. keys: S, the cache entries attended
     over (>= every row's committed length + the step's scratch region); contiguous: the real
     slots are 0..B-1 (the layers read the first Bb slots as a view, padded rows reading a
     slot they never write; else they gather the step's slots, the scratch slot included);
     rope: cos, sin [>= max position + 1, Dh] (`RopeTable.table`); window: also hide prefix
-    entries older than this. The mask is [Bb, 1, Nb, S]."""
+    entries older than this. The mask is [Bb, 1, Nb, S]. flex (a paged cache laid out
+    heads-outer): no mask; the layers attend through FlexAttention over the blocks in place
+    (`eagle2.flex.PagedFlexWindow`; True: compiled, False: eager), the padded rows (all
+    the null block) seeing nothing."""
     slots, tree_mask = step.slots, step.tree_mask  # [Bb], [Bb, Nb, T]
     num_b, num_n = step.positions.shape
     num_t = tree_mask.shape[2]
     dev = slots.device
     base = cache.lengths[slots]  # [Bb] (the scratch slot's: 0)
     scratch = base[:, None] + torch.arange(num_t, device=dev)  # [Bb, T]
+    if flex is not None and cache.paged:
+        from eagle2.flex import PagedFlexWindow, paged_block_mask
+
+        write_pos = scratch[:, num_t - num_n:]
+        cos, sin = rope[0][step.positions], rope[1][step.positions]  # [Bb, Nb, Dh]
+        tables = cache.table_rows(slots, keys)
+        inp = StepInputs(slots, write_pos, None, cos, sin, contiguous, None, None, base,
+                         tree_mask, gather_len=keys)
+        inp.write_entries, inp.read_blocks = cache.entries(slots, write_pos), tables
+        inp.window = PagedFlexWindow(paged_block_mask(base, tree_mask, tables, cache.k.shape[1],
+                                                      cache.block_size, window),
+                                     cache.block_size, flex)
+        return inp
     cols = torch.arange(keys, device=dev)  # [S]
     prefix = cols[None, :] < base[:, None]  # [Bb, S]
     if window is not None:
@@ -131,12 +148,19 @@ def padded_step_inputs(cache: KVCache, step: PaddedStep, rope: tuple[torch.Tenso
 
 def padded_forward(target: TargetModel, cache: KVCache, step: PaddedStep,
                    rope: tuple[torch.Tensor, torch.Tensor], keys: int,
-                   contiguous: bool) -> TargetOutput:
+                   contiguous: bool, flex: bool | None = None) -> TargetOutput:
     """The torch backend's `TargetModel.forward` over a padded step (graph-safe): hidden and
-    features [Bb, Nb, ...] (`buckets.unpad` takes the real ones)."""
+    features [Bb, Nb, ...] (`buckets.unpad` takes the real ones). flex: `padded_step_inputs`'s."""
     x = target.embed(step.tokens)  # [Bb, Nb, H]
-    inp = padded_step_inputs(cache, step, rope, keys, contiguous)
+    inp = padded_step_inputs(cache, step, rope, keys, contiguous, flex=flex)
     return module_layers(target, x, cache, inp)
+
+
+# the attention of the target's padded steps (inside the CUDA graphs): "sdpa" (over the
+# dense mask, the paged cache's entries gathered) or "flex" (FlexAttention over the blocks in
+# place: a FlexBackend that reads them so, `eagle2.flex`)
+GRAPH_ATTENTION_ENV = "EAGLE2_GRAPH_ATTENTION"
+GRAPH_ATTENTIONS = ("sdpa", "flex")
 
 
 def _host_plan(cache: KVCache, slots: torch.Tensor, needed_past_base: int, buckets: Buckets
@@ -234,11 +258,25 @@ class GraphedRunner(LocalRunner):
     def __init__(self, target: TargetModel, num_slots: int, max_len: int,
                  num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  kv_cache_memory: int | float | None = None, *, buckets: Buckets | None = None,
-                 graphs: bool | None = None, strict: bool | None = None):
+                 graphs: bool | None = None, strict: bool | None = None,
+                 attention: str | None = None):
         if target.backend.name == "cpu":
             padded_wanted("on", target.device, target.backend)  # raises: the CPU backend
         super().__init__(target, num_slots + 1, max_len, num_blocks=num_blocks,
                          block_size=block_size, kv_cache_memory=kv_cache_memory)
+        # attention: of the padded steps (None: $EAGLE2_GRAPH_ATTENTION, else "sdpa")
+        self.attention = attention or os.environ.get(GRAPH_ATTENTION_ENV) or "sdpa"
+        if self.attention not in GRAPH_ATTENTIONS:
+            raise ValueError(f"unknown graph attention {self.attention!r}; use one of "
+                             f"{GRAPH_ATTENTIONS}")
+        backend = target.backend
+        reads = getattr(backend, "reads_blocks", None)
+        if self.attention == "flex" and not (self.paged and reads and reads(self.device)):
+            raise ValueError("graph attention 'flex' reads a paged cache's blocks in place: it "
+                             "needs a paged cache and a FlexBackend that reads blocks "
+                             "(compiled, as on CUDA)")
+        # flex: compiled or eager (`padded_step_inputs`); None: SDPA over the dense mask
+        self.flex = backend.compiles(self.device) if self.attention == "flex" else None
         self.num_slots = num_slots
         self.scratch_slot = num_slots  # padded rows' slot: committed length 0 for good
         self.buckets = buckets or Buckets()
@@ -260,7 +298,8 @@ class GraphedRunner(LocalRunner):
     @property
     def info(self) -> dict:
         return {**super().info, "cuda_graphs": self.graphs is not None
-                and self.graphs.failed is None, "padded_steps": True}
+                and self.graphs.failed is None, "padded_steps": True,
+                "graph_attention": self.attention}
 
     def target_forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                        tree_mask: torch.Tensor, slots: torch.Tensor) -> TargetOutput:
@@ -285,7 +324,7 @@ class GraphedRunner(LocalRunner):
             return None
         keys, contiguous = plan
         fn = lambda step: padded_forward(self.target, self.cache, step, self.rope, keys,  # noqa: E731
-                                         contiguous)
+                                         contiguous, self.flex)
         if self.graphs is not None:
             out = self.graphs.run(
                 (bucket_b, bucket_n, keys, contiguous),
@@ -322,14 +361,16 @@ def runner_class(device: torch.device, cuda_graphs: bool | str | None = None
 
 def make_runner(target: TargetModel, num_slots: int, max_len: int,
                 cuda_graphs: bool | str | None = None, num_blocks: int | None = None,
-                block_size: int = BLOCK_SIZE) -> LocalRunner:
+                block_size: int = BLOCK_SIZE, graph_attention: str | None = None
+                ) -> LocalRunner:
     """The serving engine's runner for a target in this process: `GraphedRunner` where
     `padded_wanted` says so (cuda_graphs None: $EAGLE2_CUDA_GRAPHS, else "auto": CUDA
-    targets of the torch backends), else `LocalRunner`; paged over num_blocks blocks where
-    given (and the target pages), else slotted."""
+    targets of the torch backends; graph_attention: its `attention`), else `LocalRunner`;
+    paged over num_blocks blocks where given (and the target pages), else slotted."""
     if padded_wanted(cuda_graphs, target.device, target.backend):
         return GraphedRunner(target, num_slots, max_len, num_blocks, block_size,
-                             strict=graphs_choice(cuda_graphs) == "on")
+                             strict=graphs_choice(cuda_graphs) == "on",
+                             attention=graph_attention)
     return LocalRunner(target, num_slots, max_len, num_blocks, block_size)
 
 

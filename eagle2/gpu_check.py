@@ -28,7 +28,9 @@ tiny shapes in fp32, so the whole check runs on any machine. The phases, in orde
 - context_4k: a ~4096-token prompt's prefill, then eagle2 and vanilla decoding after it;
 - prefill_memory: torch.cuda.max_memory_allocated over long prefills (null on a CPU);
 - eagle2_vs_vanilla (ms per engine step, eager and, on CUDA, through the serving engine's CUDA
-  graphs); arrivals: a long prompt and short ones arriving while 4 streams decode, read inside
+  graphs); graph_attention: the graphed steps attending by SDPA over gathered entries (the
+  default) against FlexAttention over the paged blocks in place (ms per step, same tokens);
+  arrivals: a long prompt and short ones arriving while 4 streams decode, read inside
   the verification forward against in forwards of their own (ms of steps with and without
   prompt tokens: what reading them costs the streams); forward_cost (ms per forward for N
   tokens x batch, eager and CUDA graphs, host against device time), lossless_eagle3_head,
@@ -123,21 +125,26 @@ def random_eagle3_head(target, dtype: torch.dtype, device: str, draft_vocab: int
                            aux_layer_ids=aux).to(device)
 
 
-def make_engine(target, head, max_batch: int, max_context: int, cuda_graphs: bool = False):
+def make_engine(target, head, max_batch: int, max_context: int,
+                cuda_graphs: bool | str = False, graph_attention: str | None = None):
     """cuda_graphs: the target's steps and the head's tree levels through CUDA graphs per
-    bucket (`eagle2.cuda_graphs`), else eager. The target's cache is paged as the service's
-    (blocks for max_batch whole contexts: no preemption)."""
+    bucket (`eagle2.cuda_graphs`; "on" off CUDA: the same padded steps, eagerly), else
+    eager; graph_attention: the padded steps' (`GraphedRunner.attention`). The target's cache
+    is paged as the service's (blocks for max_batch whole contexts: no preemption)."""
     from eagle2.cuda_graphs import make_runner
     from eagle2.drafter import Drafter
     from eagle2.engine import Engine
     from eagle2.runner import BLOCK_SIZE
 
     target.set_feature_layers(head.feature_layers(target.num_layers))  # EAGLE-3: 3 layers
+    # (the head's levels pad only on CUDA: off it the head keeps the CPU backend's kernels)
     drafter = Drafter(head, target.embed, target.lm_head, max_slots=max_batch,
-                      max_len=max_context, cuda_graphs=cuda_graphs)
+                      max_len=max_context,
+                      cuda_graphs=cuda_graphs if target.device.type == "cuda" else False)
     max_len = max_context + Engine.tree_margin
     runner = make_runner(target, max_batch, max_len, cuda_graphs,
-                         num_blocks=max_batch * -(-max_len // BLOCK_SIZE))
+                         num_blocks=max_batch * -(-max_len // BLOCK_SIZE),
+                         graph_attention=graph_attention)
     return Engine(runner, drafter, max_batch=max_batch, max_context=max_context)
 
 
@@ -327,6 +334,50 @@ def engine_vs_vanilla(target, head, sizes: dict, num_tokens: int, batches: tuple
                     row["graph_steps"] = engine.runner.counts["graph"]
                 eager_tokens = tokens
                 rows.append(row)
+    return {"rows": rows, "skipped_for_budget": skipped}
+
+
+def graph_attention(target, head, sizes: dict, num_tokens: int, batches: tuple[int, ...],
+                    over: Callable[[], bool] = lambda: False) -> dict:
+    """The target's padded (CUDA-graph) steps attending by SDPA over the dense mask, the
+    paged cache's entries gathered per layer (the default), against FlexAttention over the
+    blocks in place (`GraphedRunner(attention="flex")`): ms per engine step of greedy eagle2
+    (fixed tree) and of vanilla, per batch, each run after an untimed one (captures and
+    compiles), and whether the two give the same tokens. Off CUDA the same padded steps run
+    eagerly, with an eager FlexBackend that reads blocks in place."""
+    from eagle2.config import SamplingParams
+    from eagle2.flex import FlexBackend
+
+    cuda = target.device.type == "cuda"
+    backend = target.backend
+    if not cuda:
+        target.backend = FlexBackend(compiled=False, paged_in_place=True)
+    params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+    rows, skipped = [], []
+    try:
+        for num_b in batches:
+            prompts = random_prompts(target.vocab_size, [9 + 3 * i for i in range(num_b)],
+                                     seed=31)
+            for mode in ("eagle2", "vanilla"):
+                tokens = {}
+                for attention in ("sdpa", "flex"):
+                    if over():
+                        skipped.append({"batch": num_b, "mode": mode, "attention": attention})
+                        continue
+                    engine = make_engine(target, head, num_b, 256,
+                                         cuda_graphs=True if cuda else "on",
+                                         graph_attention=attention)
+                    generate(engine, prompts, params, fixed_tree(mode, sizes))  # untimed
+                    counts = dict(engine.runner.counts)
+                    tokens[attention], stats = generate(engine, prompts, params,
+                                                        fixed_tree(mode, sizes))
+                    graphed = {k: v - counts.get(k, 0) for k, v in engine.runner.counts.items()}
+                    rows.append({"batch": num_b, "mode": mode, "attention": attention, **stats,
+                                 "steps_by_launch": graphed})
+                if len(tokens) == 2:
+                    rows[-1]["same_tokens_as_sdpa"] = tokens["flex"] == tokens["sdpa"]
+    finally:
+        target.backend = backend
     return {"rows": rows, "skipped_for_budget": skipped}
 
 
@@ -762,6 +813,11 @@ def phase_eagle2_vs_vanilla(c: Check) -> dict:
     return engine_vs_vanilla(c.target, c.head, c.sizes, c.pick(32, 8), (1, 8), c.over)
 
 
+def phase_graph_attention(c: Check) -> dict:
+    return graph_attention(c.target, c.head, c.sizes, c.pick(32, 8), c.pick((1, 8), (1, 2)),
+                           c.over)
+
+
 def phase_arrivals(c: Check) -> dict:
     return arrivals(c.target, c.head, c.sizes, c.pick(512, 32), c.pick(2000, 150),
                     c.pick(64, 24), c.over)
@@ -913,6 +969,7 @@ PHASES: list[Phase] = [
     Phase("context_4k", phase_context_4k, 40),
     Phase("prefill_memory", phase_prefill_memory, 30),
     Phase("eagle2_vs_vanilla", phase_eagle2_vs_vanilla, 30),
+    Phase("graph_attention", phase_graph_attention, 40),
     Phase("arrivals", phase_arrivals, 30),
     Phase("forward_cost", phase_forward_cost, 90),
     Phase("lossless_eagle3_head", phase_lossless_eagle3_head, 45),

@@ -89,6 +89,11 @@ def _check_results(res: dict) -> None:
         assert set(by_launch) == {"plain_eager", "prompt_eager"}
         assert by_launch["prompt_eager"] == arr[v]["prompt_steps"]
         assert arr[v]["step_ms_by_launch"]["plain_eager"] > 0
+    rows = res["graph_attention"]["rows"]  # padded steps, eagerly: SDPA and flex in place
+    assert {(r["batch"], r["mode"], r["attention"]) for r in rows} == {
+        (b, m, a) for b in (1, 2) for m in ("eagle2", "vanilla") for a in ("sdpa", "flex")}
+    assert all(r["same_tokens_as_sdpa"] for r in rows if r["attention"] == "flex")
+    assert all(set(r["steps_by_launch"]) == {"padded"} for r in rows)
     warm = res["warmup"]
     assert set(warm) == {"eagle2_eager", "vanilla_eager", "skipped_for_budget"}
     assert all(warm[k]["first_s"] > 0 and warm[k]["again_s"] > 0 for k in warm if "_" in k

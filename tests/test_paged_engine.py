@@ -4,6 +4,8 @@ requests (preemption); a prompt sharing a cached prefix prefills fewer tokens.""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import random_prompts, run, tiny_target
@@ -514,7 +516,13 @@ def test_flex_reading_blocks_in_place_pages_preempts_and_caches_prefixes():
     chunked.prefill_chunk, chunked.mix_prompts = 48, True
     assert _late_long_prompt(chunked)[0] == expected
     assert chunked.stats.mixed_steps == 5
-    # CUDA's runner: padded steps gather from the heads-outer blocks, the others read them
-    graphed = paged_engine(target, 400, max_context=128, runner_cls=GraphedRunner)
-    assert run(graphed, prompts, params, TREES["eagle2"]) == vanilla
-    assert graphed.runner.counts["padded"] > 0
+    # CUDA's runner: padded steps by SDPA over entries gathered from the heads-outer blocks,
+    # or (graph attention "flex") by FlexAttention over the blocks in place
+    for attention in ("sdpa", "flex"):
+        graphed = paged_engine(target, 400, max_context=128,
+                               runner_cls=functools.partial(GraphedRunner, attention=attention))
+        assert run(graphed, prompts, params, TREES["eagle2"]) == vanilla, attention
+        assert graphed.runner.counts["padded"] > 0
+        assert graphed.runner.info["graph_attention"] == attention
+    with pytest.raises(ValueError, match="paged cache"):
+        GraphedRunner(target, 2, 64, attention="flex")  # slotted: nothing to read in place
