@@ -247,6 +247,24 @@ def _parts_backend(kind: str):
     return target
 
 
+def cache_with_prompts(target, prompts: list[list[int]], paged: bool, seed: int):
+    """A cache of a slot per prompt, each prompt's forward committed in its slot; paged: 8
+    blocks of 16 entries a slot, handed out in a random order."""
+    num = len(prompts)
+    cache = (target.allocate_paged_cache(num, 8 * num + 16, 16, 128) if paged
+             else target.allocate_cache(num, 128))
+    if paged:
+        order = torch.randperm(8 * num + 16, generator=torch.Generator().manual_seed(seed))
+        for s in range(num):
+            cache.set_blocks(s, order[8 * s:8 * s + 8].tolist())
+    for s, prompt in enumerate(prompts):
+        n = len(prompt)
+        target.forward(torch.tensor([prompt]), torch.arange(n)[None],
+                       causal_mask(torch.tensor([n]), n), cache, torch.tensor([s]))
+        cache.lengths[s] = n
+    return cache
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["slotted", "paged"])
 @pytest.mark.parametrize("kind", ["cpu-fp32", "sdpa", "flex", "bf16-exact"])
 def test_forward_parts_equals_each_groups_own_forward(kind, paged):
@@ -260,18 +278,8 @@ def test_forward_parts_equals_each_groups_own_forward(kind, paged):
     gen = torch.Generator().manual_seed(3)
 
     def cache_with_history():
-        cache = (target.allocate_paged_cache(3, 40, 16, 128) if paged
-                 else target.allocate_cache(3, 128))
-        if paged:
-            order = torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist()
-            for s in range(3):
-                cache.set_blocks(s, order[8 * s:8 * s + 8])
-        for s, prompt in enumerate(([5, 9, 2, 7, 1, 3, 3, 8, 6], [4, 4, 1], list(range(30)))):
-            n = len(prompt)
-            target.forward(torch.tensor([prompt]), torch.arange(n)[None],
-                           causal_mask(torch.tensor([n]), n), cache, torch.tensor([s]))
-            cache.lengths[s] = n
-        return cache
+        return cache_with_prompts(target, [[5, 9, 2, 7, 1, 3, 3, 8, 6], [4, 4, 1],
+                                           list(range(30))], paged, seed=1)
 
     tree = sample_tree()
     trees = StepPart(tree.tokens.expand(2, -1), None, tree.tree_mask.expand(2, -1, -1),
@@ -372,18 +380,8 @@ def test_tree_forward_with_packed_query_heads_equals_enable_gqa(paged, monkeypat
     tree = sample_tree()
 
     def run():
-        cache = (target.allocate_paged_cache(2, 24, 16, 128) if paged
-                 else target.allocate_cache(2, 128))
-        if paged:
-            order = torch.randperm(24, generator=torch.Generator().manual_seed(2)).tolist()
-            for s in range(2):
-                cache.set_blocks(s, order[8 * s:8 * s + 8])
-        for s, prompt in enumerate(([5, 9, 2, 7, 1, 3, 3, 8, 6, 1, 2, 3, 4, 5, 6, 7, 8, 9],
-                                    [4, 4, 1])):
-            n = len(prompt)
-            target.forward(torch.tensor([prompt]), torch.arange(n)[None],
-                           causal_mask(torch.tensor([n]), n), cache, torch.tensor([s]))
-            cache.lengths[s] = n
+        cache = cache_with_prompts(target, [[5, 9, 2, 7, 1, 3, 3, 8, 6, 1, 2, 3, 4, 5, 6, 7,
+                                             8, 9], [4, 4, 1]], paged, seed=2)
         out = target.forward(tree.tokens.expand(2, -1), cache.lengths[:, None] + tree.depths,
                              tree.tree_mask.expand(2, -1, -1), cache, torch.tensor([1, 0]))
         return out.features, cache
