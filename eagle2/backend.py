@@ -109,11 +109,17 @@ class Backend:
 
     def allocate_paged_cache(self, target: TargetModel, num_slots: int, num_blocks: int,
                              block_size: int, max_len: int) -> KVCache:
-        """`TargetModel.allocate_paged_cache` (`KVCache.allocate_paged`)."""
+        """`TargetModel.allocate_paged_cache` (`KVCache.allocate_paged`), laid out heads-outer
+        where the attention reads the blocks in place (`reads_blocks`)."""
         return KVCache.allocate_paged(
             target.num_layers, num_slots, num_blocks, block_size, max_len,
             target.local_kv_heads(), target.head_dim, target.dtype, target.device,
-            ones_column=self.exact)
+            ones_column=self.exact, heads_outer=self.reads_blocks(target.device))
+
+    def reads_blocks(self, device: torch.device) -> bool:
+        """Whether the attention reads a paged cache's blocks in place on `device` (the flex
+        backend's, compiled) rather than each slot's entries gathered into rows."""
+        return False
 
     def kv_bytes_per_token(self, target: TargetModel) -> int:
         """`TargetModel.kv_bytes_per_token`: K and V (and the exact attention's column of

@@ -270,8 +270,7 @@ class GraphedRunner(LocalRunner):
             raise ValueError(f"unknown graph attention {self.attention!r}; use one of "
                              f"{GRAPH_ATTENTIONS}")
         backend = target.backend
-        reads = getattr(backend, "reads_blocks", None)
-        if self.attention == "flex" and not (self.paged and reads and reads(self.device)):
+        if self.attention == "flex" and not (self.paged and backend.reads_blocks(self.device)):
             raise ValueError("graph attention 'flex' reads a paged cache's blocks in place: it "
                              "needs a paged cache and a FlexBackend that reads blocks "
                              "(compiled, as on CUDA)")

@@ -23,23 +23,26 @@ compiles it too, but each new shape costs ~20 s): the eager kernel materialises 
 the used prefix (not of the whole cache) and ignores the block lists, so the CPU checks the
 mask_mod (and, compiled, the block lists) against the dense reference, not the GPU's speed.
 
-Over a paged cache (docs/kv-cache.md) a compiled FlexBackend reads the blocks where they lie
-(`PagedFlexWindow`), as torch's experimental PagedAttention does, instead of copying each
-layer's used entries into rows first (per layer [B, KVH, S, Dh] for K and V: at 64 requests
-of 2k tokens, a 70B layer's share of a GPU copied ~67 MB twice, read once more by the
-kernel). Its caches are laid out heads-outer (`KVCache.allocate_paged(heads_outer=True)`), so
+Over a paged cache (docs/kv-cache.md) a compiled FlexBackend can read the blocks where they
+lie (`PagedFlexWindow`; EAGLE2_PAGED_IN_PLACE=1 or `FlexBackend(paged_in_place=True)`; not
+the default until a GPU has run it), as torch's experimental PagedAttention does, instead of
+copying each layer's used entries into rows first (per layer [B, KVH, S, Dh] for K and V: at
+64 requests of 2k tokens, a 70B layer's share of a GPU copied ~67 MB twice, read once more by
+the kernel). Its caches are laid out heads-outer (`KVCache.allocate_paged(heads_outer=True)`), so
 that a layer's KV head is one run of every block (`KVCache.head_runs`, [1, KVH, blocks x S,
 Dh]: key j x S + p is entry p of block j) that all requests' queries attend to;
 `paged_block_mask` maps each request's block lists through its block table, and its
 mask_mod maps a key back to the request's position (blocks that are not the request's are
 never seen). Eager, the kernel would score every block of the cache, so only tests ask for
-it (`FlexBackend(paged_in_place=True)`), with small caches. CUDA graphs' padded steps still
-attend by SDPA over gathered entries (docs/architecture.md "On GPUs").
+it (`FlexBackend(paged_in_place=True)`), with small caches. CUDA graphs' padded steps attend
+by SDPA over gathered entries unless EAGLE2_GRAPH_ATTENTION=flex (docs/architecture.md "On
+GPUs").
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -49,6 +52,8 @@ from eagle2.attention import KVCache, StepInputs, cached_attention, step_inputs,
 from eagle2.backend import Backend
 
 BLOCK = 128  # FlexAttention's sparse block size (queries and keys)
+# "1": a compiled FlexBackend reads paged caches in place by default (`FlexBackend.reads_blocks`)
+PAGED_IN_PLACE_ENV = "EAGLE2_PAGED_IN_PLACE"
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -330,22 +335,18 @@ class FlexBackend(Backend):
         """compiled: run `flex_attention` through torch.compile; None: on CUDA only.
         paged_in_place: read a paged cache's blocks where they lie (`PagedFlexWindow`; its
         caches are laid out heads-outer) instead of gathering each layer's used entries;
-        None: where compiled (eager, the kernel would score every block of the cache)."""
+        None: where compiled and $EAGLE2_PAGED_IN_PLACE is 1 (not yet by default: no GPU has
+        run it; `make gpu-check`'s paged_attention phase compares the two). Eager, the kernel
+        would score every block of the cache: for tests with small caches."""
         self.compiled, self.paged_in_place = compiled, paged_in_place
 
     def compiles(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compiled is None else self.compiled
 
     def reads_blocks(self, device: torch.device) -> bool:
-        return self.compiles(device) if self.paged_in_place is None else self.paged_in_place
-
-    def allocate_paged_cache(self, target, num_slots: int, num_blocks: int, block_size: int,
-                             max_len: int) -> KVCache:
-        """Laid out heads-outer where the blocks are read in place (`KVCache.head_runs`)."""
-        return KVCache.allocate_paged(
-            target.num_layers, num_slots, num_blocks, block_size, max_len,
-            target.local_kv_heads(), target.head_dim, target.dtype, target.device,
-            ones_column=self.exact, heads_outer=self.reads_blocks(target.device))
+        if self.paged_in_place is not None:
+            return self.paged_in_place
+        return self.compiles(device) and os.environ.get(PAGED_IN_PLACE_ENV) == "1"
 
     def info(self, target) -> dict:
         return {**super().info(target), "attention": "flex",

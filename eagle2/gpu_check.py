@@ -28,8 +28,9 @@ tiny shapes in fp32, so the whole check runs on any machine. The phases, in orde
 - context_4k: a ~4096-token prompt's prefill, then eagle2 and vanilla decoding after it;
 - prefill_memory: torch.cuda.max_memory_allocated over long prefills (null on a CPU);
 - eagle2_vs_vanilla (ms per engine step, eager and, on CUDA, through the serving engine's CUDA
-  graphs); graph_attention: the graphed steps attending by SDPA over gathered entries (the
-  default) against FlexAttention over the paged blocks in place (ms per step, same tokens);
+  graphs); paged_attention: the eager steps' FlexAttention and the graphed steps' attention
+  over each layer's used entries gathered (the defaults) against over the paged blocks in
+  place (prefill ms, ms per step, same tokens);
   arrivals: a long prompt and short ones arriving while 4 streams decode, read inside
   the verification forward against in forwards of their own (ms of steps with and without
   prompt tokens: what reading them costs the streams); forward_cost (ms per forward for N
@@ -337,21 +338,26 @@ def engine_vs_vanilla(target, head, sizes: dict, num_tokens: int, batches: tuple
     return {"rows": rows, "skipped_for_budget": skipped}
 
 
-def graph_attention(target, head, sizes: dict, num_tokens: int, batches: tuple[int, ...],
+# (variant, whether FlexAttention reads the paged blocks in place, the graphs' attention)
+PAGED_VARIANTS = (("gather", False, "sdpa"), ("in_place", True, "sdpa"),
+                  ("in_place_graph_flex", True, "flex"))
+
+
+def paged_attention(target, head, sizes: dict, num_tokens: int, batches: tuple[int, ...],
                     over: Callable[[], bool] = lambda: False) -> dict:
-    """The target's padded (CUDA-graph) steps attending by SDPA over the dense mask, the
-    paged cache's entries gathered per layer (the default), against FlexAttention over the
-    blocks in place (`GraphedRunner(attention="flex")`): ms per engine step of greedy eagle2
-    (fixed tree) and of vanilla, per batch, each run after an untimed one (captures and
-    compiles), and whether the two give the same tokens. Off CUDA the same padded steps run
-    eagerly, with an eager FlexBackend that reads blocks in place."""
+    """How the engine's steps read the paged cache (`PAGED_VARIANTS`): FlexAttention's eager
+    steps (the prompts' prefills here) over each layer's used entries gathered into rows (the
+    default) or over the blocks in place (`FlexBackend(paged_in_place=True)`), and the CUDA
+    graphs' padded steps by SDPA over gathered entries (the default) or by FlexAttention over
+    the blocks in place (`GraphedRunner(attention="flex")`). Per batch and mode (greedy
+    eagle2 on a fixed tree, vanilla): prefill ms, ms per step, steps by launch, each run
+    after an untimed one (captures, compiles), and whether the tokens are the default's.
+    Off CUDA the padded steps run eagerly, FlexAttention eager."""
     from eagle2.config import SamplingParams
     from eagle2.flex import FlexBackend
 
     cuda = target.device.type == "cuda"
     backend = target.backend
-    if not cuda:
-        target.backend = FlexBackend(compiled=False, paged_in_place=True)
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     rows, skipped = [], []
     try:
@@ -360,22 +366,23 @@ def graph_attention(target, head, sizes: dict, num_tokens: int, batches: tuple[i
                                      seed=31)
             for mode in ("eagle2", "vanilla"):
                 tokens = {}
-                for attention in ("sdpa", "flex"):
+                for name, in_place, graph_attention in PAGED_VARIANTS:
                     if over():
-                        skipped.append({"batch": num_b, "mode": mode, "attention": attention})
+                        skipped.append({"batch": num_b, "mode": mode, "variant": name})
                         continue
+                    target.backend = FlexBackend(compiled=None if cuda else False,
+                                                 paged_in_place=in_place)
                     engine = make_engine(target, head, num_b, 256,
                                          cuda_graphs=True if cuda else "on",
-                                         graph_attention=attention)
+                                         graph_attention=graph_attention)
                     generate(engine, prompts, params, fixed_tree(mode, sizes))  # untimed
                     counts = dict(engine.runner.counts)
-                    tokens[attention], stats = generate(engine, prompts, params,
-                                                        fixed_tree(mode, sizes))
-                    graphed = {k: v - counts.get(k, 0) for k, v in engine.runner.counts.items()}
-                    rows.append({"batch": num_b, "mode": mode, "attention": attention, **stats,
-                                 "steps_by_launch": graphed})
-                if len(tokens) == 2:
-                    rows[-1]["same_tokens_as_sdpa"] = tokens["flex"] == tokens["sdpa"]
+                    tokens[name], stats = generate(engine, prompts, params,
+                                                   fixed_tree(mode, sizes))
+                    launches = {k: v - counts.get(k, 0) for k, v in engine.runner.counts.items()}
+                    rows.append({"batch": num_b, "mode": mode, "variant": name, **stats,
+                                 "steps_by_launch": launches,
+                                 "same_tokens_as_gather": tokens[name] == tokens.get("gather")})
     finally:
         target.backend = backend
     return {"rows": rows, "skipped_for_budget": skipped}
@@ -813,8 +820,8 @@ def phase_eagle2_vs_vanilla(c: Check) -> dict:
     return engine_vs_vanilla(c.target, c.head, c.sizes, c.pick(32, 8), (1, 8), c.over)
 
 
-def phase_graph_attention(c: Check) -> dict:
-    return graph_attention(c.target, c.head, c.sizes, c.pick(32, 8), c.pick((1, 8), (1, 2)),
+def phase_paged_attention(c: Check) -> dict:
+    return paged_attention(c.target, c.head, c.sizes, c.pick(32, 6), c.pick((1, 8), (2,)),
                            c.over)
 
 
@@ -969,7 +976,7 @@ PHASES: list[Phase] = [
     Phase("context_4k", phase_context_4k, 40),
     Phase("prefill_memory", phase_prefill_memory, 30),
     Phase("eagle2_vs_vanilla", phase_eagle2_vs_vanilla, 30),
-    Phase("graph_attention", phase_graph_attention, 40),
+    Phase("paged_attention", phase_paged_attention, 50),
     Phase("arrivals", phase_arrivals, 30),
     Phase("forward_cost", phase_forward_cost, 90),
     Phase("lossless_eagle3_head", phase_lossless_eagle3_head, 45),

@@ -89,10 +89,11 @@ def _check_results(res: dict) -> None:
         assert set(by_launch) == {"plain_eager", "prompt_eager"}
         assert by_launch["prompt_eager"] == arr[v]["prompt_steps"]
         assert arr[v]["step_ms_by_launch"]["plain_eager"] > 0
-    rows = res["graph_attention"]["rows"]  # padded steps, eagerly: SDPA and flex in place
-    assert {(r["batch"], r["mode"], r["attention"]) for r in rows} == {
-        (b, m, a) for b in (1, 2) for m in ("eagle2", "vanilla") for a in ("sdpa", "flex")}
-    assert all(r["same_tokens_as_sdpa"] for r in rows if r["attention"] == "flex")
+    rows = res["paged_attention"]["rows"]  # gathered and in place, padded steps eagerly
+    assert {(r["batch"], r["mode"], r["variant"]) for r in rows} == {
+        (2, m, v[0]) for m in ("eagle2", "vanilla")
+        for v in gpu_check.PAGED_VARIANTS}
+    assert all(r["same_tokens_as_gather"] for r in rows)
     assert all(set(r["steps_by_launch"]) == {"padded"} for r in rows)
     warm = res["warmup"]
     assert set(warm) == {"eagle2_eager", "vanilla_eager", "skipped_for_budget"}

@@ -502,26 +502,26 @@ def test_flex_reading_blocks_in_place_pages_preempts_and_caches_prefixes():
     whole.prefill_chunk = 10**6
     expected, _, _ = _late_long_prompt(whole)
     target.backend = FlexBackend(compiled=False, paged_in_place=True)
-    for num_blocks in (400, 18):
+    for num_blocks in (120, 18):
         engine = paged_engine(target, num_blocks, max_context=128)
         assert engine.runner.cache.head_runs(0)[0].shape[2] == (num_blocks + 1) * 16
         got = run(engine, prompts[:1], params, TREES["eagle2"])
         assert got + run(engine, prompts[1:], params, TREES["eagle2"]) == vanilla, num_blocks
         assert engine.paging.blocks.num_free == num_blocks
-        if num_blocks == 400:
+        if num_blocks == 120:
             assert engine.stats.prefix_hit_tokens > 0
         else:
             assert engine.stats.preemptions > 0
-    chunked = paged_engine(target, 200, max_context=384)
+    chunked = paged_engine(target, 64, max_context=384)
     chunked.prefill_chunk, chunked.mix_prompts = 48, True
     assert _late_long_prompt(chunked)[0] == expected
     assert chunked.stats.mixed_steps == 5
     # CUDA's runner: padded steps by SDPA over entries gathered from the heads-outer blocks,
     # or (graph attention "flex") by FlexAttention over the blocks in place
     for attention in ("sdpa", "flex"):
-        graphed = paged_engine(target, 400, max_context=128,
+        graphed = paged_engine(target, 120, max_context=128,
                                runner_cls=functools.partial(GraphedRunner, attention=attention))
-        assert run(graphed, prompts, params, TREES["eagle2"]) == vanilla, attention
+        assert run(graphed, prompts[5:], params, TREES["eagle2"]) == vanilla[5:], attention
         assert graphed.runner.counts["padded"] > 0
         assert graphed.runner.info["graph_attention"] == attention
     with pytest.raises(ValueError, match="paged cache"):
