@@ -115,34 +115,32 @@ def padded_step_inputs(cache: KVCache, step: PaddedStep, rope: tuple[torch.Tenso
     dev = slots.device
     base = cache.lengths[slots]  # [Bb] (the scratch slot's: 0)
     scratch = base[:, None] + torch.arange(num_t, device=dev)  # [Bb, T]
-    if flex is not None and cache.paged:
-        from eagle2.flex import PagedFlexWindow, paged_block_mask
-
-        write_pos = scratch[:, num_t - num_n:]
-        cos, sin = rope[0][step.positions], rope[1][step.positions]  # [Bb, Nb, Dh]
-        tables = cache.table_rows(slots, keys)
-        inp = StepInputs(slots, write_pos, None, cos, sin, contiguous, None, None, base,
-                         tree_mask, gather_len=keys)
-        inp.write_entries, inp.read_blocks = cache.entries(slots, write_pos), tables
-        inp.window = PagedFlexWindow(paged_block_mask(base, tree_mask, tables, cache.k.shape[1],
-                                                      cache.block_size, window),
-                                     cache.block_size, flex)
-        return inp
-    cols = torch.arange(keys, device=dev)  # [S]
-    prefix = cols[None, :] < base[:, None]  # [Bb, S]
-    if window is not None:
-        prefix &= cols[None, :] >= (base[:, None] - window)
-    mask = prefix[:, None, :].expand(num_b, num_n, keys).clone()  # [Bb, Nb, S]
-    mask.scatter_(2, scratch[:, None, :].expand(num_b, num_n, num_t), tree_mask)
+    in_place = flex is not None and cache.paged
+    mask = None
+    if not in_place:
+        cols = torch.arange(keys, device=dev)  # [S]
+        prefix = cols[None, :] < base[:, None]  # [Bb, S]
+        if window is not None:
+            prefix &= cols[None, :] >= (base[:, None] - window)
+        mask = prefix[:, None, :].expand(num_b, num_n, keys).clone()  # [Bb, Nb, S]
+        mask.scatter_(2, scratch[:, None, :].expand(num_b, num_n, num_t), tree_mask)
+        mask = mask[:, None]
     cos, sin = rope[0][step.positions], rope[1][step.positions]  # [Bb, Nb, Dh]
     # a paged cache: the layers write through the block tables (the scratch slot's are all
-    # the null block) and read each row's first S entries gathered through them
+    # the null block) and read each row's first S entries gathered through them, or (flex)
+    # the blocks in place
     write_pos = scratch[:, num_t - num_n:]
-    inp = StepInputs(slots, write_pos, mask[:, None], cos, sin, contiguous, None, None, base,
+    inp = StepInputs(slots, write_pos, mask, cos, sin, contiguous, None, None, base,
                      tree_mask, gather_len=keys if cache.paged else 0)
     if cache.paged:  # (as `attention.step_inputs`: once a forward, not once a layer)
         inp.write_entries = cache.entries(slots, write_pos)
         inp.read_blocks = cache.table_rows(slots, keys)
+    if in_place:
+        from eagle2.flex import PagedFlexWindow, paged_block_mask
+
+        inp.window = PagedFlexWindow(
+            paged_block_mask(base, tree_mask, inp.read_blocks, cache.k.shape[1],
+                             cache.block_size, window), cache.block_size, flex)
     return inp
 
 
