@@ -12,6 +12,8 @@ same bits, for tp 2 and 3.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,6 +48,17 @@ def _run(target):
                                    tree.expand(2, 3, 3).contiguous(), slots)
     out.append((feats, logits, target.greedy_tokens(feats)))
     return out
+
+
+def _send(queue, obj) -> None:
+    """Tensors by value: a multiprocessing queue would pass their storage as a file descriptor
+    that the parent fetches from the child later, and a child that has exited by then leaves
+    the parent a FileNotFoundError (seen in CI)."""
+    queue.put(pickle.dumps(obj))
+
+
+def _receive(queue, timeout: float):
+    return pickle.loads(queue.get(timeout=timeout))
 
 
 def _rank(rank: int, port: int, queue) -> None:
@@ -92,8 +105,8 @@ def _rank(rank: int, port: int, queue) -> None:
         dist.all_reduce, dist.all_gather = gloo_reduce, gloo_gather
     assert counts["gloo"] == 0
     if rank == 0:
-        queue.put((out, layer_reduces, layer_gathers, counts["gathered"],
-                   tuple(target.lm_head.weight.shape)))
+        _send(queue, (out, layer_reduces, layer_gathers, counts["gathered"],
+                      tuple(target.lm_head.weight.shape)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -108,7 +121,7 @@ def test_tp2_layers_equal_the_whole_model_with_two_all_reduces_a_layer():
     procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    got, reduces, gathers, gathered, head_shape = queue.get(timeout=240)
+    got, reduces, gathers, gathered, head_shape = _receive(queue, 240)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -143,7 +156,7 @@ def _collectives(rank: int, world: int, port: int, queue) -> None:
     group.all_reduce(again)
     assert torch.equal(again, summed)
     parts = [p.clone() for p in group.gather(torch.tensor([rank, -rank], dtype=torch.bfloat16))]
-    queue.put((rank, mine, summed, big[:2].clone(), parts))
+    _send(queue, (rank, mine, summed, big[:2].clone(), parts))
     dist.barrier()
     group.close()
     dist.destroy_process_group()
@@ -157,7 +170,7 @@ def test_socket_group_sums_and_gathers_the_same_bits_on_every_rank(world):
     procs = [ctx.Process(target=_collectives, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    got = sorted((queue.get(timeout=240) for _ in range(world)), key=lambda x: x[0])
+    got = sorted((_receive(queue, 240) for _ in range(world)), key=lambda x: x[0])
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
