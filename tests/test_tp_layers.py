@@ -135,12 +135,18 @@ def test_tp2_layers_equal_the_whole_model_with_two_all_reduces_a_layer():
     assert set(gathered) == {32, 2} and gathered.count(2) == 2
 
 
-def _collectives(rank: int, world: int, port: int, queue) -> None:
+def _collectives(rank: int, world: int, port: int, queue, transport: str) -> None:
+    import socket
+
+    import eagle2.tp_comm
     from eagle2.tp import init_tp
     from eagle2.tp_comm import SocketGroup
 
+    eagle2.tp_comm.TRANSPORT = transport
     init_tp(rank, world, "127.0.0.1", port, backend="gloo")
     group = SocketGroup()
+    family = socket.AF_UNIX if transport == "unix" else socket.AF_INET
+    assert {s.family for s in group.peers.values()} == {family}
     g = torch.Generator().manual_seed(rank)
     mine = torch.randn(3, 5, generator=g)  # rank-dependent values
     summed = mine.clone()
@@ -163,11 +169,14 @@ def _collectives(rank: int, world: int, port: int, queue) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_socket_group_sums_and_gathers_the_same_bits_on_every_rank(world):
+@pytest.mark.parametrize("world,transport", [
+    (2, "unix"), (2, "tcp"), pytest.param(3, "unix", marks=pytest.mark.slow)])
+def test_socket_group_sums_and_gathers_the_same_bits_on_every_rank(world, transport):
+    """Over Unix sockets (the default on Linux) and over TCP (elsewhere)."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port("127.0.0.1")
-    procs = [ctx.Process(target=_collectives, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_collectives, args=(r, world, port, queue, transport))
+             for r in range(world)]
     for p in procs:
         p.start()
     got = sorted((_receive(queue, 240) for _ in range(world)), key=lambda x: x[0])
