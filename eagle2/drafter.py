@@ -25,7 +25,7 @@ from eagle2.eagle3 import Eagle3Head
 from eagle2.head import DraftHead
 from eagle2.lookup import Candidates, LookupTable, TokenHistory, add_chains, propose_branches
 from eagle2.ngram import NgramStore
-from eagle2.tree import DraftTree, build_tree, root_only, static_shape
+from eagle2.tree import HOST, DraftTree, build_tree, root_only, static_shape
 
 
 @dataclass
@@ -229,6 +229,9 @@ class Drafter:
         the token after each of them (the last one is the root); counts: [B] valid entries.
         min_gain: the dynamic tree stops expanding once the best frontier values (summed over
         the batch, calibrated) fall below it: deeper nodes could not pay for the expansion.
+        -> the trees on the host, where the engine (budget, acceptance) and the draft worker's
+        reply read them: the candidates cross from the head's device in one read
+        (`build_tree`), and no tree goes back up only to be read down again.
         """
         num_b, num_a = tokens.shape
         assert features.shape[:2] == (num_b, num_a), "features and tokens disagree"
@@ -261,7 +264,7 @@ class Drafter:
             self.histories[sid].extend(toks)
         root = tokens[rows, counts - 1]
         if config.mode == "vanilla":
-            return root_only(root)
+            return root_only(root.to(HOST))
         last = out[rows, counts - 1]  # [B, H] predicted feature at the root's position
         if config.mode == "static":
             return self._expand_static(slots, root, last, first, config)
@@ -382,7 +385,7 @@ class Drafter:
             merged, fresh = add_chains(merged, *self._chain_tensors(chains))
             self.last_fresh.append(fresh)
         return build_tree(root, merged.tokens, merged.parents, merged.scores, merged.depths,
-                          num_nodes, merged.values, merged.lookup)
+                          num_nodes, merged.values, merged.lookup, device=HOST)
 
     def _chain_tensors(self, chains: list[tuple[list[int], list[float], int]]):
         """Lookup chains -> tokens [B, D], lengths [B], rerank scores [B, D] (log of the raw

@@ -192,16 +192,34 @@ def _keep_best(ranked: list[float], keep: int) -> list[int]:
     return sorted(sorted(range(len(ranked)), key=ranked.__getitem__, reverse=True)[:keep])
 
 
+def host_lists(tensors: list[torch.Tensor]) -> list[list]:
+    """Each tensor's `.tolist()`, with one read from a device (on the CPU: each directly).
+    Off the CPU they cross packed as float64, which holds token ids, indices, counts and
+    fp32 / bf16 values exactly (ids below 2^53), and each is cast back to its dtype on the
+    host, so the lists equal the tensors' own."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [t.tolist() for t in tensors]
+    packed = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu()  # one read
+    out, at = [], 0
+    for t in tensors:
+        out.append(packed[at: at + t.numel()].view(t.shape).to(t.dtype).tolist())
+        at += t.numel()
+    return out
+
+
 def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
                cand_scores: torch.Tensor, cand_depths: torch.Tensor, num_nodes: int,
                cand_values: torch.Tensor | None = None,
-               cand_lookup: torch.Tensor | None = None) -> DraftTree:
+               cand_lookup: torch.Tensor | None = None,
+               device: torch.device | str | None = None) -> DraftTree:
     """Rerank candidates globally and flatten (docs/draft-tree.md "Draft tree").
 
     root: [B]; cand_*: [B, C] in depth order, parents index the candidate list (-1 = root),
     depths start at 1, scores -inf for entries that are not candidates. Keeps the best
     min(candidates, num_nodes - 1) of each row (rows with fewer candidates are padded).
     cand_values: the tree's values (default exp(scores)); cand_lookup: the tree's lookup flags.
+    device: where the tree goes (default: root's); the candidates cross to the host once
+    (`host_lists`), where the rerank runs.
     E.g. scores [-.1, -.5, -.2, -.9] (first two depth 1), keep 2 -> candidates 0 and 2.
     """
     num_b, num_c = cand_tokens.shape
@@ -210,9 +228,8 @@ def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torc
         cand_values = cand_scores.float().exp()
     if cand_lookup is None:
         cand_lookup = torch.zeros_like(cand_tokens, dtype=torch.bool)
-    roots = root.tolist()
-    cols = [x.tolist() for x in (cand_tokens, cand_parents, cand_scores, cand_depths,
-                                 cand_values.float(), cand_lookup)]
+    roots, *cols = host_lists([root, cand_tokens, cand_parents, cand_scores, cand_depths,
+                               cand_values.float(), cand_lookup])
     rows = []
     for b in range(num_b):
         tok, par, score, dep, val, look = (c[b] for c in cols)
@@ -225,7 +242,7 @@ def build_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torc
         rows.append(([roots[b], *(tok[c] for c in chosen)], parents,
                      [0, *(dep[c] for c in chosen)], [1.0, *(val[c] for c in chosen)],
                      [False, *(look[c] for c in chosen)]))
-    return tree_from_rows(rows, root.device)
+    return tree_from_rows(rows, root.device if device is None else device)
 
 
 def finish_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,

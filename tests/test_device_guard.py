@@ -105,6 +105,9 @@ def test_the_factory_check_sees_what_it_should(tmp_path):
 # ----- the dynamic check ----------------------------------------------------------------------
 ELSEWHERE = torch.device("cuda", 1)  # where the head's trees pretend to be (no GPU needed)
 DEVICE_OF = torch.Tensor.device.__get__  # (a new method-wrapper each time: compared by ==)
+# what reads a tensor's values on the host (from a GPU: a synchronization and a copy each)
+READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.__int__,
+         torch.Tensor.__float__, torch.Tensor.__bool__, torch.Tensor.__index__)
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -122,13 +125,15 @@ class Elsewhere(TorchFunctionMode):
     and what ops, moves (`.to`) and factories (device=ELSEWHERE) make from them. Their
     `.device` says ELSEWHERE. An op whose tensors are on both (a CPU tensor of one element
     and no dimension excepted: CUDA takes those as scalars; an index may be on the CPU, as
-    CUDA allows) raises as CUDA does and is recorded in `mixed`."""
+    CUDA allows) raises as CUDA does and is recorded in `mixed`. Moves to the CPU count in
+    `moved_back`, other host reads of their values (`tolist`, `int()`...) in `read_there`."""
 
     def __init__(self):
         super().__init__()
         self.there = WeakTensorKeyDictionary()  # tensor -> True: it is on ELSEWHERE
         self.mixed: list[str] = []
         self.moved_back = 0  # tensors taken from ELSEWHERE to the CPU
+        self.read_there: list[str] = []  # host reads of their values in place
 
     def put(self, t: torch.Tensor) -> torch.Tensor:
         copy = t.clone()
@@ -150,6 +155,8 @@ class Elsewhere(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func == DEVICE_OF:
             return self._device(args[0])
+        if func in READS and args[0] in self.there:
+            self.read_there.append(func.__name__)
         target = None  # the device the result goes to, where the call names one
         if func in (torch.Tensor.to, torch.Tensor.cpu):
             src = args[0]
@@ -218,6 +225,41 @@ def test_the_pretend_device_catches_what_cuda_would():
         with pytest.raises(RuntimeError, match="same device"):
             host[:2] = b
     assert sim.mixed == ["mul", "cat", "__setitem__"]
+    assert sim.read_there == [] and sim.moved_back == 1
+    with Elsewhere() as sim:
+        a = sim.put(torch.ones(3))
+        a.tolist(), int(a[0])
+    assert sim.read_there == ["tolist", "__int__"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_draft_candidates_cross_to_the_host_in_one_read(dtype):
+    """`build_tree` over candidates on a device (the head's, in process): one move to the
+    host, no read in place, the tree on the host where asked (the drafter asks: the engine
+    reads it there), equal to the tree built from host candidates: token ids beyond 2^24 and
+    bf16 / fp32 scores cross exactly."""
+    from test_tree import random_candidates
+
+    from eagle2.tree import HOST, build_tree
+
+    g = torch.Generator().manual_seed(4)
+    batch = [random_candidates(g, 3, 3, quantize=False) for _ in range(2)]
+    root = torch.tensor([128_255, 7])
+    tokens = torch.tensor([b[0] for b in batch]) * 1_000_003  # ids up to ~10^8
+    parents, depths = (torch.tensor([b[i] for b in batch]) for i in (1, 3))
+    scores = torch.tensor([b[2] for b in batch], dtype=dtype)
+    scores[1, -4:] = float("-inf")  # not candidates
+    values = scores.float().exp().to(dtype) * 0.9
+    lookup = torch.rand(tokens.shape, generator=g) < 0.3
+    args = (root, tokens, parents, scores, depths, 9, values, lookup)
+    expected = build_tree(*args)
+    with Elsewhere() as sim:
+        got = build_tree(*(sim.put(a) if isinstance(a, torch.Tensor) else a for a in args),
+                         device=HOST)
+    assert sim.moved_back == 1 and sim.read_there == [] and not sim.mixed
+    for name, want in zip(DraftTree.__dataclass_fields__, expected._fields(), strict=True):
+        have = getattr(got, name)
+        assert have.device == HOST and torch.equal(have, want), name
 
 
 def test_choose_num_nodes_takes_values_from_any_device():
