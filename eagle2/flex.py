@@ -190,8 +190,24 @@ def compiled_flex_attention(dynamic: bool) -> Callable:
 
     dynamic: one kernel for all batch, tree and cache sizes (CUDA). The CPU's C++ template
     fails to build once the mask's captured tensors have symbolic sizes (torch 2.13: "error:
-    'cur_kvSplitSize7' was not declared"), so compiled CPU runs compile each shape."""
+    'cur_kvSplitSize7' was not declared"), so compiled CPU runs compile each shape.
+
+    Every kind of call is a graph of its own even with dynamic shapes (batch and tree size
+    one against more, the target's mask against the head's sliding window, keys viewed in
+    the cache or gathered, the paged in-place lists): more than dynamo's default limit of 8
+    graphs a function, past which each new kind runs the unfused flex_attention (K/V
+    repeated per head, fp32 scores [B, Hq, N, S]) for the rest of the process. So the limit
+    is raised to FLEX_RECOMPILE_LIMIT (a process-wide dynamo setting)."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               FLEX_RECOMPILE_LIMIT)
     return torch.compile(flex_attention, dynamic=dynamic)
+
+
+# graphs dynamo keeps for the compiled flex_attention (its default: 8; the test of the kinds
+# of call, tests/test_flex_attention.py, makes 16)
+FLEX_RECOMPILE_LIMIT = 64
 
 
 class FlexWindow:

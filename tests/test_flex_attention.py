@@ -426,3 +426,39 @@ def test_cuda_compiled_flex_equals_dense_reference(dtype):
         out = flex_cached_attention(q, k, v, flex_cache, 0, inp)
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_compiled_flex_keeps_a_graph_for_every_kind_of_call(monkeypatch):
+    """On CUDA one compiled flex_attention (dynamic shapes) takes every call: the target's
+    masks and the head's (a sliding window), batches and trees of one and of more, keys as a
+    view of the cache and gathered. Dynamo makes a graph for each kind, more than its default
+    limit of 8, past which a call runs unfused for the rest of the process (K/V repeated per
+    head, fp32 scores [B, Hq, N, S]: GBs for a long prompt chunk). Here with torch.compile's
+    eager backend (the graphs without their kernels: seconds on a CPU), dynamic as on CUDA,
+    and a hit of the limit made to raise."""
+    import functools
+
+    import torch._dynamo
+
+    from eagle2 import flex
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit",
+                        torch._dynamo.config.recompile_limit)  # restored after
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    compiled = functools.cache(flex.compiled_flex_attention.__wrapped__)
+    monkeypatch.setattr(flex, "compiled_flex_attention", lambda dynamic: compiled(True))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    try:
+        for window in (None, 64):
+            for slots in ([0], [1, 0], [0, 1, 2], [2, 0, 1, 3]):
+                for num_n in (1, 5, 9):
+                    compare([40, 100, 7, 200], slots, num_n, heads=4, kv_heads=2,
+                            window=window, compiled=True, seed=num_n)
+        assert counters["stats"]["unique_graphs"] - before > 8  # past dynamo's default limit
+    finally:
+        torch._dynamo.reset()
