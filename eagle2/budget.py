@@ -302,7 +302,7 @@ def time_grid(runner, batches: tuple[int, ...], nodes: tuple[int, ...],
     dev = runner.device
     slots = torch.arange(batches[-1], device=dev)
     old = runner.lengths[: batches[-1]].clone()
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     starts = {pre: torch.clamp(old, min=pre) for pre in prefixes}
     greedy = [SamplingParams()] * batches[-1]  # temperature 0: no generator is drawn from
     step = {"logits": True} if getattr(runner, "greedy_argmax", False) else {}

@@ -41,6 +41,7 @@ that `eagle2.gpu_check` times per (batch, tokens).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter
@@ -174,6 +175,11 @@ def _host_plan(cache: KVCache, slots: torch.Tensor, needed_past_base: int, bucke
     return keys, values[:num_b] == list(range(num_b))
 
 
+def _current(device: torch.device | None):
+    """A context in which `device` (a CUDA device; None: leave it) is the current one."""
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
 class GraphCache:
     """CUDA graphs of one padded step function, captured lazily per key and replayed.
 
@@ -185,10 +191,15 @@ class GraphCache:
     (overwritten by the next replay of that key). All graphs share one memory pool (they
     replay one at a time, on one stream). None for a new key once max_graphs are kept, and
     for every key once a capture failed with `strict` off (logged; `failed` says why): the
-    caller then runs its own eager step."""
+    caller then runs its own eager step. Captures and replays run with `device` current
+    (streams, capture and replay follow the current device: a model on cuda:1 in a process
+    whose current device is cuda:0 would otherwise capture an empty graph, with a warning
+    only, and every replay would do nothing)."""
 
-    def __init__(self, max_graphs: int = MAX_GRAPHS, warmup: int = 2, strict: bool = False):
+    def __init__(self, max_graphs: int = MAX_GRAPHS, warmup: int = 2, strict: bool = False,
+                 device: torch.device | None = None):
         self.max_graphs, self.warmup, self.strict = max_graphs, warmup, strict
+        self.device = device
         self.graphs: dict[tuple, tuple] = {}
         self.pool = None
         self.failed: str | None = None
@@ -205,11 +216,17 @@ class GraphCache:
                 return None
         buffers, graph, out = entry
         fill(buffers)
-        graph.replay()
+        with _current(self.device):
+            graph.replay()
         self.counts["replayed"] += 1
         return out
 
     def _capture(self, key: tuple, make: Callable[[], object], fn: Callable[[object], object]):
+        with _current(self.device):
+            return self._capture_here(key, make, fn)
+
+    def _capture_here(self, key: tuple, make: Callable[[], object],
+                      fn: Callable[[object], object]):
         try:
             buffers = make()
             current = torch.cuda.current_stream()
@@ -282,8 +299,8 @@ class GraphedRunner(LocalRunner):
             raise ValueError(f"CUDA graphs need a CUDA target, not {self.device}")
         if strict is None:
             strict = graphs_choice() == "on"
-        self.graphs = GraphCache(strict=strict) if (cuda if graphs is None else graphs) \
-            else None
+        self.graphs = GraphCache(strict=strict, device=self.device) \
+            if (cuda if graphs is None else graphs) else None
         # cos, sin of every cache position, kept here: a graph reads them where they are
         self.rope = target.rope.table(target.embed.weight, max_len)
         self.counts: Counter = Counter()
@@ -390,8 +407,8 @@ class GraphedLevels:
         cuda = drafter.device.type == "cuda"
         if graphs and not cuda:
             raise ValueError(f"CUDA graphs need a CUDA head, not {drafter.device}")
-        self.graphs = GraphCache(strict=strict) if (cuda if graphs is None else graphs) \
-            else None
+        self.graphs = GraphCache(strict=strict, device=drafter.device) \
+            if (cuda if graphs is None else graphs) else None
         self.rope = drafter._rope_table()  # cos, sin of every cache position (kept here)
         self.counts: Counter = Counter()
 
@@ -501,15 +518,16 @@ class GraphedForward:
         positions = torch.arange(num_n, device=dev).expand(num_b, num_n).contiguous()
         tree_mask = torch.ones(num_n, num_n, dtype=torch.bool, device=dev).tril()
         tree_mask = tree_mask.expand(num_b, num_n, num_n).contiguous()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                static_forward(self.target, self.cache, tokens, positions, tree_mask)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = static_forward(self.target, self.cache, tokens, positions, tree_mask)
+        with _current(dev):  # (as GraphCache: the model's device current)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):
+                    static_forward(self.target, self.cache, tokens, positions, tree_mask)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = static_forward(self.target, self.cache, tokens, positions, tree_mask)
         return graph, tokens, positions, tree_mask, out
 
     @torch.inference_mode()
@@ -524,5 +542,6 @@ class GraphedForward:
         s_tokens.copy_(tokens)
         s_positions.copy_(positions)
         s_mask.copy_(tree_mask)
-        graph.replay()
+        with _current(self.target.device):
+            graph.replay()
         return out

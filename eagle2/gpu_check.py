@@ -178,7 +178,7 @@ def generate(engine, prompts: list[list[int]], params, tree) -> tuple[list[list[
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def first_diffs(outputs: list[list[int]], ref: list[list[int]]) -> list[int | None]:

@@ -221,7 +221,7 @@ class LocalRunner:
         positions = start + torch.arange(num, device=dev)[None]
         hidden = t.forward(tokens, positions, mask, self.cache,
                            torch.tensor([slot], device=dev)).hidden[0]
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
         logits = (lambda h: t.logits(h).argmax(-1)) if argmax else t.logits
         fns = [logits] + ([t.greedy_tokens] if self.greedy_argmax else [])
         best = [[float("inf")] * len(rows) for _ in fns]

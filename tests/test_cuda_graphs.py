@@ -463,10 +463,12 @@ def test_padded_levels_draft_the_unpadded_trees(torch_heads):
 # ----- CUDA -------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphs_replay_equals_eager_on_cuda():
+@pytest.mark.parametrize("dev", ["cuda", pytest.param("cuda:1", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs a second GPU"))])
+def test_graphs_replay_equals_eager_on_cuda(dev):
     """Capture per bucket, replay, and compare with the same padded step run eagerly and with
-    the unpadded forward; the engine through graphs equals plain decoding."""
-    dev = "cuda"
+    the unpadded forward; the engine through graphs equals plain decoding. On cuda:1 too,
+    while cuda:0 stays the current device (the graphs make the model's device current)."""
     target = torch_target(seed=3)
     target.hf.to(dev)
     target = type(target)(target.hf, None, "tiny-cuda")
