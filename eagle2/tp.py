@@ -275,8 +275,11 @@ def apply_tp(target: TargetModel, tp_size: int, rank: int | None = None,
         head = model.lm_head.weight.detach()[vocab_rows(len(model.lm_head.weight), tp_size,
                                                         rank)].clone()
     dev = pick_device(device)
-    _parallel_layers(model, tp_size, rank, head, dev)
-    return TargetModel(model.to(dev).eval(), target.tokenizer, target.name)
+    # on the device first: the merged q|k|v and gate|up keep the projections as views of
+    # them, which a later move would copy apart (every such weight twice on the GPU)
+    model.to(dev)
+    _parallel_layers(model, tp_size, rank, head.to(dev), dev)
+    return TargetModel(model.eval(), target.tokenizer, target.name)
 
 
 # Kept as the old name: callers shard a loaded target the same way.
