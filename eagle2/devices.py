@@ -32,6 +32,19 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def device_lost(error: BaseException) -> bool:
+    """Whether `error` leaves this process's GPU unusable: a CUDA error (an illegal memory
+    access, a device-side assert: `torch.AcceleratorError`) poisons the process's CUDA context,
+    so every later call fails too and only a new process recovers. Running out of memory is
+    not one (the allocator frees the failed step's tensors)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and "CUDA error" in str(error)
+
+
 def exact_bf16_kernels(dtype: torch.dtype, device: torch.device) -> bool:
     """bf16 on a CPU with a linear kernel whose output rows are bitwise the same for any row
     count (what exact bf16 verification needs): `eagle2.cpu.kernels.exact_bf16_kernels`."""

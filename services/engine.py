@@ -36,7 +36,7 @@ import torch
 from ray import serve
 
 from eagle2.config import SamplingParams
-from eagle2.devices import pick_device, pick_dtype
+from eagle2.devices import device_lost, pick_device, pick_dtype
 from eagle2.engine import Engine, Event, Request
 from eagle2.runner import LocalRunner
 from eagle2.threads import TorchThread
@@ -63,6 +63,10 @@ class TargetEngine:
         self.events_host = _node_ip()
         self.events_loop: asyncio.AbstractEventLoop | None = None
         self.rebuilding = False
+        # set once a step failed with the GPU's context lost (`devices.device_lost`): the
+        # replica refuses requests and fails its health check until Serve replaces it
+        self.device_failed: str | None = None
+        self.device_fault_in = 0  # fault tests: `inject_device_fault`
         self.rank_restarts = 0
         self.last_rank_recovery_s: float | None = None
         self.metrics = EngineMetrics()
@@ -266,6 +270,11 @@ class TargetEngine:
             raise ValueError("the target runs in the engine replica: it has no rank to fail")
         runner.inject_fault(rank, after_calls)
 
+    def inject_device_fault(self, after_steps: int = 1) -> None:
+        """Fault tests: the step loop's `after_steps`-th step from now raises the error a lost
+        CUDA context raises (`torch.AcceleratorError`), as an illegal memory access would."""
+        self.device_fault_in = after_steps
+
     def reset_stats(self) -> None:
         self.inbox.put(("reset_stats", None))
 
@@ -284,6 +293,7 @@ class TargetEngine:
         stalled = (self.engine.has_work() and
                    time.monotonic() - self.last_progress > self.cfg.stall_timeout_s)
         reason = ("step loop stopped" if not self.thread.is_alive() else
+                  f"the GPU failed: {self.device_failed}" if self.device_failed else
                   "rebuilding tensor-parallel ranks" if self.rebuilding else
                   "no step finished within stall_timeout_s" if stalled else "")
         return {"serving": not reason, "reason": reason,
@@ -296,6 +306,9 @@ class TargetEngine:
         rather than failing the next request with UNAVAILABLE."""
         if not self.thread.is_alive():
             raise RuntimeError("engine step loop stopped")
+        if self.device_failed:
+            raise RuntimeError(f"the GPU failed ({self.device_failed}): this replica's CUDA "
+                               "context is lost, replace it")
         runner = self.engine.runner
         if isinstance(runner, ShardedRunner) and not self.rebuilding and runner.failed is None:
             try:
@@ -340,6 +353,11 @@ class TargetEngine:
             return
         t_step, c_step = time.perf_counter(), time.thread_time()
         try:
+            if self.device_fault_in:
+                self.device_fault_in -= 1
+                if not self.device_fault_in:
+                    raise torch.AcceleratorError("CUDA error: an illegal memory access was "
+                                                 "encountered (injected)")
             events = self.engine.step()
         except Exception as e:
             self._step_failed(e)
@@ -397,6 +415,12 @@ class TargetEngine:
             log.error("a tensor-parallel rank failed (%s); failing %d requests and rebuilding "
                       "the ranks", type(e).__name__, len(self.engine.ids()))
             code, message = "UNAVAILABLE", "a model shard failed; retry the request"
+        elif device_lost(e):
+            self.device_failed = f"{type(e).__name__}: {str(e)[:200]}"
+            log.critical("the GPU failed (%s): failing %d requests; the health check fails "
+                         "until Serve replaces this replica", self.device_failed,
+                         len(self.engine.ids()))
+            code, message = "UNAVAILABLE", "the replica's GPU failed; retry the request"
         else:
             log.exception("engine step failed", exc_info=e)
             code, message = "INTERNAL", "the engine failed on this batch; see the server log"
@@ -425,6 +449,10 @@ class TargetEngine:
 
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":
+            if self.device_failed:
+                self._send(arg.seq_id, {"error": "UNAVAILABLE", "finished": True,
+                                        "message": "the replica's GPU failed; retry the request"})
+                return
             try:
                 self.engine.add(arg)
             except ValueError as e:

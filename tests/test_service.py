@@ -500,7 +500,47 @@ def test_short_soak_is_clean(client):
     assert out["requests"] >= 6
 
 
-# ----- last: it replaces the engine replica ------------------------------------------------------
+# ----- last: they replace the engine replica -----------------------------------------------------
+def test_a_lost_gpu_context_gives_unavailable_and_serve_replaces_the_replica(client, service,
+                                                                            local):
+    """A step fails as on a GPU whose CUDA context is lost (an illegal memory access:
+    `torch.AcceleratorError`, injected): the stream ends UNAVAILABLE, the replica refuses new
+    requests with UNAVAILABLE instead of running them on the dead device (INTERNAL each,
+    before, and the replica kept, its health check passing), its health check fails, and
+    Serve's new replica serves the same output."""
+    import time
+
+    from ray import serve
+
+    engine = serve.get_deployment_handle("TargetEngine", app_name=CONFIG.get("app_name",
+                                                                              "eagle2"))
+    expected = local.generate([PROMPTS[1]], SamplingParams(max_tokens=24), mode="vanilla")[0]
+    pid = service.engine_stats.remote().result()["pid"]
+    stream = client.stream(PROMPTS[4], max_tokens=200, mode="vanilla")
+    assert next(stream).token_ids
+    engine.inject_device_fault.remote(1).result()
+    failed = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "GPU failed" in err.value.details()
+    refused = 0
+    while True:  # clients retry UNAVAILABLE
+        try:
+            ids = stream_ids(client, PROMPTS[1], max_tokens=24)[0]
+            break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            refused += 1
+            assert time.monotonic() - failed < 240
+            time.sleep(1)
+    print(f"\nGPU lost -> a new request served: {time.monotonic() - failed:.1f} s "
+          f"({refused} refused meanwhile)")
+    assert refused > 0 and ids == expected.token_ids
+    assert service.engine_stats.remote().result()["pid"] != pid
+
+
 def test_kill_engine_holding_the_target_gives_unavailable_then_recovers(client, service, local):
     """At tp_size 1 the target dies with the engine replica: its streams end UNAVAILABLE at
     once, and Serve's new replica serves the same output."""
