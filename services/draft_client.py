@@ -188,7 +188,10 @@ class ResilientDrafter:
 
     def _connect(self) -> RemoteDrafter:
         remote = RemoteDrafter(self.lookup(), timeout_s=self.timeout_s, connect_timeout_s=5.0)
-        remote.health()
+        status = remote.health().status
+        if status != "SERVING":  # e.g. its GPU failed: wait for Serve's replacement
+            remote.close()
+            raise ConnectionError(f"draft worker {status}")
         return remote
 
     # ----- DrafterLike ------------------------------------------------------------------------

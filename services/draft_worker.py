@@ -19,7 +19,7 @@ import grpc
 import torch
 from ray import serve
 
-from eagle2.devices import pick_device, pick_dtype
+from eagle2.devices import device_lost, pick_device, pick_dtype
 from eagle2.drafter import Drafter
 from eagle2.head import load_head, new_head
 from eagle2.target import load_vocab_modules
@@ -110,11 +110,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.lock = threading.Lock()  # one drafter, one cache: calls are serialized
         self.draft_requests = 0
         self.busy_s = 0.0
+        # set once a draft lost the GPU's CUDA context (`devices.device_lost`): every later
+        # call would fail too; calls are refused UNAVAILABLE, Health says NOT_SERVING and the
+        # replica's health check fails, so Serve replaces it (the engine decodes without
+        # drafts meanwhile, then reconnects)
+        self.device_failed: str | None = None
 
     def Draft(self, request, context):
         """The features may hold each row's last W positions only, W < the tokens' A (what a
         head keeping W reads: `RemoteDrafter`); the call's catch_up is then W, and they go
         back to their positions (`convert.widen_positions`) before the drafter runs."""
+        if self.device_failed:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"the draft worker's GPU failed ({self.device_failed})")
         try:
             tree_cfg = convert.tree_from_spec(request.tree)
             feats = convert.tensor_from_proto(request.features)
@@ -138,6 +146,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return convert.draft_tree_to_proto(tree)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            if not device_lost(e):
+                raise
+            self.device_failed = f"{type(e).__name__}: {str(e)[:200]}"
+            log.critical("the draft worker's GPU failed (%s); refusing drafts until Serve "
+                         "replaces this replica", self.device_failed)
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"the draft worker's GPU failed ({self.device_failed})")
 
     def Release(self, request, context):
         with self.lock:
@@ -147,7 +163,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.ReleaseResponse(released=len(known))
 
     def Health(self, request, context):
-        return draft_pb2.HealthResponse(status="SERVING", draft_requests=self.draft_requests,
+        return draft_pb2.HealthResponse(status="NOT_SERVING" if self.device_failed else
+                                        "SERVING", draft_requests=self.draft_requests,
                                         active_sequences=len(self.drafter.slot_of),
                                         pid=os.getpid(), head=self.head_desc)
 
@@ -189,8 +206,13 @@ class DraftWorker:
         return self._address
 
     def check_health(self) -> None:
+        """Serve's periodic check: the gRPC server answers, and serves (not after a lost GPU
+        context)."""
         with grpc.insecure_channel(self._address) as ch:
-            draft_pb2_grpc.DraftServiceStub(ch).Health(draft_pb2.HealthRequest(), timeout=10)
+            health = draft_pb2_grpc.DraftServiceStub(ch).Health(draft_pb2.HealthRequest(),
+                                                                timeout=10)
+        if health.status != "SERVING":
+            raise RuntimeError(f"draft worker {health.status}: {self.servicer.device_failed}")
 
     def __del__(self):
         server = getattr(self, "server", None)

@@ -130,6 +130,62 @@ def test_draft_worker_loss_falls_back_to_plain_decoding_and_reconnects():
     second.kill()
 
 
+def test_a_draft_worker_whose_gpu_failed_refuses_until_replaced():
+    """A draft that loses the GPU's CUDA context (`torch.AcceleratorError`, raised by the
+    drafter here): the call fails UNAVAILABLE and the engine's drafter falls back to plain
+    decoding (outputs unchanged); the worker then refuses every draft UNAVAILABLE, answers
+    Health NOT_SERVING and fails Serve's health check (`DraftWorker.check_health`), and the
+    engine's drafter does not reconnect to it, only to its replacement."""
+    import time
+    import types
+
+    import grpc
+    import torch
+
+    from services.draft_client import RemoteDrafter, ResilientDrafter
+    from services.draft_worker import DraftWorker
+
+    target = tiny_target(seed=1)
+    worker = Worker(target)
+    current = {"address": worker.address}
+    drafter = ResilientDrafter(lambda: current["address"], timeout_s=5.0, retry_s=0.05)
+    engine = make_engine(target, head_seed=None)
+    engine.drafter = drafter
+    prompts = random_prompts(2, 64, seed=3)
+    params = SamplingParams(max_tokens=24)
+    expected = run(make_engine(target, head_seed=None), prompts, params, TreeConfig("vanilla"))
+    tree = TreeConfig("eagle2", total_tokens=8, depth=3, top_k=3, budget="fixed")
+
+    def lost(*args, **kwargs):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    worker.servicer.drafter.draft = lost
+    assert run(engine, prompts, params, tree) == expected
+    assert drafter.fallbacks == 1 and not drafter.connected
+    assert worker.servicer.device_failed.startswith("AcceleratorError")
+    probe = RemoteDrafter(worker.address, timeout_s=5.0)
+    assert probe.health().status == "NOT_SERVING"
+    with pytest.raises(grpc.RpcError) as err:
+        probe.draft(["x"], torch.zeros(1, 1, target.config.hidden_size),
+                    torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), tree)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "GPU failed" in err.value.details()
+    probe.close()
+    replica = types.SimpleNamespace(_address=worker.address, servicer=worker.servicer)
+    with pytest.raises(RuntimeError, match="NOT_SERVING"):
+        DraftWorker.func_or_class.check_health(replica)
+    time.sleep(0.5)  # ten retries: none connects to the failed worker
+    assert not drafter.connected and drafter.reconnects == 0
+    second = Worker(target)  # Serve's replacement
+    current["address"] = second.address
+    drafter._reconnecting.join(timeout=30)
+    assert drafter.connected and drafter.reconnects == 1
+    assert run(engine, prompts, params, tree) == expected
+    assert second.servicer.draft_requests >= 1
+    drafter.close()
+    worker.kill()
+    second.kill()
+
+
 def test_api_keys_from_file_and_env(tmp_path, monkeypatch):
     from services import auth
 
