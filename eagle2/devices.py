@@ -83,6 +83,27 @@ def attention_choice(attention: str | None = None) -> str:
     return choice
 
 
+def _flex_backend(device: torch.device, dtype: torch.dtype, choice: str
+                  ) -> tuple[Backend, str]:
+    """FlexBackend, compiled where it compiles by default (CUDA). Where its compile fails
+    (`flex.compile_failure`): an error if FlexAttention was asked for by name, else SDPA over
+    a dense mask, with a warning (eager FlexAttention would materialize every score)."""
+    from eagle2.flex import FlexBackend, compile_failure
+
+    backend = FlexBackend()
+    if not backend.compiles(device):
+        return backend, "FlexAttention (eager)"
+    failed = compile_failure(device, dtype)
+    if failed is None:
+        return backend, "FlexAttention (compiled)"
+    if choice == "flex":
+        raise RuntimeError(f"FlexAttention (asked for by {ATTENTION_ENV} or the argument) does "
+                           f"not compile on {device}: {failed}")
+    log.warning("FlexAttention does not compile on %s (%s): SDPA over a dense mask instead",
+                device, failed)
+    return Backend(), "SDPA over a dense mask (FlexAttention did not compile)"
+
+
 def backend_for(device: torch.device, dtype: torch.dtype,
                 attention: str | None = None) -> Backend:
     """A new backend instance for a model on this device in this dtype (the choice is logged:
@@ -90,10 +111,7 @@ def backend_for(device: torch.device, dtype: torch.dtype,
     "auto")."""
     choice = attention_choice(attention)
     if choice == "flex" or (choice == "auto" and device.type == "cuda"):
-        from eagle2.flex import FlexBackend
-
-        backend: Backend = FlexBackend()
-        what = "FlexAttention (" + ("compiled" if backend.compiles(device) else "eager") + ")"
+        backend, what = _flex_backend(device, dtype, choice)
     elif device.type == "cpu":
         from eagle2.cpu import CpuBackend
 

@@ -205,6 +205,25 @@ def compiled_flex_attention(dynamic: bool) -> Callable:
     return torch.compile(flex_attention, dynamic=dynamic)
 
 
+@functools.cache
+def compile_failure(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the compiled flex_attention cannot run on `device` (the error of one tiny compiled
+    call, made once a process: e.g. Triton finding no C compiler or Python headers to build
+    its launcher), or None where it runs, or where there is no such device to try."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None
+    try:
+        q = torch.randn(1, 2, 4, 16, device=device, dtype=dtype)
+        mask = BlockMask.from_kv_blocks(
+            torch.ones(1, 1, 1, dtype=torch.int32, device=device),
+            torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device),
+            mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, seq_lengths=(4, 4))
+        compiled_flex_attention(device.type == "cuda")(q, q, q, block_mask=mask)
+    except Exception as e:  # whatever the compiler stack raises
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
 # graphs dynamo keeps for the compiled flex_attention (its default: 8; the test of the kinds
 # of call, tests/test_flex_attention.py, makes 16)
 FLEX_RECOMPILE_LIMIT = 64

@@ -445,20 +445,55 @@ def test_compiled_flex_keeps_a_graph_for_every_kind_of_call(monkeypatch):
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile",
                         lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"}))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit",
-                        torch._dynamo.config.recompile_limit)  # restored after
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     compiled = functools.cache(flex.compiled_flex_attention.__wrapped__)
     monkeypatch.setattr(flex, "compiled_flex_attention", lambda dynamic: compiled(True))
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     before = counters["stats"]["unique_graphs"]
+    # (the limit as it is, restored after; a hit raises)
     try:
-        for window in (None, 64):
-            for slots in ([0], [1, 0], [0, 1, 2], [2, 0, 1, 3]):
-                for num_n in (1, 5, 9):
-                    compare([40, 100, 7, 200], slots, num_n, heads=4, kv_heads=2,
-                            window=window, compiled=True, seed=num_n)
+        with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit,
+                                        fail_on_recompile_limit_hit=True):
+            for window in (None, 64):
+                for slots in ([0], [1, 0], [0, 1, 2], [2, 0, 1, 3]):
+                    for num_n in (1, 5, 9):
+                        compare([40, 100, 7, 200], slots, num_n, heads=4, kv_heads=2,
+                                window=window, compiled=True, seed=num_n)
         assert counters["stats"]["unique_graphs"] - before > 8  # past dynamo's default limit
     finally:
         torch._dynamo.reset()
+
+
+def test_a_flex_attention_that_does_not_compile_gives_way_to_sdpa(monkeypatch, caplog):
+    """The compile probe (`flex.compile_failure`, one tiny compiled call a process): None
+    where the call compiles and runs (here torch.compile's eager backend on the CPU), the
+    error where compiling fails (as Triton does without a C compiler or Python headers).
+    Then `backend_for` on CUDA gives SDPA over a dense mask with a warning (auto) instead of
+    failing every prefill, and an error naming the cause where FlexAttention was asked for."""
+    import functools
+
+    from eagle2 import flex
+
+    probe = flex.compile_failure.__wrapped__
+    real_compile = torch.compile
+    compiled = functools.cache(flex.compiled_flex_attention.__wrapped__)
+    monkeypatch.setattr(flex, "compiled_flex_attention", compiled)
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"}))
+    assert probe(torch.device("cpu"), torch.float32) is None
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment")
+
+    compiled.cache_clear()
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: no_compiler)
+    assert probe(torch.device("cpu"), torch.float32).startswith("RuntimeError: Failed to find")
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    monkeypatch.setattr(flex, "compile_failure", lambda device, dtype: "RuntimeError: no CC")
+    with caplog.at_level(logging.WARNING, logger="eagle2.devices"):
+        assert type(backend_for(cuda, torch.bfloat16)) is Backend
+    assert "FlexAttention does not compile on cuda (RuntimeError: no CC)" in caplog.text
+    with pytest.raises(RuntimeError, match="does not compile on cuda: RuntimeError: no CC"):
+        backend_for(cuda, torch.bfloat16, attention="flex")
