@@ -717,6 +717,10 @@ def phase_backend(c: Check) -> dict:
                                "mem_efficient": cuda.mem_efficient_sdp_enabled(),
                                "cudnn": cuda.cudnn_sdp_enabled(), "math": cuda.math_sdp_enabled()}
         out["capability"] = list(torch.cuda.get_device_capability())
+        from eagle2.flex import compile_failure
+
+        # null: FlexAttention compiles here (else the error, and the target runs SDPA)
+        out["flex_compile_failure"] = compile_failure(c.target.device, c.dtype)
     out["masked_attention"] = masked_attention(
         c.pick("llama-3-8b", "tiny"), 8, c.pick(32, 8), c.pick(1024, 128), c.dtype, c.device,
         c.pick(20, 3))
