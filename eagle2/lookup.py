@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from eagle2.tree import rows_tensor
+from eagle2.tree import host_lists, rows_tensor
 
 if TYPE_CHECKING:
     from eagle2.ngram import NgramStore
@@ -286,9 +286,9 @@ def add_chains(cands: Candidates, chain_tokens: torch.Tensor, chain_len: torch.T
     """
     num_b, num_c = cands.tokens.shape
     num_d = chain_tokens.shape[1]
-    cols = [x.tolist() for x in (cands.tokens, cands.parents, cands.scores, cands.depths,
-                                 cands.values, cands.lookup)]
-    chains = [x.tolist() for x in (chain_tokens, chain_len, chain_scores, chain_values)]
+    lists = host_lists([cands.tokens, cands.parents, cands.scores, cands.depths, cands.values,
+                        cands.lookup, chain_tokens, chain_len, chain_scores, chain_values])
+    cols, chains = lists[:6], lists[6:]  # (one read from a device)
     # below the head's deepest level (of the whole batch) nothing can be reused
     walked = min(num_d, max((max(r) for r in cols[3]), default=0) if num_c else 0)
     rows, fresh = [], []

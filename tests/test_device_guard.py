@@ -262,6 +262,28 @@ def test_the_draft_candidates_cross_to_the_host_in_one_read(dtype):
         assert have.device == HOST and torch.equal(have, want), name
 
 
+def test_lookup_chains_join_device_candidates_in_one_read():
+    """`lookup.add_chains` over the head's candidates on a device: one move to the host for
+    the candidates and the chains together (it had read each of its 10 tensors), the merged
+    candidates back on that device, equal to those merged on the host."""
+    from eagle2.lookup import Candidates, add_chains
+
+    cands = Candidates(torch.tensor([[10, 11, 20]]), torch.tensor([[-1, -1, 0]]),
+                       torch.tensor([[-0.5, -1.0, -2.0]]), torch.tensor([[1, 1, 2]]),
+                       torch.tensor([[0.6, 0.4, 0.1]]), torch.zeros(1, 3, dtype=torch.bool))
+    chain = (torch.tensor([[10, 30, 31]]), torch.tensor([3]), torch.tensor([[-0.1, -0.2, -0.3]]),
+             torch.tensor([[0.9, 0.8, 0.7]]))
+    expected, expected_fresh = add_chains(cands, *chain)
+    with Elsewhere() as sim:
+        there = Candidates(*(sim.put(getattr(cands, f)) for f in Candidates.__dataclass_fields__))
+        got, fresh = add_chains(there, *(sim.put(t) for t in chain))
+        assert got.tokens.device == ELSEWHERE and fresh.device == ELSEWHERE
+    assert sim.moved_back == 1 and sim.read_there == [] and not sim.mixed
+    for name in Candidates.__dataclass_fields__:
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert torch.equal(fresh, expected_fresh)
+
+
 def test_choose_num_nodes_takes_values_from_any_device():
     """The budget's own tensors follow the values' device (it was a CPU zero, cat with
     values on the head's device)."""
