@@ -46,6 +46,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from eagle2.cuda_graphs import graphs_choice, runner_class
 from eagle2.devices import pick_device, pick_dtype
 from eagle2.runner import BLOCK_SIZE, LocalRunner
 from eagle2.target import embedded_model_dir
@@ -104,10 +105,15 @@ class TPRank:
         dtype = pick_dtype(self.dtype, self.device)
         _check_target(self.target_spec, self.tp_size)  # every rank fails alike, before joining
         init_tp(self.rank, self.tp_size, master_addr, master_port, timeout_s=timeout_s)
-        self.runner = LocalRunner.load(self.target_spec, dtype, self.device, self.num_slots,
-                                       self.max_len, self.feature_layers, self.tp_size,
-                                       self.rank, block_size=self.block_size,
-                                       kv_cache_memory=self.kv_cache_memory)
+        # CUDA graphs with the NCCL collectives captured inside them only where asked for
+        # (EAGLE2_CUDA_GRAPHS=on; auto: none at tp > 1 until a GPU run has shown that
+        # capture works there: a capture failing on one rank mid-collective could hang the
+        # group); the padded steps themselves are tested over tp 2 shards on the CPU
+        graphs = "on" if graphs_choice() == "on" else "off"
+        self.runner = runner_class(self.device, graphs).load(
+            self.target_spec, dtype, self.device, self.num_slots, self.max_len,
+            self.feature_layers, self.tp_size, self.rank, block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory)
         return self.runner.info
 
     # Tensors arrive from the driver on HOST and go back there: `to_device` both ways.

@@ -135,6 +135,70 @@ def test_tp2_layers_equal_the_whole_model_with_two_all_reduces_a_layer():
     assert set(gathered) == {32, 2} and gathered.count(2) == 2
 
 
+def _decode(runner, prompts) -> list[list[int]]:
+    """Plain greedy decoding of `prompts` together through an engine over `runner`."""
+    from eagle2.config import SamplingParams, TreeConfig
+    from eagle2.engine import Engine, Request
+
+    engine = Engine(runner, None, max_batch=len(prompts), max_context=48, tree_margin=8)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add(Request(f"s{i}", tuple(p), params, TreeConfig("vanilla")))
+        out[f"s{i}"] = []
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.seq_id].extend(ev.token_ids)
+    return [out[f"s{i}"] for i in range(len(prompts))]
+
+
+def _graphed_rank(rank: int, port: int, queue) -> None:
+    from conftest import random_prompts, tiny_target
+
+    from eagle2.backend import Backend
+    from eagle2.cuda_graphs import GraphedRunner
+    from eagle2.tp import apply_tp, init_tp
+
+    torch.set_num_threads(1)
+    init_tp(rank, 2, "127.0.0.1", port, backend="gloo")
+    target = apply_tp(tiny_target(vocab=VOCAB, layers=LAYERS, seed=3), 2, rank)
+    target.backend = Backend()  # the torch backend's layers, as on a GPU
+    # 3 requests in a batch bucket of 4: a padded row, its slot the scratch one
+    runner = GraphedRunner(target, 3, 64, num_blocks=16, block_size=16, graphs=False)
+    tokens = _decode(runner, random_prompts(3, VOCAB, seed=4))
+    _send(queue, (rank, tokens, dict(runner.counts)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_ranks_through_padded_steps_decode_as_the_whole_model():
+    """Each rank's shard through `GraphedRunner`'s padded steps (what a GPU rank replays as
+    CUDA graphs, run eagerly here: torch backend, paged cache, a padded batch row), its
+    all-reduces and the vocabulary-parallel lm_head's gather inside them: both ranks decode
+    the whole model's plain greedy tokens."""
+    from conftest import random_prompts, tiny_target
+
+    from eagle2.backend import Backend
+    from eagle2.runner import LocalRunner
+
+    whole = tiny_target(vocab=VOCAB, layers=LAYERS, seed=3)
+    whole.backend = Backend()
+    expected = _decode(LocalRunner(whole, 3, 64), random_prompts(3, VOCAB, seed=4))
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port("127.0.0.1")
+    procs = [ctx.Process(target=_graphed_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted((_receive(queue, 240) for _ in range(2)), key=lambda x: x[0])
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for _, tokens, counts in got:
+        assert tokens == expected
+        assert counts.get("padded", 0) > 0, counts  # the steps went through the padded path
+
+
 def _collectives(rank: int, world: int, port: int, queue, transport: str) -> None:
     import socket
 
