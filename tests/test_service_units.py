@@ -87,15 +87,22 @@ class Worker:
         self.server.stop(grace=None)
 
 
-def test_draft_worker_loss_falls_back_to_plain_decoding_and_reconnects():
+def engine_on_a_worker(target):
+    """(a draft worker, {"address": what the drafter's lookup answers}, the engine's
+    ResilientDrafter to it, an engine drafting through it)."""
     from services.draft_client import ResilientDrafter
 
-    target = tiny_target(seed=1)
     worker = Worker(target)
     current = {"address": worker.address}
     drafter = ResilientDrafter(lambda: current["address"], timeout_s=5.0, retry_s=0.05)
     engine = make_engine(target, head_seed=None)
     engine.drafter = drafter
+    return worker, current, drafter, engine
+
+
+def test_draft_worker_loss_falls_back_to_plain_decoding_and_reconnects():
+    target = tiny_target(seed=1)
+    worker, current, drafter, engine = engine_on_a_worker(target)
     plain_engine = make_engine(target, head_seed=None)
     prompts = random_prompts(3, 64, seed=2)
     params = SamplingParams(max_tokens=40)
@@ -142,15 +149,11 @@ def test_a_draft_worker_whose_gpu_failed_refuses_until_replaced():
     import grpc
     import torch
 
-    from services.draft_client import RemoteDrafter, ResilientDrafter
+    from services.draft_client import RemoteDrafter
     from services.draft_worker import DraftWorker
 
     target = tiny_target(seed=1)
-    worker = Worker(target)
-    current = {"address": worker.address}
-    drafter = ResilientDrafter(lambda: current["address"], timeout_s=5.0, retry_s=0.05)
-    engine = make_engine(target, head_seed=None)
-    engine.drafter = drafter
+    worker, current, drafter, engine = engine_on_a_worker(target)
     prompts = random_prompts(2, 64, seed=3)
     params = SamplingParams(max_tokens=24)
     expected = run(make_engine(target, head_seed=None), prompts, params, TreeConfig("vanilla"))
