@@ -48,10 +48,18 @@ def _listen() -> socket.socket:
     interface. `TRANSPORT` "tcp" (env EAGLE2_TP_TRANSPORT) chooses TCP."""
     if TRANSPORT != "tcp" and sys.platform.startswith("linux"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(f"\0eagle2-tp-{os.getpid()}-{secrets.token_hex(8)}")  # no file to remove
-        sock.listen()
-        return sock
+        try:
+            sock.bind(f"\0eagle2-tp-{os.getpid()}-{secrets.token_hex(8)}")  # no file to remove
+            sock.listen()
+            return sock
+        except OSError:  # (a sandbox without abstract sockets): TCP; peers connect by address
+            sock.close()
     return socket.create_server(("127.0.0.1", 0))
+
+
+def _family(address) -> socket.AddressFamily:
+    """The family of a listener's address: (host, port) for TCP, a name for a Unix socket."""
+    return socket.AF_INET if isinstance(address, tuple) else socket.AF_UNIX
 
 
 class PeerAlert(ConnectionError):
@@ -70,7 +78,7 @@ class SocketGroup:
         dist.all_gather_object(addresses, listener.getsockname())
         self.peers: dict[int, socket.socket] = {}
         for peer in range(self.rank):  # connect to the lower ranks, accept the higher ones
-            sock = socket.socket(listener.family, socket.SOCK_STREAM)
+            sock = socket.socket(_family(addresses[peer]), socket.SOCK_STREAM)
             sock.settimeout(timeout_s)
             sock.connect(addresses[peer])
             sock.sendall(_RANK.pack(self.rank))

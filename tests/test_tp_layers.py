@@ -206,11 +206,15 @@ def _collectives(rank: int, world: int, port: int, queue, transport: str) -> Non
     from eagle2.tp import init_tp
     from eagle2.tp_comm import SocketGroup
 
-    eagle2.tp_comm.TRANSPORT = transport
+    # "mixed": rank 0 listens on TCP (as where abstract sockets are refused), the others on
+    # Unix sockets: each connects to a peer by the family of its address
+    mine = "tcp" if transport == "mixed" and rank == 0 else transport.replace("mixed", "unix")
+    eagle2.tp_comm.TRANSPORT = mine
     init_tp(rank, world, "127.0.0.1", port, backend="gloo")
     group = SocketGroup()
-    family = socket.AF_UNIX if transport == "unix" else socket.AF_INET
-    assert {s.family for s in group.peers.values()} == {family}
+    if transport != "mixed":
+        family = socket.AF_UNIX if transport == "unix" else socket.AF_INET
+        assert {s.family for s in group.peers.values()} == {family}
     g = torch.Generator().manual_seed(rank)
     mine = torch.randn(3, 5, generator=g)  # rank-dependent values
     summed = mine.clone()
@@ -234,9 +238,10 @@ def _collectives(rank: int, world: int, port: int, queue, transport: str) -> Non
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,transport", [
-    (2, "unix"), (2, "tcp"), pytest.param(3, "unix", marks=pytest.mark.slow)])
+    (2, "unix"), (2, "tcp"), (3, "mixed"), pytest.param(3, "unix", marks=pytest.mark.slow)])
 def test_socket_group_sums_and_gathers_the_same_bits_on_every_rank(world, transport):
-    """Over Unix sockets (the default on Linux) and over TCP (elsewhere)."""
+    """Over Unix sockets (the default on Linux), over TCP (elsewhere), and mixed (a rank
+    whose Unix socket was refused listens on TCP)."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port("127.0.0.1")
     procs = [ctx.Process(target=_collectives, args=(r, world, port, queue, transport))
