@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from eagle2.tree import host_lists
+
 
 @dataclass
 class KVCache:
@@ -317,8 +319,9 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     base = cache.lengths[slots]  # [B]
     scratch = base[:, None] + torch.arange(num_t, device=positions.device)  # [B, T]
     write_pos = scratch[:, num_t - num_n:]  # [B, N]
-    # what the checks below read, as lists (each tensor reduction here had cost ~5-15 us)
-    starts, slot_ids = base.tolist(), slots.tolist()
+    # what the checks below read, as lists (each tensor reduction here had cost ~5-15 us;
+    # from a device: one read)
+    starts, slot_ids = host_lists([base, slots])
     s_used = max(starts, default=0) + num_t
     assert s_used <= cache.max_len, f"sequence needs {s_used} cache entries > {cache.max_len}"
     mask = None

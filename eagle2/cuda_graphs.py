@@ -203,13 +203,19 @@ class GraphCache:
         self.graphs: dict[tuple, tuple] = {}
         self.pool = None
         self.failed: str | None = None
-        self.counts: Counter = Counter()  # "captured", "replayed"
+        self.counts: Counter = Counter()  # "captured", "replayed", "full" (eager: no room)
 
     def run(self, key: tuple, make: Callable[[], object], fill: Callable[[object], None],
             fn: Callable[[object], object]):
         entry = self.graphs.get(key)
         if entry is None:
-            if self.failed is not None or len(self.graphs) >= self.max_graphs:
+            if self.failed is not None:
+                return None
+            if len(self.graphs) >= self.max_graphs:
+                if not self.counts["full"]:  # said once: from now on new buckets run eagerly
+                    log.warning("%d CUDA graphs kept: a new bucket (%s) and those after it run "
+                                "eagerly", self.max_graphs, key)
+                self.counts["full"] += 1
                 return None
             entry = self._capture(key, make, fn)
             if entry is None:

@@ -193,15 +193,19 @@ def _keep_best(ranked: list[float], keep: int) -> list[int]:
 
 
 def host_lists(tensors: list[torch.Tensor]) -> list[list]:
-    """Each tensor's `.tolist()`, with one read from a device (on the CPU: each directly).
-    Off the CPU they cross packed as float64, which holds token ids, indices, counts and
-    fp32 / bf16 values exactly (ids below 2^53), and each is cast back to its dtype on the
-    host, so the lists equal the tensors' own."""
-    if all(t.device.type == "cpu" for t in tensors):
+    """Each tensor's `.tolist()`, with one read from a device (those on the CPU: each
+    directly). Off the CPU they cross packed as float64, which holds token ids, indices,
+    counts and fp32 / bf16 values exactly (ids below 2^53), and each is cast back to its
+    dtype on the host, so the lists equal the tensors' own."""
+    far = [t for t in tensors if t.device.type != "cpu"]
+    if not far:
         return [t.tolist() for t in tensors]
-    packed = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu()  # one read
+    packed = torch.cat([t.reshape(-1).to(torch.float64) for t in far]).cpu()  # one read
     out, at = [], 0
     for t in tensors:
+        if t.device.type == "cpu":
+            out.append(t.tolist())
+            continue
         out.append(packed[at: at + t.numel()].view(t.shape).to(t.dtype).tolist())
         at += t.numel()
     return out

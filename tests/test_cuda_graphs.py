@@ -10,6 +10,8 @@ whole engine runs against plain decoding. The capture and replay themselves need
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import random_prompts, run, tiny_target
@@ -529,3 +531,14 @@ def test_paged_graphs_replay_with_each_steps_block_tables_on_cuda():
         got = graphed.target_forward(*args)
         torch.testing.assert_close(got.hidden, want.hidden, atol=1e-4, rtol=1e-4)
     assert graphed.graphs.counts["captured"] == 1 and graphed.graphs.counts["replayed"] == 3
+
+
+def test_a_full_graph_cache_says_so_once_and_leaves_new_buckets_eager(caplog):
+    """Past max_graphs a new bucket gets no graph (the caller's eager step runs it): the
+    first such bucket is logged, every one counted."""
+    cache = GraphCache(max_graphs=0)
+    with caplog.at_level(logging.WARNING, logger="eagle2.cuda_graphs"):
+        for key in ((1, 1, 256, True), (2, 4, 256, True)):
+            assert cache.run(key, make=None, fill=None, fn=None) is None
+    assert cache.counts["full"] == 2 and cache.counts["captured"] == 0
+    assert caplog.text.count("CUDA graphs kept") == 1 and "(1, 1, 256, True)" in caplog.text

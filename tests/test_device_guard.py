@@ -344,3 +344,18 @@ def test_engine_budget_takes_trees_from_a_head_on_another_device(with_vanilla):
     assert engine.stats.auto_steps > 0 and drafted
     assert sim.moved_back >= len(drafted) * len(DraftTree.__dataclass_fields__)  # to HOST
     assert sum(n for size, n in engine.stats.nodes_chosen.items() if size > 1) > 0
+
+
+def test_host_lists_reads_a_device_once_beside_host_tensors():
+    """`tree.host_lists` (what the rerank, the lookup merge and every forward's step inputs
+    read): the device's tensors in one move, the host's as they are, each list equal to the
+    tensor's own `.tolist()` (int64 ids, bool, bf16, an empty tensor)."""
+    from eagle2.tree import host_lists
+
+    tensors = [torch.tensor([3, 1 << 40]), torch.tensor([[True, False]]), torch.zeros(0),
+               torch.tensor([0.1, -2.5]).to(torch.bfloat16), torch.tensor([7, 8])]
+    expected = [t.tolist() for t in tensors]
+    with Elsewhere() as sim:
+        mixed = [sim.put(t) if i != 4 else t for i, t in enumerate(tensors)]  # one on the host
+        got = host_lists(mixed)
+    assert got == expected and sim.moved_back == 1 and sim.read_there == [] and not sim.mixed
