@@ -298,6 +298,21 @@ class StepInputs:
         return self.packed[key]
 
 
+def dense_step_mask(base: torch.Tensor, scratch: torch.Tensor, tree_mask: torch.Tensor,
+                    keys: int, window: int | None = None) -> torch.Tensor:
+    """The [B, 1, N, keys] bool mask of a step: each new entry sees its row's committed prefix
+    [0, base[b]) (the last `window` of it, where given) and the scratch entries
+    scratch [B, T] that tree_mask [B, N, T] lets it see."""
+    num_b, num_n, num_t = tree_mask.shape
+    cols = torch.arange(keys, device=base.device)  # [S]
+    prefix = cols[None, :] < base[:, None]  # [B, S]
+    if window is not None:
+        prefix &= cols[None, :] >= (base[:, None] - window)
+    mask = prefix[:, None, :].expand(num_b, num_n, keys).clone()  # [B, N, S]
+    mask.scatter_(2, scratch[:, None, :].expand(num_b, num_n, num_t), tree_mask)
+    return mask[:, None]
+
+
 def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
                 positions: torch.Tensor, rotary: Callable, like: torch.Tensor,
                 window: int | None = None, exact_window: WindowBuilder | None = None,
@@ -324,15 +339,7 @@ def step_inputs(cache: KVCache, slots: torch.Tensor, tree_mask: torch.Tensor,
     starts, slot_ids = host_lists([base, slots])
     s_used = max(starts, default=0) + num_t
     assert s_used <= cache.max_len, f"sequence needs {s_used} cache entries > {cache.max_len}"
-    mask = None
-    if dense_mask:
-        cols = torch.arange(s_used, device=positions.device)  # [S]
-        prefix = cols[None, :] < base[:, None]  # [B, S]
-        if window is not None:
-            prefix &= cols[None, :] >= (base[:, None] - window)
-        mask = prefix[:, None, :].expand(num_b, num_n, s_used).clone()  # [B, N, S]
-        mask.scatter_(2, scratch[:, None, :].expand(num_b, num_n, num_t), tree_mask)
-        mask = mask[:, None]
+    mask = dense_step_mask(base, scratch, tree_mask, s_used, window) if dense_mask else None
     cos, sin = rotary(like, positions)
     paged = cache.block_tables is not None
     contiguous = not paged and num_b > 0 and slot_ids == list(range(num_b))

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eagle2.attention import KVCache, StepInputs, decoder_layer
+from eagle2.attention import KVCache, StepInputs, decoder_layer, dense_step_mask
 from eagle2.backend import Backend, TargetOutput, module_layers
 from eagle2.buckets import Buckets, PaddedStep, pad_nodes, pad_step, unpad
 from eagle2.runner import BLOCK_SIZE, LocalRunner
@@ -111,21 +111,13 @@ def padded_step_inputs(cache: KVCache, step: PaddedStep, rope: tuple[torch.Tenso
     (`eagle2.flex.PagedFlexWindow`; True: compiled, False: eager), the padded rows (all
     the null block) seeing nothing."""
     slots, tree_mask = step.slots, step.tree_mask  # [Bb], [Bb, Nb, T]
-    num_b, num_n = step.positions.shape
+    num_n = step.positions.shape[1]
     num_t = tree_mask.shape[2]
     dev = slots.device
     base = cache.lengths[slots]  # [Bb] (the scratch slot's: 0)
     scratch = base[:, None] + torch.arange(num_t, device=dev)  # [Bb, T]
     in_place = flex is not None and cache.paged
-    mask = None
-    if not in_place:
-        cols = torch.arange(keys, device=dev)  # [S]
-        prefix = cols[None, :] < base[:, None]  # [Bb, S]
-        if window is not None:
-            prefix &= cols[None, :] >= (base[:, None] - window)
-        mask = prefix[:, None, :].expand(num_b, num_n, keys).clone()  # [Bb, Nb, S]
-        mask.scatter_(2, scratch[:, None, :].expand(num_b, num_n, num_t), tree_mask)
-        mask = mask[:, None]
+    mask = None if in_place else dense_step_mask(base, scratch, tree_mask, keys, window)
     cos, sin = rope[0][step.positions], rope[1][step.positions]  # [Bb, Nb, Dh]
     # a paged cache: the layers write through the block tables (the scratch slot's are all
     # the null block) and read each row's first S entries gathered through them, or (flex)
