@@ -32,17 +32,18 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def device_lost(error: BaseException) -> bool:
-    """Whether `error` leaves this process's GPU unusable: a CUDA error (an illegal memory
-    access, a device-side assert: `torch.AcceleratorError`) poisons the process's CUDA context,
-    so every later call fails too and only a new process recovers. Running out of memory is
-    not one (the allocator frees the failed step's tensors)."""
+def device_lost(error: BaseException) -> str | None:
+    """What `error` says where it leaves this process's GPU unusable (its type and the start
+    of its message), else None: a CUDA error (an illegal memory access, a device-side assert:
+    `torch.AcceleratorError`) poisons the process's CUDA context, so every later call fails
+    too and only a new process recovers. Running out of memory is not one (the allocator
+    frees the failed step's tensors)."""
     if isinstance(error, torch.OutOfMemoryError):
-        return False
+        return None
     accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    return isinstance(error, RuntimeError) and "CUDA error" in str(error)
+    lost = (accelerator_error is not None and isinstance(error, accelerator_error)) or (
+        isinstance(error, RuntimeError) and "CUDA error" in str(error))
+    return f"{type(error).__name__}: {str(error)[:200]}" if lost else None
 
 
 def exact_bf16_kernels(dtype: torch.dtype, device: torch.device) -> bool:

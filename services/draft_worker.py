@@ -121,8 +121,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         head keeping W reads: `RemoteDrafter`); the call's catch_up is then W, and they go
         back to their positions (`convert.widen_positions`) before the drafter runs."""
         if self.device_failed:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"the draft worker's GPU failed ({self.device_failed})")
+            self._refuse(context)
         try:
             tree_cfg = convert.tree_from_spec(request.tree)
             feats = convert.tensor_from_proto(request.features)
@@ -147,13 +146,17 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:
-            if not device_lost(e):
+            lost = device_lost(e)
+            if not lost:
                 raise
-            self.device_failed = f"{type(e).__name__}: {str(e)[:200]}"
+            self.device_failed = lost
             log.critical("the draft worker's GPU failed (%s); refusing drafts until Serve "
                          "replaces this replica", self.device_failed)
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"the draft worker's GPU failed ({self.device_failed})")
+            self._refuse(context)
+
+    def _refuse(self, context) -> None:
+        context.abort(grpc.StatusCode.UNAVAILABLE,
+                      f"the draft worker's GPU failed ({self.device_failed})")
 
     def Release(self, request, context):
         with self.lock:

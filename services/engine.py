@@ -46,6 +46,7 @@ from services.metrics import EngineMetrics
 from services.tp_runner import RankFailure, ShardedRunner
 
 log = logging.getLogger(__name__)
+GPU_FAILED = "the replica's GPU failed; retry the request"  # (UNAVAILABLE)
 # what of the runner's info names the kernels a step runs: ModelInfo reports it, and costs
 # measured with one set misguide the tree budget with another (`_cost_path`)
 KERNEL_INFO = ("backend", "attention", "device", "dtype", "cuda_graphs")
@@ -415,12 +416,12 @@ class TargetEngine:
             log.error("a tensor-parallel rank failed (%s); failing %d requests and rebuilding "
                       "the ranks", type(e).__name__, len(self.engine.ids()))
             code, message = "UNAVAILABLE", "a model shard failed; retry the request"
-        elif device_lost(e):
-            self.device_failed = f"{type(e).__name__}: {str(e)[:200]}"
+        elif lost := device_lost(e):
+            self.device_failed = lost
             log.critical("the GPU failed (%s): failing %d requests; the health check fails "
                          "until Serve replaces this replica", self.device_failed,
                          len(self.engine.ids()))
-            code, message = "UNAVAILABLE", "the replica's GPU failed; retry the request"
+            code, message = "UNAVAILABLE", GPU_FAILED
         else:
             log.exception("engine step failed", exc_info=e)
             code, message = "INTERNAL", "the engine failed on this batch; see the server log"
@@ -450,8 +451,8 @@ class TargetEngine:
     def _command(self, cmd: str, arg) -> None:
         if cmd == "add":
             if self.device_failed:
-                self._send(arg.seq_id, {"error": "UNAVAILABLE", "finished": True,
-                                        "message": "the replica's GPU failed; retry the request"})
+                self._send(arg.seq_id, {"error": "UNAVAILABLE", "message": GPU_FAILED,
+                                        "finished": True})
                 return
             try:
                 self.engine.add(arg)
