@@ -137,19 +137,14 @@ def test_tp2_layers_equal_the_whole_model_with_two_all_reduces_a_layer():
 
 def _decode(runner, prompts) -> list[list[int]]:
     """Plain greedy decoding of `prompts` together through an engine over `runner`."""
+    from conftest import run
+
     from eagle2.config import SamplingParams, TreeConfig
-    from eagle2.engine import Engine, Request
+    from eagle2.engine import Engine
 
     engine = Engine(runner, None, max_batch=len(prompts), max_context=48, tree_margin=8)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    out: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        engine.add(Request(f"s{i}", tuple(p), params, TreeConfig("vanilla")))
-        out[f"s{i}"] = []
-    while engine.has_work():
-        for ev in engine.step():
-            out[ev.seq_id].extend(ev.token_ids)
-    return [out[f"s{i}"] for i in range(len(prompts))]
+    return run(engine, prompts, SamplingParams(max_tokens=12, ignore_eos=True),
+               TreeConfig("vanilla"))
 
 
 def _graphed_rank(rank: int, port: int, queue) -> None:
