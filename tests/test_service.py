@@ -501,6 +501,22 @@ def test_short_soak_is_clean(client):
 
 
 # ----- last: they replace the engine replica -----------------------------------------------------
+def served_after_retries(client, prompt: str, since: float) -> tuple[list[int], int]:
+    """Retry a 24-token stream while it is refused UNAVAILABLE (what clients do), each second,
+    for at most 240 s after `since`: -> (its tokens, the refusals before)."""
+    import time
+
+    refused = 0
+    while True:
+        try:
+            return stream_ids(client, prompt, max_tokens=24)[0], refused
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            refused += 1
+            assert time.monotonic() - since < 240
+            time.sleep(1)
+
+
 def test_a_lost_gpu_context_gives_unavailable_and_serve_replaces_the_replica(client, service,
                                                                             local):
     """A step fails as on a GPU whose CUDA context is lost (an illegal memory access:
@@ -525,16 +541,7 @@ def test_a_lost_gpu_context_gives_unavailable_and_serve_replaces_the_replica(cli
             pass
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "GPU failed" in err.value.details()
-    refused = 0
-    while True:  # clients retry UNAVAILABLE
-        try:
-            ids = stream_ids(client, PROMPTS[1], max_tokens=24)[0]
-            break
-        except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
-            refused += 1
-            assert time.monotonic() - failed < 240
-            time.sleep(1)
+    ids, refused = served_after_retries(client, PROMPTS[1], failed)
     print(f"\nGPU lost -> a new request served: {time.monotonic() - failed:.1f} s "
           f"({refused} refused meanwhile)")
     assert refused > 0 and ids == expected.token_ids
@@ -550,14 +557,7 @@ def test_kill_engine_holding_the_target_gives_unavailable_then_recovers(client, 
     pid = service.engine_stats.remote().result()["pid"]
     err, killed = kill_mid_stream(client, pid, PROMPTS[4])
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.details()
-    while True:  # clients retry UNAVAILABLE
-        try:
-            ids = stream_ids(client, PROMPTS[0], max_tokens=24)[0]
-            break
-        except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - killed < 240
-            time.sleep(1)
+    ids = served_after_retries(client, PROMPTS[0], killed)[0]
     print(f"\nengine replica kill -9 -> a new request served: {time.monotonic() - killed:.1f} s")
     assert ids == expected.token_ids
     assert service.engine_stats.remote().result()["pid"] != pid
